@@ -1,0 +1,779 @@
+"""The in-memory backend: the whole SPI in plain structures under one lock.
+
+Claimable runs sit in per-pair heaps ordered by (-priority, available_at, sequence); runs that
+become claimable later (retries, sleeps, wait timeouts, lease expiries) sit in one timer heap
+and are promoted when their time comes. Heap entries carry the run's `version` and are dropped
+when it has changed since (lazy deletion), so every operation is O(log n).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from attrs import define, field
+
+from umt_backend_memory._store import MemoryStore
+from umt_sdk.backend import (
+    TERMINAL_STATUSES,
+    Beat,
+    CancelOutcome,
+    ClaimedRun,
+    Clock,
+    EnqueueResult,
+    ErrorInfo,
+    ExecutionOutcome,
+    ExecutionRecord,
+    Fact,
+    HeartbeatResult,
+    Lease,
+    LedgerEntry,
+    NewRun,
+    ParkStatus,
+    RunQuery,
+    RunRecord,
+    RunStatus,
+    SimulatedCrash,
+    StepRecord,
+    TaskPair,
+)
+from umt_sdk.exceptions import FencingError, IdempotencyConflictError, RunNotFoundError
+
+__all__ = ["CrashHook", "MemoryBackend"]
+
+CrashHook = Callable[[str, UUID, str], bool]
+"""`hook(operation, run_id, phase)` -> True to crash there; phase is "before" or "after"."""
+
+
+@define(eq=False)
+class _Execution:
+    fencing_token: int
+    worker_id: str
+    claimed_at: datetime
+    ended_at: datetime | None = None
+    outcome: ExecutionOutcome = "running"
+    current_step: str | None = None
+    step_started_at: datetime | None = None
+
+
+@define(eq=False)
+class _Run:
+    run_id: UUID
+    seq: int
+    task_name: str
+    task_version: int
+    input_json: str
+    input_hash: str
+    priority: int
+    idempotency_key: str | None
+    trace_context: dict[str, str]
+    status: RunStatus
+    created_at: datetime
+    updated_at: datetime
+    available_at: datetime | None
+    version: int = 0
+    claims: int = 0
+    failures: int = 0
+    lease_expirations: int = 0
+    fencing_token: int = 0
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    output_json: str | None = None
+    error: ErrorInfo | None = None
+    finished_at: datetime | None = None
+    cancel_requested_at: datetime | None = None
+    cancel_reason: str | None = None
+    wait_for: str | None = None
+    steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
+    executions: list[_Execution] = field(factory=list)
+
+    @property
+    def pair(self) -> TaskPair:
+        return TaskPair(name=self.task_name, version=self.task_version)
+
+
+@define(eq=False)
+class _LedgerRow:
+    run_id: UUID
+    fencing_token: int
+    result_json: str | None = None
+
+
+class MemoryBackend:
+    """A complete, in-process backend. Fast, deterministic with a `FakeClock`, not durable.
+
+    Test helpers: `crash_hook` (make any write vanish before or after it applies, like a
+    SIGKILL), `runs()` / `facts()` / `ledger_entries()` to inspect, `reset()` to start over.
+    """
+
+    def __init__(self, *, clock: Clock) -> None:
+        self.clock = clock
+        self.crash_hook: CrashHook | None = None
+        self._lock = threading.RLock()
+        self._unsubscribe: Callable[[], None] | None = None
+        subscribe = getattr(clock, "subscribe", None)
+        if callable(subscribe):
+            self._unsubscribe = subscribe(self._on_clock_advance)
+        self._listeners: list[Callable[[UUID, str], None]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every run, fact and ledger entry."""
+        with self._lock:
+            self._runs: dict[UUID, _Run] = {}
+            self._by_key: dict[tuple[str, str], UUID] = {}
+            self._facts: dict[tuple[UUID | None, str], Fact] = {}
+            self._waiters: dict[str, set[UUID]] = {}
+            self._ledger: dict[str, _LedgerRow] = {}
+            self._ready: dict[TaskPair, list[tuple[int, datetime, int, UUID, int]]] = {}
+            self._timers: list[tuple[datetime, int, UUID, int]] = []
+            self._running: set[UUID] = set()
+            self._seq = itertools.count(1)
+            self._tokens = itertools.count(1)
+            self._active_pairs: set[TaskPair] = set()
+            self._work_waiters: list[asyncio.Future[None]] = []
+            self._run_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
+            self._drivers = 0
+
+    # -- inspection ------------------------------------------------------------------------------
+
+    def runs(self) -> list[RunRecord]:
+        """Every run, oldest first, with steps and executions."""
+        with self._lock:
+            return [
+                self._record(r, full=True) for r in sorted(self._runs.values(), key=lambda r: r.seq)
+            ]
+
+    def facts(self) -> list[Fact]:
+        with self._lock:
+            return list(self._facts.values())
+
+    def ledger_entries(self) -> dict[str, str | None]:
+        """op_key -> recorded result JSON (None while begun and unfinished)."""
+        with self._lock:
+            return {k: v.result_json for k, v in self._ledger.items()}
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _crash(self, operation: str, run_id: UUID, phase: str) -> None:
+        hook = self.crash_hook
+        if hook is not None and hook(operation, run_id, phase):
+            raise SimulatedCrash(f"simulated crash {phase} {operation} of run {run_id}")
+
+    def _schedule(self, run: _Run) -> None:
+        """Index the run after a state change (old heap entries go stale by version)."""
+        run.version += 1
+        now = self.clock.now()
+        if run.status in ("pending", "waiting") and run.available_at is not None:
+            if run.available_at <= now:
+                heapq.heappush(
+                    self._ready.setdefault(run.pair, []),
+                    (-run.priority, run.available_at, run.seq, run.run_id, run.version),
+                )
+                self._notify_work()
+            else:
+                heapq.heappush(self._timers, (run.available_at, run.seq, run.run_id, run.version))
+        elif run.status == "running" and run.lease_expires_at is not None:
+            heapq.heappush(self._timers, (run.lease_expires_at, run.seq, run.run_id, run.version))
+
+    def _promote(self, now: datetime) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, seq, run_id, version = heapq.heappop(self._timers)
+            run = self._runs.get(run_id)
+            if run is None or run.version != version:
+                continue
+            if run.status == "running":
+                expires = run.lease_expires_at
+                if expires is not None and expires > now:  # extended since: look again then
+                    heapq.heappush(self._timers, (expires, seq, run_id, version))
+                    continue
+                ready_at = expires or now
+            else:
+                ready_at = run.available_at or now
+            heapq.heappush(
+                self._ready.setdefault(run.pair, []),
+                (-run.priority, ready_at, seq, run_id, version),
+            )
+
+    def _pop_ready(self, pair: TaskPair) -> _Run | None:
+        heap = self._ready.get(pair)
+        while heap:
+            *_, run_id, version = heapq.heappop(heap)
+            run = self._runs.get(run_id)
+            if run is not None and run.version == version:
+                return run
+        return None
+
+    def _has_ready(self, pairs: Sequence[TaskPair]) -> bool:
+        for pair in pairs:
+            heap = self._ready.get(pair)
+            while heap:
+                run = self._runs.get(heap[0][3])
+                if run is not None and run.version == heap[0][4]:
+                    return True
+                heapq.heappop(heap)
+        return False
+
+    def _check(self, lease: Lease) -> _Run:
+        run = self._runs.get(lease.run_id)
+        if run is None or run.status != "running" or run.fencing_token != lease.fencing_token:
+            current = run.fencing_token if run is not None else None
+            raise FencingError(
+                f"run {lease.run_id} is no longer held by attempt token {lease.fencing_token} "
+                f"(current token {current}, status {run.status if run else 'missing'})",
+                run_id=lease.run_id,
+                fencing_token=lease.fencing_token,
+            )
+        return run
+
+    def _current_execution(self, run: _Run) -> _Execution | None:
+        for execution in reversed(run.executions):
+            if execution.fencing_token == run.fencing_token:
+                return execution
+        return None
+
+    def _end_lease(self, run: _Run, outcome: ExecutionOutcome, now: datetime) -> None:
+        execution = self._current_execution(run)
+        if execution is not None and execution.outcome == "running":
+            execution.outcome = outcome
+            execution.ended_at = now
+        run.lease_owner = None
+        run.lease_expires_at = None
+        self._running.discard(run.run_id)
+
+    def _finish(self, run: _Run, status: RunStatus, now: datetime) -> None:
+        run.status = status
+        run.finished_at = now
+        run.updated_at = now
+        run.available_at = None
+        self._unwait(run)
+        self._schedule(run)
+        self._notify_run(run.run_id)
+
+    def _unwait(self, run: _Run) -> None:
+        if run.wait_for is not None:
+            waiters = self._waiters.get(run.wait_for)
+            if waiters is not None:
+                waiters.discard(run.run_id)
+            run.wait_for = None
+
+    def _wake(self, run: _Run, now: datetime) -> None:
+        if run.status == "waiting":
+            run.available_at = now
+            run.updated_at = now
+            self._unwait(run)
+            self._schedule(run)
+            self._notify_run(run.run_id)
+
+    def _notify_work(self) -> None:
+        waiters, self._work_waiters = self._work_waiters, []
+        for future in waiters:
+            _resolve(future)
+
+    def _notify_run(self, run_id: UUID) -> None:
+        for future in self._run_waiters.pop(run_id, []):
+            _resolve(future)
+        self._maybe_auto_advance()
+
+    def _on_clock_advance(self) -> None:
+        with self._lock:
+            self._notify_work()
+            for run_id in list(self._run_waiters):
+                for future in self._run_waiters.pop(run_id, []):
+                    _resolve(future)
+
+    def _maybe_auto_advance(self) -> None:
+        """Jump a FakeClock to the next timer when every run is blocked and someone waits."""
+        if not getattr(self.clock, "auto_advance", False) or self._drivers == 0:
+            return
+        if not self._active_pairs:
+            return
+        now = self.clock.now()
+        for run_id in self._running:
+            run = self._runs[run_id]
+            if run.lease_expires_at is not None and run.lease_expires_at > now:
+                return
+        self._promote(now)
+        if self._has_ready(list(self._active_pairs)):
+            return
+        while self._timers:
+            when, _, timer_run_id, version = self._timers[0]
+            timed = self._runs.get(timer_run_id)
+            if timed is None or timed.version != version:
+                heapq.heappop(self._timers)
+                continue
+            advance_to = getattr(self.clock, "advance_to", None)
+            if when > now and callable(advance_to):
+                advance_to(when)
+            return
+
+    def _record(self, run: _Run, *, full: bool) -> RunRecord:
+        now = self.clock.now()
+        executions: list[ExecutionRecord] = []
+        if full:
+            for e in run.executions:
+                outcome = e.outcome
+                if (
+                    outcome == "running"
+                    and run.lease_expires_at is not None
+                    and run.lease_expires_at <= now
+                ):
+                    outcome = "interrupted"
+                executions.append(
+                    ExecutionRecord(
+                        fencing_token=e.fencing_token,
+                        worker_id=e.worker_id,
+                        claimed_at=e.claimed_at,
+                        ended_at=e.ended_at,
+                        outcome=outcome,
+                        current_step=e.current_step,
+                        step_started_at=e.step_started_at,
+                    )
+                )
+        return RunRecord(
+            run_id=run.run_id,
+            task_name=run.task_name,
+            task_version=run.task_version,
+            status=run.status,
+            priority=run.priority,
+            created_at=run.created_at,
+            updated_at=run.updated_at,
+            available_at=run.available_at,
+            input_json=run.input_json,
+            idempotency_key=run.idempotency_key,
+            output_json=run.output_json,
+            error=run.error,
+            claims=run.claims,
+            failures=run.failures,
+            lease_expirations=run.lease_expirations,
+            fencing_token=run.fencing_token,
+            lease_owner=run.lease_owner,
+            lease_expires_at=run.lease_expires_at,
+            finished_at=run.finished_at,
+            cancel_requested_at=run.cancel_requested_at,
+            cancel_reason=run.cancel_reason,
+            wait_for=run.wait_for,
+            trace_context=dict(run.trace_context),
+            steps=tuple(run.steps.values()) if full else (),
+            executions=tuple(executions),
+        )
+
+    # -- the SPI ----------------------------------------------------------------------------------
+
+    async def enqueue(self, new: NewRun, *, conn: Any = None) -> EnqueueResult:
+        if conn is not None:
+            raise TypeError("the memory backend has no transactions to join; enqueue without conn=")
+        with self._lock:
+            if new.idempotency_key is not None:
+                existing_id = self._by_key.get((new.task_name, new.idempotency_key))
+                if existing_id is not None:
+                    existing = self._runs[existing_id]
+                    if existing.input_hash != new.input_hash:
+                        raise IdempotencyConflictError(
+                            f"idempotency key {new.idempotency_key!r} of task {new.task_name!r} "
+                            f"already names run {existing_id} with a different input; use a new "
+                            "key for a different input",
+                            idempotency_key=new.idempotency_key,
+                            run_id=existing_id,
+                        )
+                    return EnqueueResult(run_id=existing_id, created=False)
+            now = self.clock.now()
+            run = _Run(
+                run_id=new.run_id,
+                seq=next(self._seq),
+                task_name=new.task_name,
+                task_version=new.task_version,
+                input_json=new.input_json,
+                input_hash=new.input_hash,
+                priority=new.priority,
+                idempotency_key=new.idempotency_key,
+                trace_context=dict(new.trace_context),
+                status="pending",
+                created_at=now,
+                updated_at=now,
+                available_at=now + (new.delay or timedelta(0)),
+            )
+            self._runs[run.run_id] = run
+            if new.idempotency_key is not None:
+                self._by_key[(new.task_name, new.idempotency_key)] = run.run_id
+            self._schedule(run)
+            return EnqueueResult(run_id=run.run_id, created=True)
+
+    async def claim(
+        self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
+    ) -> Sequence[ClaimedRun]:
+        with self._lock:
+            now = self.clock.now()
+            self._active_pairs.update(pairs)
+            self._promote(now)
+            claimed: list[ClaimedRun] = []
+            open_pairs = list(pairs)
+            while len(claimed) < limit and open_pairs:
+                for pair in list(open_pairs):  # round-robin: one busy pair cannot starve another
+                    if len(claimed) >= limit:
+                        break
+                    run = self._pop_ready(pair)
+                    if run is None:
+                        open_pairs.remove(pair)
+                        continue
+                    taken = self._take(run, worker_id, lease, now)
+                    if taken is not None:
+                        claimed.append(taken)
+            return claimed
+
+    def _take(
+        self, run: _Run, worker_id: str, lease: timedelta, now: datetime
+    ) -> ClaimedRun | None:
+        if run.status == "running":  # its lease expired: the holder is gone or frozen
+            run.lease_expirations += 1
+            self._end_lease(run, "interrupted", now)
+        if run.cancel_requested_at is not None:
+            self._finish(run, "canceled", now)
+            return None
+        run.claims += 1
+        run.fencing_token = next(self._tokens)
+        run.status = "running"
+        run.lease_owner = worker_id
+        run.lease_expires_at = now + lease
+        run.available_at = None
+        run.updated_at = now
+        self._unwait(run)
+        run.executions.append(_Execution(run.fencing_token, worker_id, now))
+        self._running.add(run.run_id)
+        self._schedule(run)
+        self._notify_run(run.run_id)
+        return ClaimedRun(
+            run_id=run.run_id,
+            task_name=run.task_name,
+            task_version=run.task_version,
+            input_json=run.input_json,
+            priority=run.priority,
+            fencing_token=run.fencing_token,
+            claimed_at=now,
+            claims=run.claims,
+            failures=run.failures,
+            trace_context=dict(run.trace_context),
+            steps=tuple(run.steps.values()),
+        )
+
+    async def heartbeat(
+        self, *, worker_id: str, beats: Sequence[Beat], lease: timedelta
+    ) -> HeartbeatResult:
+        with self._lock:
+            now = self.clock.now()
+            lost: set[UUID] = set()
+            cancels: dict[UUID, str] = {}
+            for beat in beats:
+                run = self._runs.get(beat.run_id)
+                if (
+                    run is None
+                    or run.status != "running"
+                    or run.fencing_token != beat.fencing_token
+                ):
+                    lost.add(beat.run_id)
+                    continue
+                run.lease_expires_at = now + lease
+                execution = self._current_execution(run)
+                if execution is not None:
+                    execution.current_step = beat.current_step
+                    execution.step_started_at = beat.step_started_at
+                if run.cancel_requested_at is not None:
+                    cancels[run.run_id] = run.cancel_reason or ""
+            return HeartbeatResult(lost=frozenset(lost), cancel_requested=cancels)
+
+    async def record_step(self, lease: Lease, step: StepRecord) -> None:
+        self._crash("record_step", lease.run_id, "before")
+        with self._lock:
+            run = self._check(lease)
+            now = self.clock.now()
+            run.steps[(step.name, step.attempt)] = step
+            run.lease_expires_at = now + lease.duration
+            run.updated_at = now
+            execution = self._current_execution(run)
+            if execution is not None and execution.current_step == step.name:
+                execution.current_step = execution.step_started_at = None
+        self._crash("record_step", lease.run_id, "after")
+
+    async def park(
+        self,
+        lease: Lease,
+        *,
+        step: StepRecord | None,
+        wake_at: datetime | None,
+        wait_for: str | None,
+        status: ParkStatus,
+    ) -> bool:
+        self._crash("park", lease.run_id, "before")
+        with self._lock:
+            run = self._check(lease)
+            if wait_for is not None and (
+                (run.run_id, wait_for) in self._facts or (None, wait_for) in self._facts
+            ):
+                return False
+            now = self.clock.now()
+            if step is not None:
+                run.steps[(step.name, step.attempt)] = step
+            self._end_lease(run, "retrying" if status == "pending" else "waiting", now)
+            run.status = status
+            run.available_at = wake_at
+            run.updated_at = now
+            if wait_for is not None:
+                run.wait_for = wait_for
+                self._waiters.setdefault(wait_for, set()).add(run.run_id)
+            self._schedule(run)
+            self._notify_run(run.run_id)
+        self._crash("park", lease.run_id, "after")
+        return True
+
+    async def complete(self, lease: Lease, *, output_json: str) -> None:
+        self._crash("complete", lease.run_id, "before")
+        with self._lock:
+            run = self._check(lease)
+            now = self.clock.now()
+            run.output_json = output_json
+            self._end_lease(run, "completed", now)
+            self._finish(run, "completed", now)
+        self._crash("complete", lease.run_id, "after")
+
+    async def fail(self, lease: Lease, *, error: ErrorInfo, retry_at: datetime | None) -> None:
+        self._crash("fail", lease.run_id, "before")
+        with self._lock:
+            run = self._check(lease)
+            now = self.clock.now()
+            run.failures += 1
+            run.error = error
+            if retry_at is None:
+                self._end_lease(run, "failed", now)
+                self._finish(run, "failed", now)
+            else:
+                self._end_lease(run, "retrying", now)
+                run.status = "pending"
+                run.available_at = retry_at
+                run.updated_at = now
+                self._schedule(run)
+                self._notify_run(run.run_id)
+        self._crash("fail", lease.run_id, "after")
+
+    async def finish_canceled(self, lease: Lease, *, error: ErrorInfo | None) -> None:
+        self._crash("finish_canceled", lease.run_id, "before")
+        with self._lock:
+            run = self._check(lease)
+            now = self.clock.now()
+            if error is not None:
+                run.error = error
+            self._end_lease(run, "canceled", now)
+            self._finish(run, "canceled", now)
+
+    async def release(self, lease: Lease) -> None:
+        with self._lock:
+            run = self._check(lease)
+            now = self.clock.now()
+            self._end_lease(run, "released", now)
+            run.status = "pending"
+            run.available_at = now
+            run.updated_at = now
+            self._schedule(run)
+            self._notify_run(run.run_id)
+
+    async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
+        with self._lock:
+            if run_id is not None and run_id not in self._runs:
+                raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+            if (run_id, name) in self._facts:
+                return False
+            now = self.clock.now()
+            self._facts[(run_id, name)] = Fact(
+                name=name, run_id=run_id, payload_json=payload_json, created_at=now
+            )
+            waiting = self._waiters.get(name, set())
+            targets = [run_id] if run_id is not None else list(waiting)
+            for target in targets:
+                if target in waiting:
+                    run = self._runs[target]
+                    if run.wait_for == name:
+                        self._wake(run, now)
+            return True
+
+    async def get_fact(self, *, run_id: UUID, name: str) -> Fact | None:
+        with self._lock:
+            return self._facts.get((run_id, name)) or self._facts.get((None, name))
+
+    async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+            if run.status in TERMINAL_STATUSES:
+                return "already_finished"
+            now = self.clock.now()
+            if run.cancel_requested_at is None:
+                run.cancel_requested_at = now
+                run.cancel_reason = reason
+            if run.status == "running":
+                expires = run.lease_expires_at
+                if expires is not None and expires <= now:  # its holder is gone: end it now
+                    run.lease_expirations += 1
+                    self._end_lease(run, "interrupted", now)
+                    self._finish(run, "canceled", now)
+                    return "canceled"
+                listeners = list(self._listeners)
+            else:
+                self._finish(run, "canceled", now)
+                return "canceled"
+        for listener in listeners:
+            listener(run_id, reason)
+        return "requested"
+
+    async def get_run(self, run_id: UUID) -> RunRecord | None:
+        with self._lock:
+            run = self._runs.get(run_id)
+            return None if run is None else self._record(run, full=True)
+
+    async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
+        with self._lock:
+            runs = sorted(self._runs.values(), key=lambda r: r.seq, reverse=True)
+            if query.before is not None:
+                anchor = self._runs.get(query.before)
+                if anchor is not None:
+                    runs = [r for r in runs if r.seq < anchor.seq]
+            selected = [
+                r
+                for r in runs
+                if (query.task_name is None or r.task_name == query.task_name)
+                and (query.task_version is None or r.task_version == query.task_version)
+                and (query.status is None or r.status == query.status)
+            ]
+            return [self._record(r, full=False) for r in selected[: query.limit]]
+
+    async def wait_for_work(self, *, pairs: Sequence[TaskPair], timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._active_pairs.update(pairs)
+            now = self.clock.now()
+            self._promote(now)
+            if self._has_ready(pairs):
+                return
+            future: asyncio.Future[None] = loop.create_future()
+            self._work_waiters.append(future)
+            if self._timers and not hasattr(self.clock, "subscribe"):
+                until_next = (self._timers[0][0] - now).total_seconds()
+                timeout = max(0.0, min(timeout, until_next))
+            self._maybe_auto_advance()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(future, timeout)
+
+    async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._run_waiters.setdefault(run_id, []).append(future)
+            self._drivers += 1
+            self._maybe_auto_advance()
+        try:
+            deadline = loop.time() + timeout
+            while not future.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(asyncio.shield(future), min(remaining, 0.01))
+                except TimeoutError:
+                    with self._lock:
+                        self._maybe_auto_advance()
+        finally:
+            with self._lock:
+                self._drivers -= 1
+                waiters = self._run_waiters.get(run_id)
+                if waiters and future in waiters:
+                    waiters.remove(future)
+
+    def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
+        with self._lock:
+            self._listeners.append(listener)
+
+        def remove() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return remove
+
+    def ledger(self, conn: Any) -> MemoryLedger:
+        if not isinstance(conn, MemoryStore):
+            raise TypeError(
+                "the memory backend's with_attempt_token needs a umt_backend_memory.MemoryStore "
+                f"as its connection (your business tables in memory), got {type(conn).__name__}"
+            )
+        return MemoryLedger(self, conn)
+
+    async def close(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+
+class MemoryLedger:
+    """The operation ledger of the memory backend, committing into a `MemoryStore`."""
+
+    def __init__(self, backend: MemoryBackend, store: MemoryStore) -> None:
+        self._backend = backend
+        self._store = store
+
+    async def begin(self, *, op_key: str, lease: Lease) -> LedgerEntry:
+        backend = self._backend
+        backend._crash("ledger.begin", lease.run_id, "before")
+        with backend._lock:
+            backend._check(lease)
+            row = backend._ledger.get(op_key)
+            if row is not None and row.result_json is not None:
+                return LedgerEntry(result_json=row.result_json, resumed=False)
+            backend._ledger[op_key] = _LedgerRow(lease.run_id, lease.fencing_token)
+        backend._crash("ledger.begin", lease.run_id, "after")
+        return LedgerEntry(result_json=None, resumed=row is not None)
+
+    async def finish(
+        self,
+        *,
+        op_key: str,
+        lease: Lease,
+        result_json: str,
+        commit: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        backend = self._backend
+        backend._crash("ledger.finish", lease.run_id, "before")
+        tx = self._store.transaction()
+        await commit(tx)  # writes are buffered; they apply below only if the token still holds
+        with backend._lock:
+            backend._check(lease)
+            row = backend._ledger.setdefault(op_key, _LedgerRow(lease.run_id, lease.fencing_token))
+            if row.result_json is not None:
+                raise FencingError(
+                    f"operation {op_key!r} was already finished by another attempt",
+                    run_id=lease.run_id,
+                    fencing_token=lease.fencing_token,
+                )
+            tx.apply()
+            row.result_json = result_json
+            row.fencing_token = lease.fencing_token
+        backend._crash("ledger.finish", lease.run_id, "after")
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if future.done():
+        return
+    loop = future.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        future.set_result(None)
+    else:
+        loop.call_soon_threadsafe(lambda: None if future.done() else future.set_result(None))

@@ -1,0 +1,83 @@
+"""A tiny transactional key-value store standing in for business tables in tests."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["MemoryStore", "MemoryTransaction"]
+
+_DELETED = object()
+
+
+class MemoryStore:
+    """Business tables in memory: `table -> key -> value`, written through transactions.
+
+    Pass it as the connection of `with_attempt_token` on the memory backend: the `commit`
+    callback gets a `MemoryTransaction` whose writes apply only if the fencing check passes.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[str, dict[Any, Any]] = {}
+        self._lock = threading.RLock()
+
+    def transaction(self) -> MemoryTransaction:
+        return MemoryTransaction(self)
+
+    def get(self, table: str, key: Any, default: Any = None) -> Any:
+        with self._lock:
+            return self._tables.get(table, {}).get(key, default)
+
+    def rows(self, table: str) -> dict[Any, Any]:
+        """A copy of a table."""
+        with self._lock:
+            return dict(self._tables.get(table, {}))
+
+    def put(self, table: str, key: Any, value: Any) -> None:
+        """Write one row outside any transaction."""
+        with self._lock:
+            self._tables.setdefault(table, {})[key] = value
+
+
+class MemoryTransaction:
+    """Buffered writes on a `MemoryStore`; `async with store.transaction() as tx` commits them."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._writes: dict[tuple[str, Any], Any] = {}
+
+    async def __aenter__(self) -> MemoryTransaction:
+        return self
+
+    async def __aexit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.apply()
+
+    def get(self, table: str, key: Any, default: Any = None) -> Any:
+        value = self._writes.get((table, key), _DELETED if (table, key) in self._writes else None)
+        if (table, key) in self._writes:
+            return default if value is _DELETED else value
+        return self._store.get(table, key, default)
+
+    def put(self, table: str, key: Any, value: Any) -> None:
+        self._writes[(table, key)] = value
+
+    def insert(self, table: str, key: Any, value: Any) -> None:
+        """Like `put`, but a duplicate key raises KeyError (a unique constraint)."""
+        if self.get(table, key, _DELETED) is not _DELETED:
+            raise KeyError(f"duplicate key {key!r} in table {table!r}")
+        self.put(table, key, value)
+
+    def delete(self, table: str, key: Any) -> None:
+        self._writes[(table, key)] = _DELETED
+
+    def apply(self) -> None:
+        """Apply every buffered write at once."""
+        with self._store._lock:
+            for (table, key), value in self._writes.items():
+                rows = self._store._tables.setdefault(table, {})
+                if value is _DELETED:
+                    rows.pop(key, None)
+                else:
+                    rows[key] = value
+        self._writes.clear()

@@ -1,0 +1,80 @@
+"""umt: durable tasks for Python.
+
+A task is a function decorated with `@task(name, version=...)`; inside it, named steps run once
+per run and are replayed from their records when the run resumes after a crash, a sleep or a
+wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL in `connect`.
+"""
+
+import contextlib
+
+from umt_sdk._context import StepApi, SyncStepApi, SyncTaskContext, TaskContext
+from umt_sdk._engine import Engine, RunHandle, connect
+from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._retry import RetryPolicy
+from umt_sdk._spi import ErrorInfo, ExecutionRecord, RunStatus, TaskPair
+from umt_sdk._sync import SyncEngine, connect_sync
+from umt_sdk._task import AsyncStep, Registry, SyncStep, TaskDefinition, step, task
+from umt_sdk._views import RunInfo, RunPage, StepView
+from umt_sdk._worker import Worker
+from umt_sdk.exceptions import (
+    BackendError,
+    CanceledError,
+    FactTimeoutError,
+    FencingError,
+    IdempotencyConflictError,
+    NonDeterminismError,
+    PayloadError,
+    RunCanceledError,
+    RunFailedError,
+    RunNotFoundError,
+    StepFailedError,
+    UmtError,
+)
+
+__all__ = [
+    "AsyncStep",
+    "AttemptInfo",
+    "BackendError",
+    "CanceledError",
+    "Engine",
+    "ErrorInfo",
+    "ExecutionRecord",
+    "FactTimeoutError",
+    "FencingError",
+    "IdempotencyConflictError",
+    "NonDeterminismError",
+    "PayloadError",
+    "Registry",
+    "RetryPolicy",
+    "RunCanceledError",
+    "RunFailedError",
+    "RunHandle",
+    "RunInfo",
+    "RunNotFoundError",
+    "RunPage",
+    "RunStatus",
+    "StepApi",
+    "StepFailedError",
+    "StepView",
+    "SyncEngine",
+    "SyncStep",
+    "SyncStepApi",
+    "SyncTaskContext",
+    "TaskContext",
+    "TaskDefinition",
+    "TaskPair",
+    "UmtError",
+    "Worker",
+    "connect",
+    "connect_sync",
+    "step",
+    "task",
+    "with_attempt_token",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) or callable(_obj):
+        with contextlib.suppress(AttributeError, TypeError):
+            _obj.__module__ = __name__
+del _name, _obj

@@ -1,0 +1,250 @@
+"""What a running handler sees: `TaskContext` (async handlers) and `SyncTaskContext` (plain)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from uuid import UUID
+
+from umt_sdk._retry import RetryPolicy
+from umt_sdk.exceptions import CanceledError
+
+if TYPE_CHECKING:
+    from umt_sdk._execution import Execution
+
+__all__ = ["StepApi", "SyncStepApi", "SyncTaskContext", "TaskContext", "current_execution"]
+
+I = TypeVar("I")
+R = TypeVar("R")
+T = TypeVar("T")
+
+_CURRENT: ContextVar[Execution | None] = ContextVar("umt_current_execution", default=None)
+
+
+def current_execution() -> Execution | None:
+    """The execution running in this context, if any."""
+    return _CURRENT.get()
+
+
+class StepApi:
+    """`ctx.step` in an async task: inline steps, durable sleeps and fact waits."""
+
+    __slots__ = ("_execution",)
+
+    def __init__(self, execution: Execution) -> None:
+        self._execution = execution
+
+    @overload
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[R]],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[R]: ...
+    @overload
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., R],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[R]: ...
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[Any]:
+        """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
+
+        The keyword `retry` is taken by umt; pass a lambda if `fn` has a parameter of that name.
+        """
+        from umt_sdk._task import _check_name, _hints, _unwrap_awaitable
+
+        _check_name("step", name)
+        output_type = _unwrap_awaitable(_hints(fn).get("return", Any)) if _typed(fn) else Any
+        return self._execution.run_step(name, fn, args, kwargs, retry, output_type)
+
+    async def sleep(self, name: str, duration: timedelta) -> None:
+        """Sleep durably: the run is parked and its slot released until `duration` has passed."""
+        await self._execution.sleep(name, duration)
+
+    async def wait_for_fact(
+        self,
+        name: str,
+        *,
+        timeout: timedelta | None = None,
+        check: Callable[[], Any] | None = None,
+        payload_type: type[T] | Any = Any,
+        poll_interval: timedelta | None = None,
+    ) -> T:
+        """Wait durably for the fact `name` (sent with `engine.signal` or `engine.broadcast`).
+
+        Each round first calls `check()` (plain or async; a non-None result is the fact, for
+        facts that live in business tables), then looks for a stored fact, then parks the run
+        until a fact arrives, `poll_interval` passes (to call `check` again) or `timeout` ends
+        (then `FactTimeoutError`, recorded, so replays raise it too).
+        """
+        value: T = await self._execution.wait_for_fact(
+            name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
+        )
+        return value
+
+
+def _typed(fn: Callable[..., Any]) -> bool:
+    return hasattr(fn, "__annotations__") and bool(getattr(fn, "__annotations__", None))
+
+
+class SyncStepApi:
+    """`ctx.step` in a plain (sync) task: the same operations, blocking the handler's thread."""
+
+    __slots__ = ("_execution",)
+
+    def __init__(self, execution: Execution) -> None:
+        self._execution = execution
+
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., R],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> R:
+        """Run `fn(*args, **kwargs)` as the step `name` and return its result."""
+        from umt_sdk._task import _check_name, _hints, _unwrap_awaitable
+
+        _check_name("step", name)
+        output_type = _unwrap_awaitable(_hints(fn).get("return", Any)) if _typed(fn) else Any
+        value: R = self._execution.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
+        return value
+
+    def sleep(self, name: str, duration: timedelta) -> None:
+        """Sleep durably (see `StepApi.sleep`)."""
+        self._execution.call_from_thread(self._execution.sleep(name, duration))
+
+    def wait_for_fact(
+        self,
+        name: str,
+        *,
+        timeout: timedelta | None = None,
+        check: Callable[[], Any] | None = None,
+        payload_type: type[T] | Any = Any,
+        poll_interval: timedelta | None = None,
+    ) -> T:
+        """Wait durably for a fact (see `StepApi.wait_for_fact`)."""
+        value: T = self._execution.call_from_thread(
+            self._execution.wait_for_fact(
+                name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
+            )
+        )
+        return value
+
+
+class _BaseContext(Generic[I]):
+    __slots__ = ("_execution", "_input")
+
+    def __init__(self, execution: Execution, input: I) -> None:
+        self._execution = execution
+        self._input = input
+
+    @property
+    def input(self) -> I:
+        """The run's input, decoded to the task's input type."""
+        return self._input
+
+    @property
+    def run_id(self) -> UUID:
+        return self._execution.claimed.run_id
+
+    @property
+    def task_name(self) -> str:
+        return self._execution.claimed.task_name
+
+    @property
+    def task_version(self) -> int:
+        return self._execution.claimed.task_version
+
+    @property
+    def priority(self) -> int:
+        return self._execution.claimed.priority
+
+    @property
+    def attempt(self) -> int:
+        """How many times this run has been claimed, this execution included (1 at first)."""
+        return self._execution.claimed.claims
+
+    @property
+    def attempt_token(self) -> int:
+        """This execution's fencing token: new and larger for every execution of the handler."""
+        return self._execution.claimed.fencing_token
+
+    @property
+    def trace_id(self) -> str:
+        """The W3C trace id (32 hex digits) this run belongs to."""
+        return self._execution.trace_id
+
+    @property
+    def logger(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger whose records carry the run id, task, version and trace id."""
+        return self._execution.logger
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the run's cancel was requested (or this attempt lost its lease)."""
+        return self._execution.abort_event.is_set()
+
+    @property
+    def abort_reason(self) -> str | None:
+        """Why the abort signal fired, or None."""
+        return self._execution.abort_reason
+
+    @property
+    def abort_event(self) -> asyncio.Event:
+        """An event set when the abort signal fires: await it to react at once."""
+        return self._execution.abort_event
+
+    def throw_if_canceled(self) -> None:
+        """Raise `CanceledError` (with the reason) if the abort signal has fired."""
+        if self._execution.abort_event.is_set():
+            reason = self._execution.abort_reason or "canceled"
+            raise CanceledError(f"run {self.run_id} aborted: {reason}", reason=reason)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.task_name}@{self.task_version} run={self.run_id}>"
+
+
+class TaskContext(_BaseContext[I]):
+    """The context of an async task: `ctx.input`, `ctx.step.run / sleep / wait_for_fact`, ...
+
+    It has no public constructor; umt builds one for each execution.
+    """
+
+    __slots__ = ("step",)
+
+    def __init__(self, execution: Execution, input: I) -> None:
+        super().__init__(execution, input)
+        self.step = StepApi(execution)
+
+
+class SyncTaskContext(_BaseContext[I]):
+    """The context of a plain (sync) task; its `step` API blocks the handler's thread."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, execution: Execution, input: I) -> None:
+        super().__init__(execution, input)
+        self.step = SyncStepApi(execution)

@@ -1,0 +1,371 @@
+"""The engine: the client API (enqueue, signal, cancel, get, list, result) and worker factory."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Generic, TypeVar, overload
+from uuid import UUID
+
+from attrs import field, frozen
+from opentelemetry import propagate
+
+from umt_sdk import _serde
+from umt_sdk._plugins import PluginHost
+from umt_sdk._spi import (
+    TERMINAL_STATUSES,
+    Backend,
+    CancelOutcome,
+    Clock,
+    NewRun,
+    RunQuery,
+    RunStatus,
+    TaskPair,
+)
+from umt_sdk._task import Registry, TaskDefinition
+from umt_sdk._views import RunInfo, RunPage, build_run_info
+from umt_sdk._worker import Worker
+from umt_sdk.exceptions import (
+    ResultTimeoutError,
+    RunCanceledError,
+    RunFailedError,
+    RunNotFoundError,
+    TaskDefinitionError,
+)
+
+__all__ = ["Engine", "RunHandle", "connect", "new_run_id"]
+
+I = TypeVar("I")
+O = TypeVar("O")
+
+_STATUSES: frozenset[str] = frozenset(
+    {"pending", "running", "waiting", "completed", "failed", "canceled"}
+)
+
+
+def new_run_id() -> UUID:
+    """A UUIDv7: time-ordered, so new runs land at the end of the primary-key index."""
+    millis = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (millis & ((1 << 48) - 1)) << 80
+    value |= 0x7 << 76
+    value |= ((rand >> 62) & 0xFFF) << 64
+    value |= 0b10 << 62
+    value |= rand & ((1 << 62) - 1)
+    return UUID(int=value)
+
+
+@frozen(kw_only=True)
+class RunHandle(Generic[O]):
+    """A run that `enqueue` stored (`created`) or found under its idempotency key."""
+
+    run_id: UUID
+    task_name: str
+    task_version: int
+    created: bool
+    _engine: Engine = field(repr=False, eq=False, alias="engine")
+    _output_type: Any = field(repr=False, eq=False, default=Any, alias="output_type")
+
+    @property
+    def id(self) -> UUID:
+        return self.run_id
+
+    async def result(self, *, timeout: float | None = None) -> O:
+        """Wait for the run to finish and return its output (see `Engine.result`)."""
+        value: O = await self._engine.result(
+            self.run_id, timeout=timeout, output_type=self._output_type
+        )
+        return value
+
+
+class Engine:
+    """The client of one backend. Build it with `await connect(url, registry=...)`."""
+
+    def __init__(self, backend: Backend, registry: Registry) -> None:
+        self.backend = backend
+        self.registry = registry
+        self._workers: list[Worker] = []
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the workers this engine made and close the backend."""
+        for worker in self._workers:
+            await worker.stop()
+        self._workers.clear()
+        await self.backend.close()
+
+    # -- producing --------------------------------------------------------------------------
+
+    @overload
+    async def enqueue(
+        self,
+        task: TaskDefinition[I, O],
+        input: I | Mapping[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        priority: int = 0,
+        delay: timedelta | None = None,
+        version: int | None = None,
+        conn: Any = None,
+    ) -> RunHandle[O]: ...
+    @overload
+    async def enqueue(
+        self,
+        task: str,
+        input: Any,
+        *,
+        idempotency_key: str | None = None,
+        priority: int = 0,
+        delay: timedelta | None = None,
+        version: int | None = None,
+        conn: Any = None,
+    ) -> RunHandle[Any]: ...
+    async def enqueue(
+        self,
+        task: TaskDefinition[Any, Any] | str,
+        input: Any,
+        *,
+        idempotency_key: str | None = None,
+        priority: int = 0,
+        delay: timedelta | None = None,
+        version: int | None = None,
+        conn: Any = None,
+    ) -> RunHandle[Any]:
+        """Start a run of `task` (the newest registered version unless `version` pins one).
+
+        Args:
+            input: an instance of the task's input type, or its JSON form (a dict). It is
+                checked before anything is stored; a field that does not fit raises
+                `PayloadError` naming it.
+            idempotency_key: the same key with the same input returns the existing run; with a
+                different input raises `IdempotencyConflictError`. Keys never expire silently.
+            priority: higher runs first (-32768..32767); FIFO among equals.
+            delay: do not start before this much time has passed.
+            conn: the caller's open database transaction: the run exists if and only if it
+                commits (backends that support it).
+        """
+        definition = self.registry.resolve(task, version)
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not -32768 <= priority <= 32767
+        ):
+            raise TaskDefinitionError(
+                f"priority must be an integer in -32768..32767, got {priority!r}"
+            )
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= 512
+        ):
+            raise TaskDefinitionError(
+                "idempotency_key must be a non-empty string of at most 512 characters, "
+                f"got {idempotency_key!r}"
+            )
+        if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
+            raise TaskDefinitionError(f"delay must be a timedelta >= 0, got {delay!r}")
+        input_json = _serde.validate(input, definition.input_type, what="input")
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        result = await self.backend.enqueue(
+            NewRun(
+                run_id=new_run_id(),
+                task_name=definition.name,
+                task_version=definition.version,
+                input_json=input_json,
+                input_hash=_serde.input_hash(input_json),
+                priority=priority,
+                idempotency_key=idempotency_key,
+                delay=delay,
+                trace_context=carrier,
+            ),
+            conn=conn,
+        )
+        return RunHandle(
+            run_id=result.run_id,
+            task_name=definition.name,
+            task_version=definition.version,
+            created=result.created,
+            engine=self,
+            output_type=definition.output_type,
+        )
+
+    async def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
+        """Store the fact `name` for the run (first write wins), then wake it if it waits.
+
+        A fact sent before its waiter reaches `wait_for_fact` is kept, not lost. Returns False
+        when the run already had a fact of that name (the first payload stays).
+        """
+        from umt_sdk._task import _check_name
+
+        _check_name("fact", name)
+        if await self.backend.get_run(run_id) is None:
+            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
+        return await self.backend.signal(run_id=run_id, name=name, payload_json=payload_json)
+
+    async def broadcast(self, name: str, payload: Any = None) -> bool:
+        """Store a fact every run can wait for by `name` (first write wins), and wake them."""
+        from umt_sdk._task import _check_name
+
+        _check_name("fact", name)
+        payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
+        return await self.backend.signal(run_id=None, name=name, payload_json=payload_json)
+
+    async def cancel(self, run_id: UUID, *, reason: str = "") -> CancelOutcome:
+        """Cancel a run: waiting and pending runs end at once; a running one gets its abort
+        signal and starts no further step. Returns what happened."""
+        return await self.backend.cancel(run_id, reason=reason)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    async def get(self, run_id: UUID) -> RunInfo:
+        """The run's status, attempts, last error and step timeline."""
+        record = await self.backend.get_run(run_id)
+        if record is None:
+            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        return build_run_info(record)
+
+    async def list(
+        self,
+        *,
+        task_name: str | None = None,
+        version: int | None = None,
+        status: RunStatus | None = None,
+        limit: int = 100,
+        before: UUID | None = None,
+    ) -> RunPage:
+        """Runs, newest first, filtered; page with `before=page.next_cursor`."""
+        if status is not None and status not in _STATUSES:
+            raise TaskDefinitionError(
+                f"status must be one of {', '.join(sorted(_STATUSES))}, got {status!r}"
+            )
+        if not 1 <= limit <= 10_000:
+            raise TaskDefinitionError(f"limit must be in 1..10000, got {limit}")
+        records = await self.backend.list_runs(
+            RunQuery(
+                task_name=task_name,
+                task_version=version,
+                status=status,
+                limit=limit + 1,
+                before=before,
+            )
+        )
+        page = [build_run_info(r) for r in records[:limit]]
+        cursor = page[-1].run_id if len(records) > limit else None
+        return RunPage(runs=tuple(page), next_cursor=cursor)
+
+    async def result(
+        self, run_id: UUID, *, timeout: float | None = None, output_type: Any = None
+    ) -> Any:
+        """Wait until the run finishes; return its output, decoded to the task's output type.
+
+        Raises `RunFailedError` / `RunCanceledError` for runs that did not complete, and
+        `ResultTimeoutError` after `timeout` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            record = await self.backend.get_run(run_id)
+            if record is None:
+                raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+            if record.status in TERMINAL_STATUSES:
+                break
+            remaining = 5.0 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                raise ResultTimeoutError(f"run {run_id} is still {record.status} after {timeout} s")
+            await self.backend.wait_for_run(run_id, timeout=min(remaining, 5.0))
+        if record.status == "completed":
+            if output_type is None:
+                output_type = self._output_type(record.task_name, record.task_version)
+            return _serde.decode(record.output_json or "null", output_type, what="run output")
+        if record.status == "canceled":
+            reason = record.cancel_reason or ""
+            raise RunCanceledError(
+                f"run {run_id} was canceled: {reason}", run_id=run_id, reason=reason
+            )
+        error = record.error
+        kind, message = (error.type, error.message) if error else ("?", "")
+        raise RunFailedError(
+            f"run {run_id} failed: {kind}: {message}",
+            run_id=run_id,
+            error_type=error.type if error else "",
+            error_message=error.message if error else "",
+        )
+
+    def _output_type(self, name: str, version: int) -> Any:
+        try:
+            return self.registry.get(name, version).output_type
+        except LookupError:
+            return Any
+
+    # -- consuming --------------------------------------------------------------------------
+
+    def worker(
+        self,
+        *,
+        versions: Sequence[str | TaskDefinition[Any, Any] | TaskPair] | None = None,
+        concurrency: int = 16,
+        lease: timedelta = timedelta(seconds=10),
+        worker_id: str | None = None,
+        poll_interval: timedelta = timedelta(seconds=1),
+        shutdown_grace: timedelta = timedelta(seconds=10),
+    ) -> Worker:
+        """A worker for `versions` (`["name@1", "name@2"]`; all registered when None).
+
+        It claims only those (name, version) pairs; runs of other pairs are never touched.
+        Use it as `async with engine.worker(...):`.
+        """
+        worker = Worker(
+            backend=self.backend,
+            registry=self.registry,
+            pairs=self.registry.select(versions),
+            concurrency=concurrency,
+            lease=lease,
+            worker_id=worker_id,
+            poll_interval=poll_interval,
+            shutdown_grace=shutdown_grace,
+        )
+        self._workers.append(worker)
+        return worker
+
+    async def wait_idle(
+        self, run_ids: Iterable[UUID], *, timeout: float = 30.0
+    ) -> builtins.list[RunInfo]:
+        """Wait until every run in `run_ids` is finished; return their infos."""
+        return builtins.list(
+            await asyncio.gather(*(self._wait_terminal(r, timeout) for r in run_ids))
+        )
+
+    async def _wait_terminal(self, run_id: UUID, timeout: float) -> RunInfo:
+        with contextlib.suppress(RunFailedError, RunCanceledError):
+            await self.result(run_id, timeout=timeout)
+        return await self.get(run_id)
+
+
+async def connect(
+    url: str,
+    *,
+    registry: Registry | None = None,
+    clock: Clock | None = None,
+    plugins: Iterable[object] = (),
+    **options: Any,
+) -> Engine:
+    """Open an engine on the backend that serves `url` (`memory://`, `postgresql://...`).
+
+    Backends are pluggy plugins found through the `umt` entry-point group; `plugins` adds
+    more without installing them. `clock` is for tests (a `umt_sdk.testing.FakeClock`);
+    other keyword arguments go to the backend.
+    """
+    if not isinstance(url, str) or not url:
+        raise TaskDefinitionError(f"connect() needs a backend URL such as 'memory://', got {url!r}")
+    host = PluginHost(plugins)
+    backend = await host.open_backend(url, clock=clock, options=options)
+    return Engine(backend, registry if registry is not None else Registry())

@@ -1,0 +1,578 @@
+"""One execution of a run's handler: replay by step name, durable waits, retries, fencing.
+
+An execution replays the run's recorded steps (a completed step returns its record, a failed
+one raises it), runs the first unrecorded step, and records it under its lease. It ends in one of
+four ways: the handler returns (complete), raises (retry later or fail), parks (a sleep, a fact
+wait or a step's retry backoff: the slot is released), or stops writing because the lease was
+lost or the process is going away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from umt_sdk import _serde
+from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
+from umt_sdk._retry import RetryPolicy
+from umt_sdk._spi import Backend, ClaimedRun, ErrorInfo, Lease, ParkStatus, StepKind, StepRecord
+from umt_sdk.exceptions import (
+    CanceledError,
+    FactTimeoutError,
+    FencingError,
+    NonDeterminismError,
+    PayloadError,
+    StepFailedError,
+)
+
+if TYPE_CHECKING:
+    from umt_sdk._task import TaskDefinition
+
+__all__ = ["Execution", "SimulatedCrash", "error_info"]
+
+T = TypeVar("T")
+
+_log = logging.getLogger("umt.worker")
+
+
+class SimulatedCrash(BaseException):
+    """Raised by test backends to make an execution vanish as if its process were SIGKILLed."""
+
+
+class _Suspend(BaseException):
+    """The run is parked; unwind the handler without recording anything else."""
+
+
+class _Stop(BaseException):
+    """This execution must stop writing: its lease is lost or its process is going away."""
+
+
+class _Release(BaseException):
+    """The worker is shutting down: give the run back at the next step boundary."""
+
+
+AbortKind = Literal["cancel", "lease_lost", "shutdown", "crash"]
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """How an exception is recorded: qualified type, message, formatted traceback."""
+    kind = type(exc)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    message = str(exc)
+    if isinstance(exc, StepFailedError) and exc.error_type:
+        message = f"{exc.step_name}: {exc.error_type}: {exc.error_message}"
+    return ErrorInfo(
+        type=name,
+        message=message,
+        traceback="".join(traceback.format_exception(exc))[-8000:],
+    )
+
+
+class Execution:
+    """The state of one claimed run while its handler runs in this process."""
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        claimed: ClaimedRun,
+        definition: TaskDefinition[Any, Any],
+        worker_id: str,
+        lease_duration: timedelta,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.backend = backend
+        self.claimed = claimed
+        self.definition = definition
+        self.loop = loop
+        self.lease = Lease(
+            run_id=claimed.run_id,
+            fencing_token=claimed.fencing_token,
+            worker_id=worker_id,
+            duration=lease_duration,
+        )
+        self._records: dict[str, list[StepRecord]] = {}
+        for record in claimed.steps:
+            self._records.setdefault(record.name, []).append(record)
+        for records in self._records.values():
+            records.sort(key=lambda r: r.attempt)
+        self._occurrences: dict[str, int] = {}
+        self._started_monotonic = time.monotonic()
+        self._loop_thread = threading.get_ident()
+        self.abort_event = asyncio.Event()
+        self.abort_reason: str | None = None
+        self.abort_kind: AbortKind | None = None
+        self.cancel_requested = False
+        self.current_step: str | None = None
+        self.current_step_started_at: datetime | None = None
+        self.stopped = False
+        self.trace_id = _trace_id(claimed)
+        self.logger = logging.LoggerAdapter(
+            logging.getLogger("umt.task"),
+            {
+                "umt_run_id": str(claimed.run_id),
+                "umt_task": claimed.task_name,
+                "umt_version": claimed.task_version,
+                "umt_trace_id": self.trace_id,
+            },
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    # -- time and signals -------------------------------------------------------------------
+
+    def now(self) -> datetime:
+        """The backend's clock: its own if it keeps one, else measured from the claim."""
+        clock = self.backend.clock
+        if clock is not None:
+            return clock.now()
+        return self.claimed.claimed_at + timedelta(
+            seconds=time.monotonic() - self._started_monotonic
+        )
+
+    def abort(self, kind: AbortKind, reason: str) -> None:
+        """Fire the abort signal. Lease loss, shutdown and crashes also stop all writes."""
+        if kind == "cancel":
+            self.cancel_requested = True
+        if kind in ("lease_lost", "crash"):
+            self.stopped = True
+        if self.abort_kind is None or kind in ("lease_lost", "crash"):
+            self.abort_kind = kind
+            self.abort_reason = reason
+        self.loop.call_soon_threadsafe(self.abort_event.set)
+        if kind in ("lease_lost", "crash") and self.task is not None:
+            self.loop.call_soon_threadsafe(self.task.cancel)
+
+    def _check_before_step(self) -> None:
+        if self.stopped:
+            raise _Stop
+        if self.abort_kind == "shutdown":
+            raise _Release
+        if self.cancel_requested:
+            reason = self.abort_reason or "canceled"
+            raise CanceledError(f"run {self.claimed.run_id} canceled: {reason}", reason=reason)
+
+    # -- threads --------------------------------------------------------------------------------
+
+    def in_handler_thread(self) -> bool:
+        return threading.get_ident() != self._loop_thread
+
+    def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the worker's loop from a plain handler's thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(self._as_current(coro), self.loop).result()
+
+    async def _as_current(self, coro: Coroutine[Any, Any, T]) -> T:
+        token = _CURRENT.set(self)
+        try:
+            return await coro
+        finally:
+            _CURRENT.reset(token)
+
+    # -- records ----------------------------------------------------------------------------------
+
+    def _occurrence(self, name: str) -> str:
+        count = self._occurrences.get(name, 0) + 1
+        self._occurrences[name] = count
+        return name if count == 1 else f"{name}#{count}"
+
+    def _last(self, name: str, kind: StepKind) -> StepRecord | None:
+        records = self._records.get(name)
+        if not records:
+            return None
+        last = records[-1]
+        if last.kind != kind:
+            raise NonDeterminismError(
+                f"step {name!r} of run {self.claimed.run_id} was recorded as a {last.kind!r} "
+                f"but the code now makes it a {kind!r}; bump the task's version for "
+                "incompatible changes and keep the old version registered until its runs drain",
+                step_name=name,
+                recorded_kind=last.kind,
+                current_kind=kind,
+            )
+        return last
+
+    def _remember(self, record: StepRecord) -> None:
+        records = self._records.setdefault(record.name, [])
+        records[:] = [r for r in records if r.attempt != record.attempt]
+        records.append(record)
+        records.sort(key=lambda r: r.attempt)
+
+    async def _guard(self, awaitable: Awaitable[T]) -> T:
+        """Await a fenced backend write; on a lost lease, stop this execution."""
+        if self.stopped:
+            raise _Stop
+        try:
+            return await awaitable
+        except FencingError:
+            self.abort("lease_lost", "lease lost: another attempt holds the run")
+            raise _Stop from None
+        except SimulatedCrash:
+            self.abort("crash", "simulated crash")
+            raise _Stop from None
+
+    async def _record(self, record: StepRecord) -> None:
+        await self._guard(self.backend.record_step(self.lease, record))
+        self._remember(record)
+
+    async def _park(
+        self,
+        *,
+        step: StepRecord | None,
+        wake_at: datetime | None,
+        wait_for: str | None,
+        status: ParkStatus,
+    ) -> bool:
+        parked = await self._guard(
+            self.backend.park(
+                self.lease, step=step, wake_at=wake_at, wait_for=wait_for, status=status
+            )
+        )
+        if parked and step is not None:
+            self._remember(step)
+        return parked
+
+    def _step_record(self, name: str, kind: StepKind, **fields: Any) -> StepRecord:
+        return StepRecord(name=name, kind=kind, fencing_token=self.lease.fencing_token, **fields)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def run_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Coroutine[Any, Any, Any]:
+        return self._run_step(name, fn, args, kwargs, retry, output_type)
+
+    def run_step_from_thread(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any:
+        return self.call_from_thread(self._run_step(name, fn, args, kwargs, retry, output_type))
+
+    async def _run_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any:
+        full = self._occurrence(name)
+        last = self._last(full, "step")
+        if last is not None:
+            if last.status == "completed":
+                return _serde.decode(last.output_json or "null", output_type, what=f"step {full!r}")
+            if last.status == "failed":
+                raise _step_failed(full, last.error)
+        attempt = (last.attempt + 1) if last is not None else 1
+        self._check_before_step()
+        started = self.now()
+        self.current_step, self.current_step_started_at = full, started
+        try:
+            if inspect.iscoroutinefunction(fn):
+                value = await fn(*args, **kwargs)
+            else:
+                # Plain bodies run in a thread (the handler's own thread already, for plain
+                # tasks: the loop never blocks on user code).
+                value = await asyncio.to_thread(fn, *args, **kwargs)
+                if inspect.isawaitable(value):
+                    value = await value
+        except (_Stop, _Suspend, _Release, SimulatedCrash, asyncio.CancelledError):
+            raise
+        except FencingError:
+            self.abort("lease_lost", "lease lost during a fenced operation")
+            raise _Stop from None
+        except Exception as exc:
+            if self.stopped:
+                raise _Stop from None
+            if self.abort_kind == "shutdown":
+                raise _Release from None
+            if isinstance(exc, CanceledError) and self.cancel_requested:
+                raise  # the run ends canceled; the step is not recorded as failed
+            policy = retry or self.definition.retry
+            info = error_info(exc)
+            if policy.should_retry(exc, attempt) and not self.cancel_requested:
+                now = self.now()
+                record = self._step_record(
+                    full,
+                    "step",
+                    status="retrying",
+                    attempt=attempt,
+                    error=info,
+                    started_at=started,
+                    finished_at=now,
+                )
+                await self._park(
+                    step=record,
+                    wake_at=now + policy.delay_before(attempt + 1),
+                    wait_for=None,
+                    status="pending",
+                )
+                raise _Suspend from None
+            record = self._step_record(
+                full,
+                "step",
+                status="failed",
+                attempt=attempt,
+                error=info,
+                started_at=started,
+                finished_at=self.now(),
+            )
+            await self._record(record)
+            raise _step_failed(full, info) from exc
+        finally:
+            self.current_step = self.current_step_started_at = None
+        output_json = _serde.encode(value, output_type, what=f"output of step {full!r}")
+        await self._record(
+            self._step_record(
+                full,
+                "step",
+                status="completed",
+                attempt=attempt,
+                output_json=output_json,
+                started_at=started,
+                finished_at=self.now(),
+            )
+        )
+        return value
+
+    async def sleep(self, name: str, duration: timedelta) -> None:
+        if not isinstance(duration, timedelta):
+            raise TypeError(f"sleep {name!r}: duration must be a timedelta, got {duration!r}")
+        full = self._occurrence(name)
+        last = self._last(full, "sleep")
+        if last is not None and last.status == "completed":
+            return
+        self._check_before_step()
+        now = self.now()
+        if last is None:
+            if duration <= timedelta(0):
+                await self._record(
+                    self._step_record(
+                        full,
+                        "sleep",
+                        status="completed",
+                        started_at=now,
+                        finished_at=now,
+                        wake_at=now,
+                    )
+                )
+                return
+            wake_at = now + duration
+            waiting = self._step_record(
+                full, "sleep", status="waiting", started_at=now, wake_at=wake_at
+            )
+            await self._park(step=waiting, wake_at=wake_at, wait_for=None, status="waiting")
+            raise _Suspend
+        wake_at = last.wake_at or now
+        if wake_at <= now:
+            await self._record(
+                self._step_record(
+                    full,
+                    "sleep",
+                    status="completed",
+                    started_at=last.started_at,
+                    finished_at=now,
+                    wake_at=wake_at,
+                )
+            )
+            return
+        await self._park(step=None, wake_at=wake_at, wait_for=None, status="waiting")
+        raise _Suspend
+
+    async def wait_for_fact(
+        self,
+        name: str,
+        *,
+        timeout: timedelta | None,
+        check: Callable[[], Any] | None,
+        payload_type: Any,
+        poll: timedelta | None,
+    ) -> Any:
+        from umt_sdk._task import _check_name
+
+        _check_name("fact", name)
+        full = self._occurrence(name)
+        last = self._last(full, "fact")
+        if last is not None and last.status == "completed":
+            return _fact_outcome(full, name, last.output_json, payload_type)
+        self._check_before_step()
+        started = last.started_at if last is not None and last.started_at else self.now()
+        deadline: datetime | None
+        if last is not None:
+            deadline = last.wake_at
+        else:
+            deadline = started + timeout if timeout is not None else None
+        while True:
+            now = self.now()
+            if check is not None:
+                if inspect.iscoroutinefunction(check):
+                    value = await check()
+                else:
+                    value = await asyncio.to_thread(check)
+                    if inspect.isawaitable(value):
+                        value = await value
+                if value is not None:
+                    raw = _serde.to_raw(value, payload_type)
+                    await self._record(
+                        self._step_record(
+                            full,
+                            "fact",
+                            status="completed",
+                            started_at=started,
+                            finished_at=now,
+                            output_json=_serde.dumps({"fact": raw, "source": "check"}),
+                        )
+                    )
+                    return value
+            fact = await self._guard(self.backend.get_fact(run_id=self.claimed.run_id, name=name))
+            if fact is not None:
+                output = '{"fact":' + fact.payload_json + ',"source":"signal"}'
+                await self._record(
+                    self._step_record(
+                        full,
+                        "fact",
+                        status="completed",
+                        started_at=started,
+                        finished_at=now,
+                        output_json=output,
+                    )
+                )
+                return _fact_outcome(full, name, output, payload_type)
+            if deadline is not None and now >= deadline:
+                await self._record(
+                    self._step_record(
+                        full,
+                        "fact",
+                        status="completed",
+                        started_at=started,
+                        finished_at=now,
+                        wake_at=deadline,
+                        output_json='{"timeout":true}',
+                    )
+                )
+                return _fact_outcome(full, name, '{"timeout":true}', payload_type)
+            wake_at = deadline
+            if poll is not None:
+                wake_at = now + poll if wake_at is None else min(wake_at, now + poll)
+            waiting = (
+                None
+                if last is not None
+                else self._step_record(
+                    full, "fact", status="waiting", started_at=started, wake_at=deadline
+                )
+            )
+            if await self._park(step=waiting, wake_at=wake_at, wait_for=name, status="waiting"):
+                raise _Suspend
+            # The fact arrived between our look and the park: go round again.
+
+    # -- the handler ------------------------------------------------------------------------------
+
+    async def execute(self) -> None:
+        """Run the handler to its next durable boundary and record how it ended."""
+        token = _CURRENT.set(self)
+        try:
+            await self._execute()
+        except (_Stop, _Suspend, SimulatedCrash):
+            pass
+        except asyncio.CancelledError:
+            if not self.stopped:
+                raise
+        finally:
+            _CURRENT.reset(token)
+
+    async def _execute(self) -> None:
+        definition = self.definition
+        try:
+            try:
+                value = _serde.decode(self.claimed.input_json, definition.input_type, what="input")
+            except PayloadError as exc:
+                await self._finish_failed(exc)
+                return
+            if definition.is_async:
+                output = await definition.fn(TaskContext(self, value))
+            else:
+                output = await asyncio.to_thread(definition.fn, SyncTaskContext(self, value))
+            output_json = _serde.encode(output, definition.output_type, what="task output")
+        except (_Stop, _Suspend, SimulatedCrash):
+            raise
+        except _Release:
+            await self._guard(self.backend.release(self.lease))
+            return
+        except asyncio.CancelledError:
+            if self.stopped:
+                raise
+            if self.abort_kind == "shutdown":
+                await self._guard(self.backend.release(self.lease))
+                return
+            raise
+        except Exception as exc:
+            if self.stopped:
+                raise _Stop from None
+            await self._finish_failed(exc)
+            return
+        await self._guard(self.backend.complete(self.lease, output_json=output_json))
+
+    async def _finish_failed(self, exc: Exception) -> None:
+        if self.cancel_requested:
+            error = None if isinstance(exc, CanceledError) else error_info(exc)
+            await self._guard(self.backend.finish_canceled(self.lease, error=error))
+            return
+        policy = self.definition.retry
+        failures = self.claimed.failures + 1
+        retry_at = None
+        if policy.should_retry(exc, failures):
+            retry_at = self.now() + policy.delay_before(failures + 1)
+        await self._guard(self.backend.fail(self.lease, error=error_info(exc), retry_at=retry_at))
+
+
+def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:
+    error_type = error.type if error else "Error"
+    message = error.message if error else ""
+    return StepFailedError(
+        f"step {name!r} failed after its last attempt: {error_type}: {message}",
+        step_name=name,
+        error_type=error_type,
+        error_message=message,
+    )
+
+
+def _fact_outcome(
+    step_name: str, fact_name: str, output_json: str | None, payload_type: Any
+) -> Any:
+    raw = json.loads(output_json or "{}")
+    if raw.get("timeout"):
+        raise FactTimeoutError(
+            f"no fact {fact_name!r} arrived before the wait {step_name!r} timed out",
+            fact_name=fact_name,
+        )
+    return _serde.from_raw(raw.get("fact"), payload_type, what=f"fact {fact_name!r}")
+
+
+def _trace_id(claimed: ClaimedRun) -> str:
+    traceparent = claimed.trace_context.get("traceparent", "")
+    parts = traceparent.split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+        return parts[1]
+    return claimed.run_id.hex

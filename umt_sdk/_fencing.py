@@ -1,0 +1,101 @@
+"""`with_attempt_token`: exactly-once side effects through the operation ledger."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from uuid import UUID
+
+from attrs import frozen
+
+from umt_sdk import _serde
+from umt_sdk._context import current_execution
+from umt_sdk._execution import SimulatedCrash
+from umt_sdk._task import _hints, _unwrap_awaitable
+from umt_sdk.exceptions import FencingError, NotInTaskError
+
+__all__ = ["AttemptInfo", "with_attempt_token"]
+
+T = TypeVar("T")
+
+
+@frozen(kw_only=True)
+class AttemptInfo:
+    """What `fn` is told when `with_attempt_token` calls it."""
+
+    op_key: str
+    run_id: UUID
+    attempt_token: int
+    """The caller's fencing token: pass it to outside systems as a fencing or idempotency key."""
+    resumed: bool
+    """An earlier attempt began this operation and left no result: look the outside state up
+    by `op_key` first, then finish or redo."""
+
+
+async def with_attempt_token(
+    conn: Any,
+    op_key: str,
+    fn: Callable[[AttemptInfo], Awaitable[T] | T],
+    *,
+    commit: Callable[[Any, T], Awaitable[None] | None] | None = None,
+    result_type: Any = None,
+) -> T:
+    """Run an outside side effect at most once per `op_key`, fenced by the run's lease.
+
+    1. If the ledger on `conn` has a result for `op_key`, return it without calling `fn`.
+    2. Record (fenced) that this attempt begins `op_key`, then call `fn(info)`;
+       `info.resumed` is True when an earlier attempt began it and left no result.
+    3. In one transaction: check the caller still holds the run (else `FencingError`), run
+       `commit(tx, result)` for business writes, and record the result.
+
+    Call it from inside a step. `conn` is a business connection the backend understands (a
+    psycopg connection for Postgres, a `MemoryStore` for the memory backend).
+    """
+    execution = current_execution()
+    if execution is None:
+        raise NotInTaskError(
+            f"with_attempt_token({op_key!r}) was called outside a running task; call it from a step"
+        )
+    if not isinstance(op_key, str) or not op_key:
+        raise ValueError(
+            f"op_key must be a non-empty string such as 'submit:<plan id>', got {op_key!r}"
+        )
+    if result_type is None:
+        result_type = _unwrap_awaitable(_hints(fn).get("return", Any)) if _has_hints(fn) else Any
+    ledger = execution.backend.ledger(conn)
+    lease = execution.lease
+    try:
+        entry = await ledger.begin(op_key=op_key, lease=lease)
+    except (FencingError, SimulatedCrash):
+        execution.abort("lease_lost", "lease lost before a fenced operation")
+        raise
+    if entry.result_json is not None:
+        recorded: T = _serde.decode(entry.result_json, result_type, what=f"result of {op_key!r}")
+        return recorded
+    info = AttemptInfo(
+        op_key=op_key,
+        run_id=execution.claimed.run_id,
+        attempt_token=lease.fencing_token,
+        resumed=entry.resumed,
+    )
+    value = fn(info)
+    result: T = await value if inspect.isawaitable(value) else value
+    result_json = _serde.encode(result, result_type, what=f"result of {op_key!r}")
+
+    async def apply(tx: Any) -> None:
+        if commit is not None:
+            done = commit(tx, result)
+            if inspect.isawaitable(done):
+                await done
+
+    try:
+        await ledger.finish(op_key=op_key, lease=lease, result_json=result_json, commit=apply)
+    except (FencingError, SimulatedCrash):
+        execution.abort("lease_lost", "lease lost at the commit of a fenced operation")
+        raise
+    return result
+
+
+def _has_hints(fn: Callable[..., Any]) -> bool:
+    return bool(getattr(fn, "__annotations__", None))

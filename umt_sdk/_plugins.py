@@ -1,0 +1,56 @@
+"""The plugin host: owns the pluggy manager and gives each hook one typed method."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import pluggy
+
+from umt_sdk import _hookspecs
+from umt_sdk._spi import Backend, Clock
+from umt_sdk.exceptions import BackendNotFoundError
+
+__all__ = ["PluginHost"]
+
+
+class PluginHost:
+    """Loads backend plugins from the `umt` entry-point group (built-in ones included)."""
+
+    def __init__(self, extra_plugins: Iterable[object] = ()) -> None:
+        self._pm = pluggy.PluginManager("umt")
+        self._pm.add_hookspecs(_hookspecs.BackendHookspecs)
+        self._pm.load_setuptools_entrypoints("umt")
+        for plugin in extra_plugins:
+            if not self._pm.is_registered(plugin):
+                self._pm.register(plugin)
+
+    def schemes(self) -> list[str]:
+        found: list[str] = []
+        for schemes in self._pm.hook.umt_backend_schemes():
+            found.extend(schemes)
+        return sorted(set(found))
+
+    def plugin_names(self) -> list[str]:
+        names = []
+        for plugin in self._pm.get_plugins():
+            name = plugin.__name__ if isinstance(plugin, types.ModuleType) else repr(plugin)
+            names.append(name)
+        return sorted(names)
+
+    async def open_backend(
+        self, url: str, *, clock: Clock | None, options: Mapping[str, Any]
+    ) -> Backend:
+        opener = self._pm.hook.umt_open_backend(url=url, clock=clock, options=dict(options))
+        if opener is None:
+            scheme = urlsplit(url).scheme or "(none)"
+            raise BackendNotFoundError(
+                f"no installed backend serves URLs of scheme {scheme!r} ({url.split('@')[-1]!r}); "
+                f"installed schemes: {', '.join(self.schemes()) or 'none'} "
+                f"(plugins: {', '.join(self.plugin_names()) or 'none'}). Install the backend's "
+                "package, or pass its plugin module with connect(..., plugins=[...])"
+            )
+        backend: Backend = await opener
+        return backend

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from datetime import timedelta
+
+from attrs import field, frozen
+
+from umt_sdk.exceptions import (
+    CanceledError,
+    NonDeterminismError,
+    PayloadError,
+    StepFailedError,
+    TaskDefinitionError,
+)
+
+__all__ = ["RetryPolicy"]
+
+# Errors that retrying cannot fix: the code or the data must change first.
+_ALWAYS_FINAL: tuple[type[BaseException], ...] = (
+    PayloadError,
+    NonDeterminismError,
+    TaskDefinitionError,
+    StepFailedError,
+    CanceledError,
+)
+
+
+def _positive(_: object, attribute: object, value: timedelta) -> None:
+    if value <= timedelta(0):
+        raise ValueError(f"RetryPolicy: {getattr(attribute, 'name', '?')} must be > 0, got {value}")
+
+
+def _at_least_one(_: object, __: object, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"RetryPolicy: max_attempts must be >= 1, got {value}")
+
+
+def _backoff_ok(_: object, __: object, value: float) -> None:
+    if value < 1.0:
+        raise ValueError(f"RetryPolicy: backoff must be >= 1.0, got {value}")
+
+
+@frozen(kw_only=True)
+class RetryPolicy:
+    """How often and how soon a failed step or task is tried again.
+
+    Attempt n (n >= 2) starts `initial * backoff ** (n - 2)` after attempt n-1 failed, capped at
+    `max_interval`. Errors whose type is in `non_retryable` fail at once. Retries are durable:
+    the run is rescheduled and its worker slot released while it waits.
+    """
+
+    max_attempts: int = field(default=3, validator=_at_least_one)
+    initial: timedelta = field(default=timedelta(seconds=1), validator=_positive)
+    backoff: float = field(default=2.0, validator=_backoff_ok)
+    max_interval: timedelta = field(default=timedelta(minutes=5), validator=_positive)
+    non_retryable: tuple[type[BaseException], ...] = ()
+
+    @classmethod
+    def network(cls) -> RetryPolicy:
+        """Network work: 5 attempts, 1 s doubling to at most 60 s."""
+        return cls(max_attempts=5, initial=timedelta(seconds=1), max_interval=timedelta(seconds=60))
+
+    @classmethod
+    def file(cls) -> RetryPolicy:
+        """File work: 3 attempts, 1 s doubling."""
+        return cls(max_attempts=3, initial=timedelta(seconds=1), max_interval=timedelta(seconds=30))
+
+    @classmethod
+    def none(cls) -> RetryPolicy:
+        """A single attempt."""
+        return cls(max_attempts=1)
+
+    def delay_before(self, attempt: int) -> timedelta:
+        """The wait before `attempt` (2 for the first retry)."""
+        if attempt <= 1:
+            return timedelta(0)
+        seconds = self.initial.total_seconds() * self.backoff ** (attempt - 2)
+        return min(timedelta(seconds=seconds), self.max_interval)
+
+    def should_retry(self, error: BaseException, failed_attempts: int) -> bool:
+        """True if another attempt is due after `failed_attempts` failures ending in `error`."""
+        if isinstance(error, (_ALWAYS_FINAL, self.non_retryable)):
+            return False
+        return failed_attempts < self.max_attempts

@@ -1,0 +1,360 @@
+"""`@task`, `@step` and the `Registry`: definitions validated when decorated."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import typing
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
+
+from attrs import frozen
+
+from umt_sdk._retry import RetryPolicy
+from umt_sdk._spi import TaskPair
+from umt_sdk.exceptions import NotInTaskError, TaskDefinitionError, UnknownTaskError
+
+__all__ = [
+    "AsyncStep",
+    "Registry",
+    "SyncStep",
+    "TaskDefinition",
+    "step",
+    "task",
+]
+
+I = TypeVar("I")
+O = TypeVar("O")
+R = TypeVar("R")
+P = ParamSpec("P")
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:\-/]{1,200}$")
+
+
+def _check_name(kind: str, name: object) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise TaskDefinitionError(
+            f"{kind} name must be 1-200 characters of letters, digits and _ . : - /, got {name!r}"
+        )
+    if "#" in name:  # pragma: no cover - excluded by the pattern; kept for the reader
+        raise TaskDefinitionError(f"{kind} name must not contain '#': umt uses it for repeats")
+    return name
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception as exc:
+        raise TaskDefinitionError(
+            f"cannot resolve the type annotations of {fn.__qualname__}: {exc}"
+        ) from exc
+
+
+def _unwrap_awaitable(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Coroutine, Awaitable, typing.Coroutine, typing.Awaitable):
+        args = typing.get_args(tp)
+        return args[-1] if args else Any
+    return tp
+
+
+@frozen(kw_only=True, eq=False)
+class TaskDefinition(Generic[I, O]):
+    """A task as declared by `@task`: enqueue it, register it, serve it with a worker."""
+
+    name: str
+    version: int
+    fn: Callable[..., Any]
+    is_async: bool
+    input_type: Any
+    output_type: Any
+    retry: RetryPolicy
+
+    @property
+    def pair(self) -> TaskPair:
+        return TaskPair(name=self.name, version=self.version)
+
+    def __repr__(self) -> str:
+        return f"<task {self.name}@{self.version} ({self.fn.__qualname__})>"
+
+
+class _TaskDecorator(Protocol):
+    @overload
+    def __call__(
+        self, fn: Callable[[_AsyncCtx[I]], Coroutine[Any, Any, O]]
+    ) -> TaskDefinition[I, O]: ...
+    @overload
+    def __call__(self, fn: Callable[[_SyncCtx[I]], O]) -> TaskDefinition[I, O]: ...
+
+
+if typing.TYPE_CHECKING:
+    from umt_sdk._context import SyncTaskContext as _SyncCtx
+    from umt_sdk._context import TaskContext as _AsyncCtx
+
+
+def task(name: str, *, version: int = 1, retry: RetryPolicy | None = None) -> _TaskDecorator:
+    """Declare a durable task.
+
+    The handler takes one argument, annotated `TaskContext[Input]` (async handler) or
+    `SyncTaskContext[Input]` (plain handler, run in a thread); its return annotation is the
+    output type. Bump `version` for any incompatible change and keep the old one registered
+    until its runs drain.
+
+    Args:
+        name: stable name of the task.
+        version: integer >= 1.
+        retry: retry policy for the task and, unless they override it, its steps.
+    """
+    _check_name("task", name)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise TaskDefinitionError(
+            f"task {name!r}: version must be an integer >= 1, got {version!r}"
+        )
+    policy = retry if retry is not None else RetryPolicy()
+    if not isinstance(policy, RetryPolicy):
+        raise TaskDefinitionError(f"task {name!r}: retry must be a RetryPolicy, got {retry!r}")
+
+    def decorate(fn: Callable[..., Any]) -> TaskDefinition[Any, Any]:
+        from umt_sdk._context import SyncTaskContext, TaskContext
+
+        if isinstance(fn, TaskDefinition):
+            raise TaskDefinitionError(f"{fn!r} is already a task; apply @task once")
+        if not callable(fn):
+            raise TaskDefinitionError(f"@task({name!r}) must decorate a function, got {fn!r}")
+        is_async = inspect.iscoroutinefunction(fn)
+        params = list(inspect.signature(fn).parameters.values())
+        if len(params) != 1:
+            raise TaskDefinitionError(
+                f"task {name!r}: the handler takes exactly one parameter, the context "
+                f"(ctx: TaskContext[Input]); {fn.__qualname__} takes {len(params)}"
+            )
+        hints = _hints(fn)
+        ctx_hint = hints.get(params[0].name)
+        expected = TaskContext if is_async else SyncTaskContext
+        origin = typing.get_origin(ctx_hint) or ctx_hint
+        if origin is not expected:
+            raise TaskDefinitionError(
+                f"task {name!r}: annotate the parameter as "
+                f"{expected.__name__}[YourInput] ({'async' if is_async else 'plain'} handler); "
+                f"got {ctx_hint!r}"
+            )
+        args = typing.get_args(ctx_hint)
+        input_type = args[0] if args else Any
+        output_type = hints.get("return", Any)
+        return TaskDefinition(
+            name=name,
+            version=version,
+            fn=fn,
+            is_async=is_async,
+            input_type=input_type,
+            output_type=output_type,
+            retry=policy,
+        )
+
+    return typing.cast(_TaskDecorator, decorate)
+
+
+class _StepBase(Generic[P, R]):
+    def __init__(self, name: str, fn: Callable[P, Any], retry: RetryPolicy | None) -> None:
+        self.name = name
+        self.fn = fn
+        self.retry = retry
+        self.output_type = _unwrap_awaitable(_hints(fn).get("return", Any))
+        functools.update_wrapper(typing.cast(Any, self), fn)
+
+    def __repr__(self) -> str:
+        return f"<step {self.name!r} ({self.fn.__qualname__})>"
+
+
+def _current_or_raise(step_name: str) -> Any:
+    from umt_sdk._context import current_execution
+
+    execution = current_execution()
+    if execution is None:
+        raise NotInTaskError(
+            f"step {step_name!r} was called outside a running task; steps run only inside a "
+            "@task handler (call the plain function directly if you need it elsewhere)"
+        )
+    return execution
+
+
+class AsyncStep(_StepBase[P, R]):
+    """A step over an async function: `await` it inside an async task."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:
+        execution = _current_or_raise(self.name)
+        if execution.in_handler_thread():
+            raise TaskDefinitionError(
+                f"async step {self.name!r} called from a plain task; use "
+                "ctx.step.run(name, fn, ...) there, which runs it on the event loop"
+            )
+        result: Awaitable[R] = execution.run_step(
+            self.name, self.fn, args, kwargs, self.retry, self.output_type
+        )
+        return result
+
+
+class SyncStep(_StepBase[P, R]):
+    """A step over a plain function.
+
+    From a plain task, call it: `fetch(x)`. From an async task, await it: `await fetch.aio(x)`
+    (typed), or `await fetch(x)` (works the same; its body runs in a thread).
+    """
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        execution = _current_or_raise(self.name)
+        if execution.in_handler_thread():
+            value: R = execution.run_step_from_thread(
+                self.name, self.fn, args, kwargs, self.retry, self.output_type
+            )
+            return value
+        awaitable: R = execution.run_step(
+            self.name, self.fn, args, kwargs, self.retry, self.output_type
+        )
+        return awaitable
+
+    def aio(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:
+        """The typed form for async tasks: the body runs in a thread, the result is awaited."""
+        execution = _current_or_raise(self.name)
+        result: Awaitable[R] = execution.run_step(
+            self.name, self.fn, args, kwargs, self.retry, self.output_type
+        )
+        return result
+
+
+class _StepDecorator(Protocol):
+    @overload
+    def __call__(  # type: ignore[overload-overlap]  # async functions match the first
+        self, fn: Callable[P, Coroutine[Any, Any, R]]
+    ) -> AsyncStep[P, R]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R]) -> SyncStep[P, R]: ...
+
+
+def step(name: str, *, retry: RetryPolicy | None = None) -> _StepDecorator:
+    """Declare a named step. Inside a task it runs once per run; replays return its record.
+
+    Args:
+        name: stable within the task's version: replay matches steps by name. Calling the same
+            name again in one execution records `name#2`, `name#3`, ...
+        retry: overrides the task's retry policy for this step.
+    """
+    _check_name("step", name)
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise TaskDefinitionError(f"step {name!r}: retry must be a RetryPolicy, got {retry!r}")
+
+    def decorate(fn: Callable[..., Any]) -> _StepBase[Any, Any]:
+        if isinstance(fn, _StepBase | TaskDefinition) or not callable(fn):
+            raise TaskDefinitionError(f"@step({name!r}) must decorate a plain or async function")
+        if inspect.iscoroutinefunction(fn):
+            return AsyncStep(name, fn, retry)
+        return SyncStep(name, fn, retry)
+
+    return typing.cast(_StepDecorator, decorate)
+
+
+class Registry:
+    """The tasks a process knows: used to validate enqueues and to serve workers."""
+
+    def __init__(self, tasks: Iterable[TaskDefinition[Any, Any]] = ()) -> None:
+        self._tasks: dict[TaskPair, TaskDefinition[Any, Any]] = {}
+        for definition in tasks:
+            self.add(definition)
+
+    def add(self, definition: TaskDefinition[Any, Any]) -> None:
+        """Register a task definition."""
+        if not isinstance(definition, TaskDefinition):
+            raise TaskDefinitionError(
+                f"Registry takes @task-decorated definitions, got {definition!r}; "
+                "decorate the function with @task(name, version=...)"
+            )
+        existing = self._tasks.get(definition.pair)
+        if existing is not None and existing is not definition:
+            raise TaskDefinitionError(
+                f"{definition.pair} is registered twice ({existing.fn.__qualname__} and "
+                f"{definition.fn.__qualname__}); bump the version of the new one"
+            )
+        self._tasks[definition.pair] = definition
+
+    def __iter__(self) -> typing.Iterator[TaskDefinition[Any, Any]]:
+        return iter(sorted(self._tasks.values(), key=lambda d: (d.name, d.version)))
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def pairs(self) -> list[TaskPair]:
+        return sorted(self._tasks)
+
+    def get(self, name: str, version: int) -> TaskDefinition[Any, Any]:
+        definition = self._tasks.get(TaskPair(name=name, version=version))
+        if definition is None:
+            known = ", ".join(str(p) for p in self.pairs()) or "none"
+            raise UnknownTaskError(
+                f"task {name}@{version} is not registered (registered: {known})", task_name=name
+            )
+        return definition
+
+    def latest(self, name: str) -> TaskDefinition[Any, Any]:
+        versions = [d for p, d in self._tasks.items() if p.name == name]
+        if not versions:
+            known = ", ".join(sorted({p.name for p in self._tasks})) or "none"
+            raise UnknownTaskError(
+                f"no task named {name!r} is registered (registered: {known})", task_name=name
+            )
+        return max(versions, key=lambda d: d.version)
+
+    def resolve(
+        self, ref: TaskDefinition[Any, Any] | str, version: int | None = None
+    ) -> TaskDefinition[Any, Any]:
+        """The definition new runs of `ref` use: the newest version unless `version` pins one.
+
+        `ref` is a definition, `"name"` or `"name@version"`. A definition that is not the newest
+        registered version is refused unless pinned with `version=`, so a stale import cannot
+        start runs on old code by accident.
+        """
+        if isinstance(ref, TaskDefinition):
+            if version is None:
+                newest = self.latest(ref.name)
+                if newest.version != ref.version:
+                    raise TaskDefinitionError(
+                        f"{ref.pair} is not the newest registered version of {ref.name!r} "
+                        f"({newest.pair}); new runs use the newest. Pass version="
+                        f"{ref.version} to pin the old one on purpose"
+                    )
+            return self.get(ref.name, ref.version if version is None else version)
+        if not isinstance(ref, str):
+            raise TaskDefinitionError(f"expected a task definition or a task name, got {ref!r}")
+        if "@" in ref:
+            pair = TaskPair.parse(ref)
+            if version is not None and version != pair.version:
+                raise TaskDefinitionError(f"{ref!r} conflicts with version={version}")
+            return self.get(pair.name, pair.version)
+        return self.latest(ref) if version is None else self.get(ref, version)
+
+    def select(
+        self, versions: Sequence[str | TaskDefinition[Any, Any] | TaskPair] | None
+    ) -> list[TaskPair]:
+        """The pairs a worker serves: all registered, or exactly those named (each checked)."""
+        if versions is None:
+            return self.pairs()
+        if isinstance(versions, str):
+            raise TaskDefinitionError(
+                f"versions must be a list such as [{versions!r}], not a single string"
+            )
+        selected: set[TaskPair] = set()
+        for item in versions:
+            if isinstance(item, TaskDefinition):
+                pair = item.pair
+            elif isinstance(item, TaskPair):
+                pair = item
+            else:
+                try:
+                    pair = TaskPair.parse(item)
+                except ValueError as exc:
+                    raise TaskDefinitionError(str(exc)) from exc
+            self.get(pair.name, pair.version)
+            selected.add(pair)
+        if not selected:
+            raise TaskDefinitionError("a worker needs at least one task@version to serve")
+        return sorted(selected)

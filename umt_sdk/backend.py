@@ -1,0 +1,69 @@
+"""The face for backend authors: the SPI protocol, its records, and `hookimpl`.
+
+A backend package provides a plugin module registered under the `umt` entry-point group that
+implements `umt_backend_schemes` and `umt_open_backend` (see `BackendHookspecs`), and a class
+satisfying `Backend`. Run `umt_sdk.testing.BackendContract` against it.
+"""
+
+from umt_sdk._clock import SystemClock
+from umt_sdk._engine import new_run_id
+from umt_sdk._execution import SimulatedCrash
+from umt_sdk._hookspecs import BackendHookspecs, hookimpl
+from umt_sdk._spi import (
+    TERMINAL_STATUSES,
+    Backend,
+    Beat,
+    CancelOutcome,
+    ClaimedRun,
+    Clock,
+    EnqueueResult,
+    ErrorInfo,
+    ExecutionOutcome,
+    ExecutionRecord,
+    Fact,
+    HeartbeatResult,
+    Lease,
+    Ledger,
+    LedgerEntry,
+    NewRun,
+    ParkStatus,
+    RunQuery,
+    RunRecord,
+    RunStatus,
+    StepKind,
+    StepRecord,
+    StepStatus,
+    TaskPair,
+)
+
+__all__ = [
+    "Backend",
+    "BackendHookspecs",
+    "Beat",
+    "CancelOutcome",
+    "ClaimedRun",
+    "Clock",
+    "EnqueueResult",
+    "ErrorInfo",
+    "ExecutionOutcome",
+    "ExecutionRecord",
+    "Fact",
+    "HeartbeatResult",
+    "Lease",
+    "Ledger",
+    "LedgerEntry",
+    "NewRun",
+    "ParkStatus",
+    "RunQuery",
+    "RunRecord",
+    "RunStatus",
+    "SimulatedCrash",
+    "StepKind",
+    "StepRecord",
+    "StepStatus",
+    "SystemClock",
+    "TERMINAL_STATUSES",
+    "TaskPair",
+    "hookimpl",
+    "new_run_id",
+]

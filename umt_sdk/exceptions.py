@@ -1,0 +1,203 @@
+"""The exceptions umt raises, in one tree.
+
+```
+UmtError
+├── TaskDefinitionError      a task or step is declared or used wrongly (fix the code)
+│   ├── UnknownTaskError     (also LookupError) no such (name, version) is registered
+│   └── NotInTaskError       a step or the context was used outside a running task
+├── PayloadError             (also ValueError) an input/output/payload does not fit its type
+├── BackendError             the backend failed; the operation may be retried
+│   ├── BackendNotFoundError no installed backend plugin serves the URL
+│   └── FencingError         the caller's attempt no longer holds the run (lease lost)
+├── IdempotencyConflictError same idempotency key, different input
+├── RunNotFoundError         (also LookupError) no run with that id
+├── NonDeterminismError      the code no longer matches the run's recorded history
+├── StepFailedError          a step exhausted its retries; carries the recorded error
+├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
+├── CanceledError            the run was canceled (raised inside the handler)
+├── RunFailedError           engine.result(): the run ended failed
+├── RunCanceledError         engine.result(): the run ended canceled
+└── ResultTimeoutError       (also TimeoutError) engine.result() waited longer than asked
+```
+
+Each class's docstring is its default message; structured details are attributes.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+__all__ = [
+    "BackendError",
+    "BackendNotFoundError",
+    "CanceledError",
+    "FactTimeoutError",
+    "FencingError",
+    "IdempotencyConflictError",
+    "NonDeterminismError",
+    "NotInTaskError",
+    "PayloadError",
+    "ResultTimeoutError",
+    "RunCanceledError",
+    "RunFailedError",
+    "RunNotFoundError",
+    "StepFailedError",
+    "TaskDefinitionError",
+    "UmtError",
+    "UnknownTaskError",
+]
+
+
+class UmtError(Exception):
+    """An error raised by umt."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (type(self).__doc__ or type(self).__name__).strip())
+
+
+class TaskDefinitionError(UmtError):
+    """A task or step is declared or used in a way umt cannot accept."""
+
+
+class UnknownTaskError(TaskDefinitionError, LookupError):
+    """No task with that name and version is registered."""
+
+    def __init__(self, message: str | None = None, *, task_name: str = "") -> None:
+        super().__init__(message)
+        self.task_name = task_name
+
+
+class NotInTaskError(TaskDefinitionError):
+    """This can only be used while a task is running: call it from inside a @task handler."""
+
+
+class PayloadError(UmtError, ValueError):
+    """A payload does not fit its declared type."""
+
+    def __init__(self, message: str | None = None, *, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class BackendError(UmtError):
+    """The backend failed to carry out an operation."""
+
+
+class BackendNotFoundError(BackendError):
+    """No installed backend serves this URL."""
+
+
+class FencingError(BackendError):
+    """This attempt no longer holds the run: its lease expired and another attempt took over."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        fencing_token: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.fencing_token = fencing_token
+
+
+class IdempotencyConflictError(UmtError):
+    """A run with this idempotency key exists with a different input."""
+
+    def __init__(
+        self, message: str | None = None, *, idempotency_key: str = "", run_id: UUID | None = None
+    ) -> None:
+        super().__init__(message)
+        self.idempotency_key = idempotency_key
+        self.run_id = run_id
+
+
+class RunNotFoundError(UmtError, LookupError):
+    """No run with this id exists."""
+
+    def __init__(self, message: str | None = None, *, run_id: UUID | None = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
+class NonDeterminismError(UmtError):
+    """The task's code no longer matches the history recorded for this run."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        step_name: str = "",
+        recorded_kind: str = "",
+        current_kind: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.recorded_kind = recorded_kind
+        self.current_kind = current_kind
+
+
+class StepFailedError(UmtError):
+    """A step failed and has no retries left."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        step_name: str = "",
+        error_type: str = "",
+        error_message: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.error_type = error_type
+        self.error_message = error_message
+
+
+class FactTimeoutError(UmtError, TimeoutError):
+    """No fact of that name arrived before the wait's timeout."""
+
+    def __init__(self, message: str | None = None, *, fact_name: str = "") -> None:
+        super().__init__(message)
+        self.fact_name = fact_name
+
+
+class CanceledError(UmtError):
+    """The run was canceled."""
+
+    def __init__(self, message: str | None = None, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RunFailedError(UmtError):
+    """The run ended failed."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        error_type: str = "",
+        error_message: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.error_type = error_type
+        self.error_message = error_message
+
+
+class RunCanceledError(UmtError):
+    """The run ended canceled."""
+
+    def __init__(
+        self, message: str | None = None, *, run_id: UUID | None = None, reason: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.reason = reason
+
+
+class ResultTimeoutError(UmtError, TimeoutError):
+    """The run did not finish within the time given to result()."""

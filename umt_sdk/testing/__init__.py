@@ -1,0 +1,32 @@
+"""Test kits: `FakeClock`, crash and freeze helpers, and the backend contract suite.
+
+`BackendContract` is a pytest test class: subclass it in your backend's tests and provide a
+`harness` fixture returning a `BackendHarness` (see `tests/contract/` for the memory and
+Postgres ones).
+"""
+
+from umt_sdk.testing._clock import FakeClock
+from umt_sdk.testing._helpers import (
+    BackendHarness,
+    freeze_heartbeats,
+    simulate_crash,
+    thaw_heartbeats,
+)
+
+__all__ = [
+    "BackendContract",
+    "BackendHarness",
+    "FakeClock",
+    "freeze_heartbeats",
+    "simulate_crash",
+    "thaw_heartbeats",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The contract suite imports pytest; load it only when asked for.
+    if name == "BackendContract":
+        from umt_sdk.testing._contract import BackendContract
+
+        return BackendContract
+    raise AttributeError(name)

@@ -1,0 +1,688 @@
+"""The backend contract suite: every backend must pass it unchanged.
+
+Subclass `BackendContract` in a test module and provide a `harness` fixture (an object
+satisfying `BackendHarness`). Durations are short and real-time-safe: the same tests run on
+the memory backend with a `FakeClock` and on Postgres with the wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+import attrs
+import pytest
+
+from umt_sdk import (
+    AttemptInfo,
+    Engine,
+    FactTimeoutError,
+    IdempotencyConflictError,
+    PayloadError,
+    Registry,
+    RetryPolicy,
+    RunCanceledError,
+    RunFailedError,
+    RunInfo,
+    StepFailedError,
+    SyncTaskContext,
+    TaskContext,
+    TaskDefinition,
+    step,
+    task,
+    with_attempt_token,
+)
+from umt_sdk.exceptions import NotInTaskError, RunNotFoundError
+from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats, simulate_crash
+
+__all__ = ["BackendContract"]
+
+# Bodies count how often they really ran, per test key: replay must never run them again.
+BODY_RUNS: Counter[tuple[str, str]] = Counter()
+GATES: dict[str, asyncio.Event] = {}
+ORDER: list[str] = []
+BUSINESS: dict[str, Any] = {}
+
+
+@attrs.frozen
+class Job:
+    key: str
+    n: int = 0
+
+
+def _gate(name: str) -> asyncio.Event:
+    if name not in GATES:
+        GATES[name] = asyncio.Event()
+    return GATES[name]
+
+
+@step("first")
+async def first(key: str) -> int:
+    BODY_RUNS[(key, "first")] += 1
+    return 1
+
+
+@step("second")
+async def second(key: str) -> int:
+    BODY_RUNS[(key, "second")] += 1
+    gate = GATES.get(key)
+    if gate is not None:
+        await gate.wait()
+    return 2
+
+
+@task("contract.steps", version=1)
+async def steps_task(ctx: TaskContext[Job]) -> int:
+    a = await first(ctx.input.key)
+    b = await second(ctx.input.key)
+    c = await ctx.step.run("third", lambda: 3)
+    return a + b + c
+
+
+@task("contract.echo", version=1)
+async def echo_task(ctx: TaskContext[Job]) -> Job:
+    ORDER.append(ctx.input.key)
+    return Job(key=ctx.input.key.upper(), n=ctx.input.n + 1)
+
+
+@task("contract.echo", version=2)
+async def echo_task_v2(ctx: TaskContext[Job]) -> Job:
+    ORDER.append(f"v2:{ctx.input.key}")
+    return Job(key=ctx.input.key, n=ctx.input.n + 2)
+
+
+@task("contract.other", version=1)
+async def other_task(ctx: TaskContext[Job]) -> str:
+    ORDER.append(f"other:{ctx.input.key}")
+    return "other"
+
+
+@task("contract.sleeper", version=1)
+async def sleeper_task(ctx: TaskContext[Job]) -> str:
+    BODY_RUNS[(ctx.input.key, "before-sleep")] += 1
+    await ctx.step.run("before", lambda: None)
+    await ctx.step.sleep("nap", timedelta(milliseconds=ctx.input.n or 300))
+    BODY_RUNS[(ctx.input.key, "after-sleep")] += 1
+    return "rested"
+
+
+@task("contract.waiter", version=1)
+async def waiter_task(ctx: TaskContext[Job]) -> dict[str, Any]:
+    payload: dict[str, Any] = await ctx.step.wait_for_fact(
+        ctx.input.key, timeout=timedelta(seconds=ctx.input.n) if ctx.input.n else None
+    )
+    return payload
+
+
+@task("contract.wait_or_timeout", version=1)
+async def wait_or_timeout_task(ctx: TaskContext[Job]) -> str:
+    try:
+        await ctx.step.wait_for_fact("never", timeout=timedelta(milliseconds=400))
+    except FactTimeoutError:
+        return "timed out"
+    return "got it"
+
+
+@task("contract.checked", version=1)
+async def checked_task(ctx: TaskContext[Job]) -> str:
+    def approved_in_db() -> str | None:
+        value: str | None = BUSINESS.get(ctx.input.key)
+        return value
+
+    value: str = await ctx.step.wait_for_fact(
+        "approved", check=approved_in_db, poll_interval=timedelta(milliseconds=200)
+    )
+    return value
+
+
+@task("contract.cancellable", version=1)
+async def cancellable_task(ctx: TaskContext[Job]) -> str:
+    await ctx.step.run("started", lambda: None)
+
+    async def wait_for_abort() -> None:
+        BODY_RUNS[(ctx.input.key, "waiting")] += 1
+        _gate(ctx.input.key + ":started").set()
+        await asyncio.wait_for(ctx.abort_event.wait(), timeout=20)
+        if ctx.input.n == 1:
+            raise ValueError("cleanup failed while stopping")
+        ctx.throw_if_canceled()
+
+    await ctx.step.run("long", wait_for_abort)
+    BODY_RUNS[(ctx.input.key, "after")] += 1
+    await ctx.step.run("after", lambda: None)
+    return "not canceled"
+
+
+@task(
+    "contract.flaky",
+    version=1,
+    retry=RetryPolicy(max_attempts=3, initial=timedelta(milliseconds=200), backoff=1.0),
+)
+async def flaky_task(ctx: TaskContext[Job]) -> int:
+    async def flaky() -> int:
+        BODY_RUNS[(ctx.input.key, "flaky")] += 1
+        if BODY_RUNS[(ctx.input.key, "flaky")] <= ctx.input.n:
+            raise ConnectionError(f"attempt {BODY_RUNS[(ctx.input.key, 'flaky')]} failed")
+        return BODY_RUNS[(ctx.input.key, "flaky")]
+
+    value: int = await ctx.step.run("call", flaky)
+    return value
+
+
+@task(
+    "contract.flaky_handler",
+    version=1,
+    retry=RetryPolicy(
+        max_attempts=3,
+        initial=timedelta(milliseconds=200),
+        backoff=1.0,
+        non_retryable=(KeyError,),
+    ),
+)
+async def flaky_handler_task(ctx: TaskContext[Job]) -> str:
+    await ctx.step.run("once", lambda: BODY_RUNS.update({(ctx.input.key, "once"): 1}))
+    BODY_RUNS[(ctx.input.key, "handler")] += 1
+    if ctx.input.n == -1:
+        raise KeyError("not retryable")
+    if BODY_RUNS[(ctx.input.key, "handler")] <= ctx.input.n:
+        raise RuntimeError("handler failed")
+    return "ok"
+
+
+@task("contract.step_gives_up", version=1, retry=RetryPolicy.none())
+async def step_gives_up_task(ctx: TaskContext[Job]) -> str:
+    def boom() -> None:
+        raise OSError("disk on fire")
+
+    try:
+        await ctx.step.run("boom", boom)
+    except StepFailedError as exc:
+        if ctx.input.n == 1:
+            return f"handled {exc.error_type}"
+        raise
+    return "unreachable"
+
+
+@task("contract.shape", version=1)
+async def shape_a(ctx: TaskContext[Job]) -> str:
+    await ctx.step.run("x", lambda: 1)
+    await ctx.step.wait_for_fact("go")
+    return "a"
+
+
+@task("contract.shape", version=1)
+async def shape_b(ctx: TaskContext[Job]) -> str:
+    await ctx.step.sleep("x", timedelta(milliseconds=1))
+    return "b"
+
+
+@task("contract.repeats", version=1)
+async def repeats_task(ctx: TaskContext[Job]) -> list[int]:
+    return [await ctx.step.run("tick", lambda i=i: i) for i in range(3)]
+
+
+@step("sync-double")
+def sync_double(x: int) -> int:
+    return x * 2
+
+
+@task("contract.plain", version=1)
+def plain_task(ctx: SyncTaskContext[Job]) -> int:
+    doubled = sync_double(ctx.input.n)
+    tripled = ctx.step.run("triple", lambda: ctx.input.n * 3)
+    ctx.step.sleep("tiny", timedelta(milliseconds=50))
+    return doubled + tripled
+
+
+@task("contract.mixed", version=1)
+async def mixed_task(ctx: TaskContext[Job]) -> int:
+    a = await sync_double.aio(ctx.input.n)
+    b: int = await sync_double(ctx.input.n)  # type: ignore[misc]  # runtime form, untyped
+    return a + b
+
+
+@task("contract.fenced", version=1)
+async def fenced_task(ctx: TaskContext[Job]) -> str:
+    harness: BackendHarness = BUSINESS["harness"]
+
+    async def submit() -> str:
+        async def act(info: AttemptInfo) -> str:
+            BUSINESS.setdefault("resumed", []).append(info.resumed)
+            BODY_RUNS[(ctx.input.key, "act")] += 1
+            gate = GATES.get(f"{ctx.input.key}:attempt{ctx.attempt}")
+            if gate is not None:
+                await gate.wait()
+            return f"receipt-{info.attempt_token}"
+
+        async def commit(tx: Any, receipt: str) -> None:
+            await harness.business_insert(tx, ctx.input.key, receipt)
+
+        conn = await harness.business_connection()
+        try:
+            return await with_attempt_token(conn, f"submit:{ctx.input.key}", act, commit=commit)
+        finally:
+            await harness.business_release(conn)
+
+    receipt: str = await ctx.step.run("submit", submit)
+    return receipt
+
+
+ALL_TASKS: list[TaskDefinition[Any, Any]] = [
+    steps_task,
+    echo_task,
+    echo_task_v2,
+    other_task,
+    sleeper_task,
+    waiter_task,
+    wait_or_timeout_task,
+    checked_task,
+    cancellable_task,
+    flaky_task,
+    flaky_handler_task,
+    step_gives_up_task,
+    repeats_task,
+    plain_task,
+    mixed_task,
+    fenced_task,
+]
+
+
+async def wait_until(
+    engine: Engine,
+    run_id: UUID,
+    predicate: Callable[[RunInfo], bool],
+    *,
+    timeout: float = 15.0,
+    what: str = "condition",
+) -> RunInfo:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await engine.get(run_id)
+        if predicate(info):
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {run_id}: timed out waiting for {what}; last: {info}")
+        await asyncio.sleep(0.01)
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]], *, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for a condition")
+        await asyncio.sleep(0.01)
+
+
+class BackendContract:
+    """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
+
+    @pytest.fixture
+    async def engine(self, harness: BackendHarness) -> Any:
+        BODY_RUNS.clear()
+        GATES.clear()
+        ORDER.clear()
+        BUSINESS.clear()
+        BUSINESS["harness"] = harness
+        engine = await harness.connect(Registry(ALL_TASKS))
+        yield engine
+        for gate in GATES.values():
+            gate.set()
+        await engine.close()
+
+    # -- basics ---------------------------------------------------------------------------------
+
+    async def test_enqueue_run_and_result(self, engine: Engine) -> None:
+        handle = await engine.enqueue(echo_task_v2, Job(key="a", n=1))
+        assert handle.created
+        assert handle.task_version == 2, "new runs use the newest registered version"
+        async with engine.worker(concurrency=2):
+            result = await handle.result(timeout=15)
+        assert result == Job(key="a", n=3)
+        info = await engine.get(handle.run_id)
+        assert info.status == "completed"
+        assert info.attempts == 1
+        assert info.failures == 0
+        assert info.output == {"key": "a", "n": 3}
+
+    async def test_invalid_input_is_rejected_and_nothing_stored(self, engine: Engine) -> None:
+        with pytest.raises(PayloadError) as caught:
+            await engine.enqueue(echo_task_v2, {"key": 5})
+        assert "key" in str(caught.value)
+        with pytest.raises(PayloadError):
+            await engine.enqueue(echo_task_v2, {"key": "a", "extra": 1})
+        page = await engine.list()
+        assert len(page) == 0
+
+    async def test_get_unknown_run(self, engine: Engine) -> None:
+        from umt_sdk._engine import new_run_id
+
+        with pytest.raises(RunNotFoundError):
+            await engine.get(new_run_id())
+
+    async def test_step_outside_task_is_an_error(self, engine: Engine) -> None:
+        with pytest.raises(NotInTaskError):
+            await first("x")
+
+    # -- replay -----------------------------------------------------------------------------------
+
+    async def test_replay_by_name_after_crash(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("r1")
+        handle = await engine.enqueue(steps_task, Job(key="r1"))
+        worker_a = engine.worker(concurrency=1, lease=harness.lease)
+        await worker_a.start()
+        await _eventually(lambda: _true(BODY_RUNS[("r1", "second")] == 1))
+        await asyncio.sleep(worker_a.heartbeat_interval.total_seconds() * 2)
+        simulate_crash(worker_a)
+        await worker_a.stop()
+        await harness.advance(harness.lease * 2)
+        GATES["r1"].set()
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            assert await handle.result(timeout=20) == 6
+        assert BODY_RUNS[("r1", "first")] == 1, "a completed step never runs again"
+        assert BODY_RUNS[("r1", "second")] == 2, "the interrupted step re-runs"
+        info = await engine.get(handle.run_id)
+        assert info.attempts == 2
+        assert info.lease_expirations == 1
+        statuses = [(s.name, s.status) for s in info.timeline]
+        assert ("second", "interrupted") in statuses, statuses
+        assert statuses.count(("second", "completed")) == 1
+        assert all(s.status != "running" for s in info.timeline)
+
+    async def test_repeated_step_names_get_occurrence_suffix(self, engine: Engine) -> None:
+        handle = await engine.enqueue(repeats_task, Job(key="rep"))
+        async with engine.worker():
+            assert await handle.result(timeout=15) == [0, 1, 2]
+        names = [s.name for s in (await engine.get(handle.run_id)).timeline]
+        assert names == ["tick", "tick#2", "tick#3"]
+
+    async def test_non_determinism_is_detected(self, engine: Engine) -> None:
+        original = Engine(engine.backend, Registry([shape_a]))
+        handle = await original.enqueue(shape_a, Job(key="nd"))
+        async with original.worker():
+            await wait_until(engine, handle.run_id, lambda i: i.status == "waiting", what="waiting")
+        changed = Engine(engine.backend, Registry([shape_b]))
+        await engine.signal(handle.run_id, "go")
+        async with changed.worker():
+            with pytest.raises(RunFailedError) as caught:
+                await changed.result(handle.run_id, timeout=15)
+        assert caught.value.error_type.endswith("NonDeterminismError")
+        assert "'step'" in caught.value.error_message
+        assert "'sleep'" in caught.value.error_message
+
+    async def test_plain_task_and_plain_steps(self, engine: Engine) -> None:
+        plain = await engine.enqueue(plain_task, Job(key="p", n=5))
+        mixed = await engine.enqueue(mixed_task, Job(key="m", n=4))
+        async with engine.worker():
+            assert await plain.result(timeout=15) == 25
+            assert await mixed.result(timeout=15) == 16
+        names = [s.name for s in (await engine.get(plain.run_id)).timeline]
+        assert names == ["sync-double", "triple", "tiny"]
+
+    # -- sleep and facts --------------------------------------------------------------------------
+
+    async def test_sleep_releases_the_slot(self, engine: Engine) -> None:
+        one = await engine.enqueue(sleeper_task, Job(key="s1", n=500))
+        two = await engine.enqueue(sleeper_task, Job(key="s2", n=500))
+        async with engine.worker(concurrency=1):
+            for handle in (one, two):
+                await wait_until(
+                    engine, handle.run_id, lambda i: i.status == "waiting", what="sleep"
+                )
+            assert await one.result(timeout=15) == "rested"
+            assert await two.result(timeout=15) == "rested"
+        assert BODY_RUNS[("s1", "after-sleep")] == 1
+        info = await engine.get(one.run_id)
+        assert [(s.name, s.status) for s in info.timeline] == [
+            ("before", "completed"),
+            ("nap", "completed"),
+        ]
+
+    async def test_fact_sent_before_its_waiter_is_not_lost(self, engine: Engine) -> None:
+        handle = await engine.enqueue(
+            waiter_task, Job(key="approved"), delay=timedelta(milliseconds=300)
+        )
+        assert await engine.signal(handle.run_id, "approved", {"by": "ops"})
+        async with engine.worker():
+            assert await handle.result(timeout=15) == {"by": "ops"}
+
+    async def test_first_write_wins(self, engine: Engine) -> None:
+        handle = await engine.enqueue(waiter_task, Job(key="f"))
+        assert await engine.signal(handle.run_id, "f", {"v": 1}) is True
+        assert await engine.signal(handle.run_id, "f", {"v": 2}) is False
+        async with engine.worker():
+            assert await handle.result(timeout=15) == {"v": 1}
+
+    async def test_several_runs_wait_for_one_broadcast_fact(self, engine: Engine) -> None:
+        handles = [await engine.enqueue(waiter_task, Job(key="go", n=0)) for _ in range(3)]
+        async with engine.worker(concurrency=1):
+            for h in handles:
+                await wait_until(engine, h.run_id, lambda i: i.status == "waiting", what="parked")
+            assert await engine.broadcast("go", {"all": True})
+            for h in handles:
+                assert await h.result(timeout=15) == {"all": True}
+
+    async def test_fact_wait_times_out_durably(self, engine: Engine) -> None:
+        handle = await engine.enqueue(wait_or_timeout_task, Job(key="t"))
+        async with engine.worker():
+            assert await handle.result(timeout=15) == "timed out"
+        info = await engine.get(handle.run_id)
+        assert [(s.name, s.status) for s in info.timeline] == [("never", "completed")]
+
+    async def test_check_reads_business_state(self, engine: Engine) -> None:
+        handle = await engine.enqueue(checked_task, Job(key="plan-9"))
+        async with engine.worker():
+            await wait_until(engine, handle.run_id, lambda i: i.status == "waiting", what="parked")
+            BUSINESS["plan-9"] = "approved-by-alice"
+            assert await handle.result(timeout=15) == "approved-by-alice"
+
+    # -- cancel -----------------------------------------------------------------------------------
+
+    async def test_cancel_waiting_run_ends_it_at_once(self, engine: Engine) -> None:
+        handle = await engine.enqueue(waiter_task, Job(key="never-sent"))
+        async with engine.worker():
+            await wait_until(engine, handle.run_id, lambda i: i.status == "waiting", what="parked")
+            assert await engine.cancel(handle.run_id, reason="user asked") == "canceled"
+            with pytest.raises(RunCanceledError) as caught:
+                await handle.result(timeout=5)
+        assert caught.value.reason == "user asked"
+        assert await engine.cancel(handle.run_id, reason="again") == "already_finished"
+
+    async def test_cancel_running_fires_abort_and_stops_later_steps(self, engine: Engine) -> None:
+        handle = await engine.enqueue(cancellable_task, Job(key="c1"))
+        async with engine.worker():
+            await asyncio.wait_for(_gate("c1:started").wait(), 15)
+            started = time.monotonic()
+            assert await engine.cancel(handle.run_id, reason="stop it") == "requested"
+            with pytest.raises(RunCanceledError):
+                await handle.result(timeout=15)
+            assert time.monotonic() - started < 2.0, "abort must fire within about a second"
+        assert BODY_RUNS[("c1", "after")] == 0
+        info = await engine.get(handle.run_id)
+        assert info.status == "canceled"
+        assert info.cancel_reason == "stop it"
+        assert [s.name for s in info.timeline if s.status == "completed"] == ["started"]
+
+    async def test_errors_of_a_canceled_handler_are_recorded(self, engine: Engine) -> None:
+        handle = await engine.enqueue(cancellable_task, Job(key="c2", n=1))
+        async with engine.worker():
+            await asyncio.wait_for(_gate("c2:started").wait(), 15)
+            await engine.cancel(handle.run_id, reason="stop")
+            with pytest.raises(RunCanceledError):
+                await handle.result(timeout=15)
+        info = await engine.get(handle.run_id)
+        assert info.status == "canceled"
+        assert info.error is not None
+        assert "cleanup failed while stopping" in info.error.message
+
+    # -- idempotency and priority -----------------------------------------------------------------
+
+    async def test_idempotent_enqueue_and_conflict(self, engine: Engine) -> None:
+        one = await engine.enqueue(echo_task_v2, Job(key="i"), idempotency_key="plan:i")
+        two = await engine.enqueue(echo_task_v2, {"key": "i", "n": 0}, idempotency_key="plan:i")
+        assert two.run_id == one.run_id
+        assert one.created
+        assert not two.created
+        with pytest.raises(IdempotencyConflictError) as caught:
+            await engine.enqueue(echo_task_v2, Job(key="other"), idempotency_key="plan:i")
+        assert caught.value.run_id == one.run_id
+        assert len(await engine.list()) == 1
+
+    async def test_priority_first_then_fifo(self, engine: Engine) -> None:
+        plan = [("low-1", 0), ("high-1", 5), ("low-2", 0), ("top", 9), ("high-2", 5), ("neg", -1)]
+        handles = []
+        for key, priority in plan:
+            handles.append(
+                await engine.enqueue(echo_task, Job(key=key), priority=priority, version=1)
+            )
+        async with engine.worker(versions=["contract.echo@1"], concurrency=1):
+            for handle in handles:
+                await handle.result(timeout=15)
+        assert ORDER == ["top", "high-1", "high-2", "low-1", "low-2", "neg"]
+
+    # -- versions ---------------------------------------------------------------------------------
+
+    async def test_worker_claims_only_its_pairs(self, engine: Engine) -> None:
+        v1 = await engine.enqueue(echo_task, Job(key="old"), version=1)
+        v2 = await engine.enqueue(echo_task_v2, Job(key="new"))
+        other = await engine.enqueue(other_task, Job(key="o"))
+        async with engine.worker(versions=["contract.echo@2"]):
+            await v2.result(timeout=15)
+            await asyncio.sleep(0.3)
+        assert ORDER == ["v2:new"]
+        for handle in (v1, other):
+            info = await engine.get(handle.run_id)
+            assert info.status == "pending", "an unserved pair waits without failing"
+            assert info.attempts == 0
+            assert info.failures == 0
+        async with engine.worker(versions=["contract.echo@1", "contract.other@1"]):
+            await v1.result(timeout=15)
+            await other.result(timeout=15)
+        assert sorted(ORDER) == ["old", "other:o", "v2:new"]
+
+    # -- leases and fencing -----------------------------------------------------------------------
+
+    async def test_lease_expiry_takeover_rejects_the_stale_attempt(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("l1")
+        handle = await engine.enqueue(steps_task, Job(key="l1"))
+        stale = engine.worker(concurrency=1, lease=harness.lease)
+        await stale.start()
+        await _eventually(lambda: _true(BODY_RUNS[("l1", "second")] == 1))
+        freeze_heartbeats(stale)
+        await harness.advance(harness.lease * 2)
+        async with engine.worker(concurrency=1, lease=harness.lease) as fresh:
+            await _eventually(lambda: _true(BODY_RUNS[("l1", "second")] == 2))
+            GATES["l1"].set()  # both attempts proceed; only the holder may record
+            assert await handle.result(timeout=20) == 6
+            await _eventually(lambda: _true(not stale.running_runs))
+            del fresh
+        await stale.stop()
+        info = await engine.get(handle.run_id)
+        tokens = {
+            s.fencing_token for s in info.timeline if s.name == "second" and s.status == "completed"
+        }
+        assert len(tokens) == 1
+        assert max(e.fencing_token for e in info.executions) in tokens
+        assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+
+    async def test_fenced_side_effect_commits_once(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("op1:attempt1")  # the first attempt blocks inside its side effect
+        handle = await engine.enqueue(fenced_task, Job(key="op1"))
+        stale = engine.worker(concurrency=1, lease=harness.lease)
+        await stale.start()
+        await _eventually(lambda: _true(BODY_RUNS[("op1", "act")] == 1))
+        freeze_heartbeats(stale)
+        await harness.advance(harness.lease * 2)
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            receipt = await handle.result(timeout=20)
+            GATES["op1:attempt1"].set()
+            await _eventually(lambda: _true(not stale.running_runs))
+        await stale.stop()
+        info = await engine.get(handle.run_id)
+        rows = await harness.business_rows()
+        assert rows == {"op1": receipt}, f"business rows: {rows}"
+        assert BUSINESS["resumed"] == [False, True], "the takeover sees the earlier start"
+        assert receipt == f"receipt-{info.executions[-1].fencing_token}"
+        assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+
+    async def test_fenced_op_returns_the_recorded_result(self, engine: Engine) -> None:
+        first_run = await engine.enqueue(fenced_task, Job(key="op2"))
+        async with engine.worker():
+            receipt = await first_run.result(timeout=15)
+            again = await engine.enqueue(fenced_task, Job(key="op2", n=1))
+            assert await again.result(timeout=15) == receipt
+        assert BODY_RUNS[("op2", "act")] == 1
+
+    # -- retries ----------------------------------------------------------------------------------
+
+    async def test_step_retries_durably_with_backoff(self, engine: Engine) -> None:
+        handle = await engine.enqueue(flaky_task, Job(key="fl", n=2))
+        async with engine.worker():
+            assert await handle.result(timeout=15) == 3
+        info = await engine.get(handle.run_id)
+        assert [(s.name, s.status, s.attempt) for s in info.timeline] == [
+            ("call", "retrying", 1),
+            ("call", "retrying", 2),
+            ("call", "completed", 3),
+        ]
+        assert info.attempts == 3, "each retry releases the slot and is claimed again"
+        assert info.failures == 0
+        first_try, second_try = info.timeline[0], info.timeline[1]
+        assert second_try.started_at is not None
+        assert first_try.finished_at is not None
+        assert second_try.started_at - first_try.finished_at >= timedelta(milliseconds=190)
+
+    async def test_step_gives_up_after_its_attempts(self, engine: Engine) -> None:
+        failing = await engine.enqueue(step_gives_up_task, Job(key="g0"))
+        handled = await engine.enqueue(step_gives_up_task, Job(key="g1", n=1))
+        async with engine.worker():
+            with pytest.raises(RunFailedError) as caught:
+                await failing.result(timeout=15)
+            assert await handled.result(timeout=15) == "handled OSError"
+        assert "disk on fire" in caught.value.error_message
+        info = await engine.get(failing.run_id)
+        assert info.failures == 1
+        assert [(s.name, s.status) for s in info.timeline] == [("boom", "failed")]
+
+    async def test_handler_failures_retry_the_run(self, engine: Engine) -> None:
+        flaky = await engine.enqueue(flaky_handler_task, Job(key="h", n=2))
+        final = await engine.enqueue(flaky_handler_task, Job(key="k", n=-1))
+        async with engine.worker():
+            assert await flaky.result(timeout=15) == "ok"
+            with pytest.raises(RunFailedError) as caught:
+                await final.result(timeout=15)
+        assert caught.value.error_type == "KeyError"
+        info = await engine.get(flaky.run_id)
+        assert info.failures == 2
+        assert info.attempts == 3
+        assert [s.name for s in info.timeline] == ["once"], "completed steps are not re-run"
+        assert (await engine.get(final.run_id)).failures == 1
+
+    # -- listing ----------------------------------------------------------------------------------
+
+    async def test_list_filters_and_pages(self, engine: Engine) -> None:
+        handles = [await engine.enqueue(echo_task_v2, Job(key=str(i))) for i in range(5)]
+        await engine.enqueue(other_task, Job(key="x"))
+        page = await engine.list(task_name="contract.echo", limit=3)
+        assert [r.run_id for r in page] == [h.run_id for h in reversed(handles)][:3]
+        assert page.next_cursor is not None
+        rest = await engine.list(task_name="contract.echo", limit=3, before=page.next_cursor)
+        assert [r.run_id for r in rest] == [h.run_id for h in reversed(handles)][3:]
+        assert rest.next_cursor is None
+        assert len(await engine.list(status="pending")) == 6
+        assert len(await engine.list(status="completed")) == 0
+        assert len(await engine.list(task_name="contract.echo", version=1)) == 0
+
+
+async def _true(value: bool) -> bool:
+    return value
