@@ -15,8 +15,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/00_crash_and_resume.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check umt_sdk umt_backend_memory tests examples
-	$(BIN)/ruff format --check umt_sdk umt_backend_memory tests examples
+	$(BIN)/ruff check umt_sdk umt_backend_memory umt_backend_pg tests examples bench
+	$(BIN)/ruff format --check umt_sdk umt_backend_memory umt_backend_pg tests examples bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

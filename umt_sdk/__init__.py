@@ -6,6 +6,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 """
 
 import contextlib
+import inspect
 
 from umt_sdk._context import StepApi, SyncStepApi, SyncTaskContext, TaskContext
 from umt_sdk._engine import Engine, RunHandle, connect
@@ -74,6 +75,10 @@ __all__ = [
 
 for _name in __all__:
     _obj = globals()[_name]
+    if isinstance(_obj, type):
+        # Evaluate string annotations in the defining module first: get_type_hints, attrs and
+        # cattrs resolve them in the namespace of `__module__`, which is about to change.
+        _obj.__annotations__ = inspect.get_annotations(_obj, eval_str=True)
     if isinstance(_obj, type) or callable(_obj):
         with contextlib.suppress(AttributeError, TypeError):
             _obj.__module__ = __name__

@@ -39,6 +39,15 @@ def _backoff_ok(_: object, __: object, value: float) -> None:
         raise ValueError(f"RetryPolicy: backoff must be >= 1.0, got {value}")
 
 
+def _exception_types(_: object, __: object, value: object) -> None:
+    if not isinstance(value, tuple) or not all(
+        isinstance(t, type) and issubclass(t, BaseException) for t in value
+    ):
+        raise TypeError(
+            f"RetryPolicy: non_retryable must be a tuple of exception classes, got {value!r}"
+        )
+
+
 @frozen(kw_only=True)
 class RetryPolicy:
     """How often and how soon a failed step or task is tried again.
@@ -52,7 +61,7 @@ class RetryPolicy:
     initial: timedelta = field(default=timedelta(seconds=1), validator=_positive)
     backoff: float = field(default=2.0, validator=_backoff_ok)
     max_interval: timedelta = field(default=timedelta(minutes=5), validator=_positive)
-    non_retryable: tuple[type[BaseException], ...] = ()
+    non_retryable: tuple[type[BaseException], ...] = field(default=(), validator=_exception_types)
 
     @classmethod
     def network(cls) -> RetryPolicy:
@@ -73,8 +82,13 @@ class RetryPolicy:
         """The wait before `attempt` (2 for the first retry)."""
         if attempt <= 1:
             return timedelta(0)
-        seconds = self.initial.total_seconds() * self.backoff ** (attempt - 2)
-        return min(timedelta(seconds=seconds), self.max_interval)
+        try:
+            seconds = self.initial.total_seconds() * self.backoff ** (attempt - 2)
+        except OverflowError:  # far past the cap
+            return self.max_interval
+        if seconds >= self.max_interval.total_seconds():  # also before timedelta() overflows
+            return self.max_interval
+        return timedelta(seconds=seconds)
 
     def should_retry(self, error: BaseException, failed_attempts: int) -> bool:
         """True if another attempt is due after `failed_attempts` failures ending in `error`."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import date, datetime, timedelta
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Any
 from uuid import UUID
 
 import cattrs
 from cattrs.preconf.json import make_converter as _make_json_converter
+from cattrs.strategies import configure_union_passthrough
 
 from umt_sdk.exceptions import PayloadError
 
@@ -46,6 +47,16 @@ def make_converter() -> cattrs.Converter:
     converter.register_structure_hook(int, _strict(int))
     converter.register_structure_hook(float, _strict(float, also=(int,)))
     converter.register_structure_hook(bool, _strict(bool))
+    # The JSON preset passes unions of primitives through when the value's class (or a subclass)
+    # is a member; bool is a subclass of int, so `int | str` took True. Configure it without bool
+    # (a union that names bool still accepts it, through the strict bool hook).
+    configure_union_passthrough(str | int | float | None, converter)
+
+    def structure_none(value: Any, _: type) -> None:
+        if value is not None:
+            raise TypeError(f"expected null, got {type(value).__name__}")
+
+    converter.register_structure_hook(type(None), structure_none)
 
     def structure_datetime(value: Any, _: type) -> datetime:
         if isinstance(value, datetime):
@@ -78,7 +89,10 @@ def make_converter() -> cattrs.Converter:
     def structure_decimal(value: Any, _: type) -> Decimal:
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             raise TypeError(f"expected a decimal string, got {type(value).__name__}")
-        return Decimal(str(value))
+        try:
+            return Decimal(str(value))
+        except InvalidOperation:
+            raise ValueError(f"expected a decimal string, got {value!r}") from None
 
     converter.register_structure_hook(datetime, structure_datetime)
     converter.register_unstructure_hook(datetime, datetime.isoformat)
@@ -144,8 +158,8 @@ def validate(value: Any, type_: Any, *, what: str = "input") -> str:
         return encode(value, what=what)
     try:
         raw = _converter.unstructure(value)
-        _converter.structure(raw, type_)
         text = _dumps(_converter.unstructure(_converter.structure(raw, type_), type_))
+        _converter.structure(json.loads(text), type_)  # what a worker will decode
     except PayloadError:
         raise
     except Exception as exc:

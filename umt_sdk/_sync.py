@@ -31,6 +31,9 @@ class SyncEngine:
         self._thread = thread
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()  # never run: close it so it is not reported as never awaited
+            raise RuntimeError("this SyncEngine is closed; open a new one with connect_sync()")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __enter__(self) -> SyncEngine:

@@ -326,7 +326,10 @@ class Registry:
         if not isinstance(ref, str):
             raise TaskDefinitionError(f"expected a task definition or a task name, got {ref!r}")
         if "@" in ref:
-            pair = TaskPair.parse(ref)
+            try:
+                pair = TaskPair.parse(ref)
+            except ValueError as exc:  # as in select(): a misused reference, not a bad value
+                raise TaskDefinitionError(str(exc)) from exc
             if version is not None and version != pair.version:
                 raise TaskDefinitionError(f"{ref!r} conflicts with version={version}")
             return self.get(pair.name, pair.version)

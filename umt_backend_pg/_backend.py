@@ -1,0 +1,708 @@
+"""The Postgres backend: the SPI over psycopg 3 with a pool, LISTEN/NOTIFY and named SQL.
+
+Round trips (each one statement and one commit unless noted):
+- enqueue: 1 (insert + NOTIFY in one transaction: 2 statements pipelined; +1 on an
+  idempotency hit, to read the existing run);
+- claim: 1 for up to N runs, including their step records for replay;
+- step checkpoint: 1 (insert the record if the token holds, extend the lease);
+- park on a sleep or a retry: 1; park on a fact: 1 (lock + park, pipelined in a transaction);
+- complete / fail / cancel-finish / release: 1;
+- heartbeat: 1 per worker per interval, for every run it holds.
+A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from umt_backend_pg._errors import wrap_exceptions
+from umt_backend_pg._migrate import migrate
+from umt_backend_pg._sql import queries, render, validate_schema
+from umt_sdk.backend import (
+    Beat,
+    CancelOutcome,
+    ClaimedRun,
+    Clock,
+    EnqueueResult,
+    ErrorInfo,
+    ExecutionOutcome,
+    ExecutionRecord,
+    Fact,
+    HeartbeatResult,
+    Lease,
+    LedgerEntry,
+    NewRun,
+    ParkStatus,
+    RunQuery,
+    RunRecord,
+    StepRecord,
+    TaskPair,
+)
+from umt_sdk.exceptions import FencingError, IdempotencyConflictError, RunNotFoundError
+
+__all__ = ["PostgresBackend", "PostgresLedger"]
+
+_log = logging.getLogger("umt.pg")
+
+
+def _error_json(error: ErrorInfo | None) -> str | None:
+    if error is None:
+        return None
+    return json.dumps({"type": error.type, "message": error.message, "traceback": error.traceback})
+
+
+def _error(value: Any) -> ErrorInfo | None:
+    if not value:
+        return None
+    return ErrorInfo(
+        type=str(value.get("type", "")),
+        message=str(value.get("message", "")),
+        traceback=str(value.get("traceback", "")),
+    )
+
+
+def _ts(value: Any) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value))
+
+
+class PostgresBackend:
+    """Runs, steps, facts and the ledger in one Postgres schema. Open with `open()`."""
+
+    clock: Clock | None = None
+
+    def __init__(
+        self, *, url: str, pool: AsyncConnectionPool[Any], schema: str, listen: bool
+    ) -> None:
+        self.url = url
+        self.schema = schema
+        self._pool = pool
+        self._q = {name: render(text, schema) for name, text in queries().items()}
+        self.work_channel = f"{schema}.work"
+        self.cancel_channel = f"{schema}.cancel"
+        self._listen = listen
+        self._listener: asyncio.Task[None] | None = None
+        self._work_waiters: list[tuple[frozenset[str], asyncio.Future[None]]] = []
+        self._notified: dict[str, int] = {}
+        self._seen: dict[frozenset[str], int] = {}
+        self._cancel_listeners: list[Callable[[UUID, str], None]] = []
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        schema: str = "umt",
+        run_migrations: bool = True,
+        min_size: int = 1,
+        max_size: int = 10,
+        listen: bool = True,
+    ) -> PostgresBackend:
+        """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll."""
+        validate_schema(schema)
+        if run_migrations:
+            await migrate(url, schema=schema)
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"autocommit": True},
+            open=False,
+            name=f"umt-{schema}",
+        )
+        with wrap_exceptions():
+            await pool.open(wait=True, timeout=30)
+        backend = cls(url=url, pool=pool, schema=schema, listen=listen)
+        if listen:
+            backend._listener = asyncio.create_task(backend._listen_loop(), name="umt-pg-listen")
+        return backend
+
+    # -- notifications ----------------------------------------------------------------------------
+
+    async def _listen_loop(self) -> None:
+        delay = 0.1
+        while not self._closed:
+            try:
+                async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+                    for channel in (self.work_channel, self.cancel_channel):
+                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    delay = 0.1
+                    self._wake_all()  # anything sent while we were away
+                    async for note in conn.notifies():
+                        if note.channel == self.work_channel:
+                            self._on_work(note.payload)
+                        elif note.channel == self.cancel_channel:
+                            self._on_cancel(note.payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the database went away: reconnect with backoff
+                if self._closed:
+                    return
+                _log.warning("LISTEN connection lost (%s); reconnecting in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _on_work(self, payload: str) -> None:
+        pairs = set(payload.split(",")) if payload else set()
+        for pair in pairs or {"*"}:
+            self._notified[pair] = self._notified.get(pair, 0) + 1
+        remaining = []
+        for wanted, future in self._work_waiters:
+            if not pairs or wanted & pairs:
+                if not future.done():
+                    future.set_result(None)
+            else:
+                remaining.append((wanted, future))
+        self._work_waiters = remaining
+
+    def _wake_all(self) -> None:
+        for _, future in self._work_waiters:
+            if not future.done():
+                future.set_result(None)
+        self._work_waiters = []
+
+    def _on_cancel(self, payload: str) -> None:
+        run_id_text, _, reason = payload.partition(":")
+        try:
+            run_id = UUID(run_id_text)
+        except ValueError:
+            return
+        for listener in list(self._cancel_listeners):
+            listener(run_id, reason)
+
+    def _generation(self, pairs: frozenset[str]) -> int:
+        return sum(self._notified.get(p, 0) for p in pairs) + self._notified.get("*", 0)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    async def _one(self, query: str, params: Mapping[str, Any]) -> dict[str, Any] | None:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = await conn.cursor(row_factory=dict_row).execute(self._q[query], params)
+                row: dict[str, Any] | None = await cur.fetchone()
+                return row
+
+    async def _all(self, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = await conn.cursor(row_factory=dict_row).execute(self._q[query], params)
+                rows: list[dict[str, Any]] = await cur.fetchall()
+                return rows
+
+    @staticmethod
+    def _fenced(lease: Lease, what: str) -> FencingError:
+        return FencingError(
+            f"{what}: run {lease.run_id} is no longer held by attempt token {lease.fencing_token}",
+            run_id=lease.run_id,
+            fencing_token=lease.fencing_token,
+        )
+
+    # -- the SPI ----------------------------------------------------------------------------------
+
+    async def enqueue(self, new: NewRun, *, conn: Any = None) -> EnqueueResult:
+        params = {
+            "id": new.run_id,
+            "task_name": new.task_name,
+            "task_version": new.task_version,
+            "priority": new.priority,
+            "delay": new.delay or timedelta(0),
+            "idempotency_key": new.idempotency_key,
+            "input_hash": new.input_hash,
+            "trace_context": Jsonb(dict(new.trace_context)),
+            "input": new.input_json,
+        }
+        if conn is not None:
+            if not isinstance(conn, psycopg.AsyncConnection):
+                raise TypeError(
+                    "enqueue(conn=...) takes a psycopg.AsyncConnection to the engine's database "
+                    f"(your open transaction), got {type(conn).__name__}"
+                )
+            with wrap_exceptions():
+                return await self._enqueue_on(conn, new, params)
+        with wrap_exceptions():
+            async with self._pool.connection() as own, own.transaction():
+                return await self._enqueue_on(own, new, params)
+
+    async def _enqueue_on(
+        self, conn: psycopg.AsyncConnection[Any], new: NewRun, params: dict[str, Any]
+    ) -> EnqueueResult:
+        cur = await conn.execute(self._q["insert_run"], params)
+        if await cur.fetchone() is not None:
+            await conn.execute(
+                self._q["notify"],
+                {"channel": self.work_channel, "payload": f"{new.task_name}@{new.task_version}"},
+            )
+            return EnqueueResult(run_id=new.run_id, created=True)
+        cur = await conn.execute(self._q["find_idempotent_run"], params)
+        row = await cur.fetchone()
+        if row is None:  # pragma: no cover - the conflicting insert was rolled back meanwhile
+            raise IdempotencyConflictError(
+                f"idempotency key {new.idempotency_key!r} is being used concurrently; retry",
+                idempotency_key=new.idempotency_key or "",
+            )
+        existing_id, existing_hash = row
+        if existing_hash != new.input_hash:
+            raise IdempotencyConflictError(
+                f"idempotency key {new.idempotency_key!r} of task {new.task_name!r} already "
+                f"names run {existing_id} with a different input; use a new key for a "
+                "different input",
+                idempotency_key=new.idempotency_key or "",
+                run_id=existing_id,
+            )
+        return EnqueueResult(run_id=existing_id, created=False)
+
+    async def claim(
+        self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
+    ) -> Sequence[ClaimedRun]:
+        keys = frozenset(str(p) for p in pairs)
+        self._seen[keys] = self._generation(keys)
+        rows = await self._all(
+            "claim_runs",
+            {
+                "names": [p.name for p in pairs],
+                "versions": [p.version for p in pairs],
+                "limit": limit,
+                "worker_id": worker_id,
+                "lease": lease,
+            },
+        )
+        claimed = []
+        for row in rows:
+            steps = tuple(
+                StepRecord(
+                    name=s["name"],
+                    kind=s["kind"],
+                    status=s["status"],
+                    attempt=s["attempt"],
+                    fencing_token=s["fencing_token"],
+                    output_json=None if s["output"] is None else json.dumps(s["output"]),
+                    error=_error(s["error"]),
+                    started_at=_ts(s["started_at"]),
+                    finished_at=_ts(s["finished_at"]),
+                    wake_at=_ts(s["wake_at"]),
+                )
+                for s in (row["steps"] or ())
+            )
+            claimed.append(
+                ClaimedRun(
+                    run_id=row["id"],
+                    task_name=row["task_name"],
+                    task_version=row["task_version"],
+                    input_json=row["input"],
+                    priority=row["priority"],
+                    fencing_token=row["fencing_token"],
+                    claimed_at=row["claimed_at"],
+                    claims=row["claims"],
+                    failures=row["failures"],
+                    trace_context=row["trace_context"] or {},
+                    steps=steps,
+                )
+            )
+        return claimed
+
+    async def heartbeat(
+        self, *, worker_id: str, beats: Sequence[Beat], lease: timedelta
+    ) -> HeartbeatResult:
+        if not beats:
+            return HeartbeatResult()
+        rows = await self._all(
+            "heartbeat",
+            {
+                "ids": [b.run_id for b in beats],
+                "tokens": [b.fencing_token for b in beats],
+                "steps": [b.current_step for b in beats],
+                "step_started": [b.step_started_at for b in beats],
+                "lease": lease,
+            },
+        )
+        return HeartbeatResult(
+            lost=frozenset(r["id"] for r in rows if not r["held"]),
+            cancel_requested={
+                r["id"]: r["cancel_reason"] or "" for r in rows if r["cancel_requested"]
+            },
+        )
+
+    async def record_step(self, lease: Lease, step: StepRecord) -> None:
+        row = await self._one(
+            "record_step",
+            {
+                "run_id": lease.run_id,
+                "token": lease.fencing_token,
+                "lease": lease.duration,
+                "name": step.name,
+                "attempt": step.attempt,
+                "kind": step.kind,
+                "status": step.status,
+                "output": step.output_json,
+                "error": _error_json(step.error),
+                "started_at": step.started_at,
+                "finished_at": step.finished_at,
+                "wake_at": step.wake_at,
+            },
+        )
+        if row is None:
+            raise self._fenced(lease, f"recording step {step.name!r}")
+
+    async def park(
+        self,
+        lease: Lease,
+        *,
+        step: StepRecord | None,
+        wake_at: datetime | None,
+        wait_for: str | None,
+        status: ParkStatus,
+    ) -> bool:
+        params = {
+            "run_id": lease.run_id,
+            "token": lease.fencing_token,
+            "wake_at": wake_at,
+            "wait_for": wait_for,
+            "status": status,
+            "outcome": "retrying" if status == "pending" else "waiting",
+            "step_name": step.name if step else None,
+            "step_attempt": step.attempt if step else None,
+            "step_kind": step.kind if step else None,
+            "step_status": step.status if step else None,
+            "step_started_at": step.started_at if step else None,
+            "step_finished_at": step.finished_at if step else None,
+            "step_wake_at": step.wake_at if step else None,
+            "step_error": _error_json(step.error) if step else None,
+        }
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                if wait_for is None:
+                    cur = await conn.execute(self._q["park"], params)
+                    row = await cur.fetchone()
+                else:
+                    # Shared lock on the fact name, then the park in a new statement (a fresh
+                    # snapshot): a concurrent signal either committed before (we see its fact)
+                    # or waits for us (and then sees this run waiting).
+                    async with conn.pipeline(), conn.transaction():
+                        await conn.execute(self._q["lock_fact_name_shared"], {"name": wait_for})
+                        cur = await conn.execute(self._q["park"], params)
+                    row = await cur.fetchone()
+        owned, parked = row if row else (0, 0)
+        if not owned:
+            raise self._fenced(lease, "parking")
+        return bool(parked)
+
+    async def _finish(
+        self,
+        lease: Lease,
+        *,
+        status: str,
+        outcome: ExecutionOutcome,
+        output_json: str | None = None,
+        error: ErrorInfo | None = None,
+        add_failure: int = 0,
+        available_at: datetime | None = None,
+    ) -> None:
+        row = await self._one(
+            "finish_run",
+            {
+                "run_id": lease.run_id,
+                "token": lease.fencing_token,
+                "status": status,
+                "outcome": outcome,
+                "output": output_json,
+                "error": _error_json(error),
+                "add_failure": add_failure,
+                "available_at": available_at,
+            },
+        )
+        if not row or not row["count"]:
+            raise self._fenced(lease, f"finishing as {status}")
+
+    async def complete(self, lease: Lease, *, output_json: str) -> None:
+        await self._finish(lease, status="completed", outcome="completed", output_json=output_json)
+
+    async def fail(self, lease: Lease, *, error: ErrorInfo, retry_at: datetime | None) -> None:
+        if retry_at is None:
+            await self._finish(lease, status="failed", outcome="failed", error=error, add_failure=1)
+        else:
+            await self._finish(
+                lease,
+                status="pending",
+                outcome="retrying",
+                error=error,
+                add_failure=1,
+                available_at=retry_at,
+            )
+
+    async def finish_canceled(self, lease: Lease, *, error: ErrorInfo | None) -> None:
+        await self._finish(lease, status="canceled", outcome="canceled", error=error)
+
+    async def release(self, lease: Lease) -> None:
+        await self._finish(lease, status="pending", outcome="released")
+
+    async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                if run_id is not None:
+                    cur = await conn.execute(self._q["run_exists"], {"run_id": run_id})
+                    if await cur.fetchone() is None:
+                        raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+                async with conn.transaction():
+                    await conn.execute(self._q["lock_fact_name"], {"name": name})
+                    cur = await conn.execute(
+                        self._q["insert_fact"],
+                        {"run_id": run_id, "name": name, "payload": payload_json},
+                    )
+                    row = await cur.fetchone()
+                    stored, pairs = row if row else (0, None)
+                    if pairs:
+                        await conn.execute(
+                            self._q["notify"],
+                            {"channel": self.work_channel, "payload": ",".join(sorted(pairs))},
+                        )
+        return bool(stored)
+
+    async def get_fact(self, *, run_id: UUID, name: str) -> Fact | None:
+        row = await self._one("get_fact", {"run_id": run_id, "name": name})
+        if row is None:
+            return None
+        return Fact(
+            name=row["name"],
+            run_id=row["run_id"],
+            payload_json=row["payload"],
+            created_at=row["created_at"],
+        )
+
+    async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(
+                    self._q["cancel_run"], {"run_id": run_id, "reason": reason}
+                )
+                row = await cur.fetchone()
+                if row is None:
+                    raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+                previous, status = row
+                if status is None:
+                    return "already_finished"
+                if status == "canceled":
+                    return "canceled"
+                await conn.execute(
+                    self._q["notify"],
+                    {"channel": self.cancel_channel, "payload": f"{run_id}:{reason}"[:7000]},
+                )
+        del previous
+        return "requested"
+
+    async def get_run(self, run_id: UUID) -> RunRecord | None:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = conn.cursor(row_factory=dict_row)
+                await cur.execute(self._q["get_run"], {"run_id": run_id})
+                row = await cur.fetchone()
+                if row is None:
+                    return None
+                await cur.execute(self._q["get_steps"], {"run_id": run_id})
+                steps = await cur.fetchall()
+                await cur.execute(self._q["get_executions"], {"run_id": run_id})
+                executions = await cur.fetchall()
+        return self._record(row, steps, executions)
+
+    def _record(
+        self,
+        row: dict[str, Any],
+        steps: Sequence[dict[str, Any]] = (),
+        executions: Sequence[dict[str, Any]] = (),
+    ) -> RunRecord:
+        now = row["db_now"]
+        records = []
+        for e in executions:
+            outcome = e["outcome"]
+            if outcome == "running" and (
+                e["fencing_token"] != row["fencing_token"]
+                or row["status"] != "running"
+                or (row["lease_expires_at"] is not None and row["lease_expires_at"] <= now)
+            ):
+                outcome = "interrupted"
+            records.append(
+                ExecutionRecord(
+                    fencing_token=e["fencing_token"],
+                    worker_id=e["worker_id"],
+                    claimed_at=e["claimed_at"],
+                    ended_at=e["ended_at"],
+                    outcome=outcome,
+                    current_step=e["current_step"],
+                    step_started_at=e["step_started_at"],
+                )
+            )
+        return RunRecord(
+            run_id=row["id"],
+            task_name=row["task_name"],
+            task_version=row["task_version"],
+            status=row["status"],
+            priority=row["priority"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            available_at=row["available_at"] if row["status"] != "running" else None,
+            input_json=row["input"],
+            idempotency_key=row["idempotency_key"],
+            output_json=row["output"],
+            error=_error(row["error"]),
+            claims=row["claims"],
+            failures=row["failures"],
+            lease_expirations=row["lease_expirations"],
+            fencing_token=row["fencing_token"],
+            lease_owner=row["lease_owner"],
+            lease_expires_at=row["lease_expires_at"],
+            finished_at=row["finished_at"],
+            cancel_requested_at=row["cancel_requested_at"],
+            cancel_reason=row["cancel_reason"],
+            wait_for=row["wait_for"],
+            trace_context=row["trace_context"] or {},
+            steps=tuple(
+                StepRecord(
+                    name=s["name"],
+                    kind=s["kind"],
+                    status=s["status"],
+                    attempt=s["attempt"],
+                    fencing_token=s["fencing_token"],
+                    output_json=s["output"],
+                    error=_error(s["error"]),
+                    started_at=s["started_at"],
+                    finished_at=s["finished_at"],
+                    wake_at=s["wake_at"],
+                )
+                for s in steps
+            ),
+            executions=tuple(records),
+        )
+
+    async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
+        rows = await self._all(
+            "list_runs",
+            {
+                "task_name": query.task_name,
+                "task_version": query.task_version,
+                "status": query.status,
+                "before": query.before,
+                "limit": query.limit,
+            },
+        )
+        return [self._record(r) for r in rows]
+
+    async def wait_for_work(self, *, pairs: Sequence[TaskPair], timeout: float) -> None:
+        if not self._listen or self._listener is None:
+            await asyncio.sleep(timeout)
+            return
+        keys = frozenset(str(p) for p in pairs)
+        if self._generation(keys) != self._seen.get(keys, -1):
+            return  # a notification came since the last claim: claim again now
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._work_waiters.append((keys, future))
+        try:
+            await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._work_waiters = [(k, f) for k, f in self._work_waiters if f is not future]
+
+    async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
+        await asyncio.sleep(min(timeout, 0.05))
+
+    def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
+        self._cancel_listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._cancel_listeners:
+                self._cancel_listeners.remove(listener)
+
+        return remove
+
+    def ledger(self, conn: Any) -> PostgresLedger:
+        if not isinstance(conn, psycopg.AsyncConnection):
+            raise TypeError(
+                "with_attempt_token on Postgres takes a psycopg.AsyncConnection to the engine's "
+                f"database, got {type(conn).__name__}"
+            )
+        return PostgresLedger(self, conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._listener
+            self._listener = None
+        self._wake_all()
+        await self._pool.close()
+
+
+class PostgresLedger:
+    """The operation ledger in the engine schema, on the caller's business connection.
+
+    The connection should not be inside a transaction of the caller's: `begin` must commit
+    before the side effect runs. `commit(tx, result)` receives the connection itself, inside
+    the transaction that checks the fencing token.
+    """
+
+    def __init__(self, backend: PostgresBackend, conn: psycopg.AsyncConnection[Any]) -> None:
+        self._backend = backend
+        self._conn = conn
+
+    async def begin(self, *, op_key: str, lease: Lease) -> LedgerEntry:
+        q = self._backend._q
+        conn = self._conn
+        params = {"op_key": op_key, "run_id": lease.run_id, "token": lease.fencing_token}
+        with wrap_exceptions():
+            async with conn.transaction():
+                cur = await conn.execute(q["ledger_check_run"], params)
+                if await cur.fetchone() is None:
+                    raise PostgresBackend._fenced(lease, f"beginning {op_key!r}")
+                cur = await conn.execute(q["ledger_get"], params)
+                existing = await cur.fetchone()
+                if existing is not None and existing[1] is not None:
+                    return LedgerEntry(result_json=existing[1], resumed=False)
+                cur = await conn.execute(q["ledger_begin"], params)
+                if await cur.fetchone() is None:
+                    raise PostgresBackend._fenced(
+                        lease, f"beginning {op_key!r} (a newer attempt has)"
+                    )
+        return LedgerEntry(result_json=None, resumed=existing is not None)
+
+    async def finish(
+        self,
+        *,
+        op_key: str,
+        lease: Lease,
+        result_json: str,
+        commit: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        q = self._backend._q
+        conn = self._conn
+        params = {
+            "op_key": op_key,
+            "run_id": lease.run_id,
+            "token": lease.fencing_token,
+            "result": result_json,
+        }
+        with wrap_exceptions():
+            async with conn.transaction():
+                cur = await conn.execute(q["ledger_check_run"], params)
+                if await cur.fetchone() is None:
+                    raise PostgresBackend._fenced(lease, f"committing {op_key!r}")
+                await commit(conn)
+                cur = await conn.execute(q["ledger_finish"], params)
+                if await cur.fetchone() is None:
+                    raise PostgresBackend._fenced(
+                        lease, f"committing {op_key!r} (finished elsewhere)"
+                    )

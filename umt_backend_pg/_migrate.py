@@ -1,0 +1,82 @@
+"""Migrations: numbered .sql files applied in order under an advisory lock."""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import sql
+
+from umt_backend_pg._errors import wrap_exceptions
+from umt_backend_pg._sql import migrations, render, validate_schema
+
+__all__ = ["migrate", "pending_migrations_sql"]
+
+_LOCK_SEED = 0x756D74  # "umt"
+
+
+async def migrate(url: str, *, schema: str = "umt") -> list[str]:
+    """Apply the engine's pending migrations to `schema`; return the names applied.
+
+    Safe to run from many processes at once: they queue on an advisory lock per schema.
+    """
+    validate_schema(schema)
+    applied: list[str] = []
+    with wrap_exceptions():
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await conn.execute(
+                "SELECT pg_advisory_lock(hashtextextended(%s, %s))",
+                (f"umt-migrate:{schema}", _LOCK_SEED),
+            )
+            try:
+                await conn.execute(
+                    sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))
+                )
+                await conn.execute(
+                    sql.SQL(
+                        "CREATE TABLE IF NOT EXISTS {}.migrations (version integer PRIMARY KEY,"
+                        " name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+                    ).format(sql.Identifier(schema))
+                )
+                cur = await conn.execute(
+                    sql.SQL("SELECT version FROM {}.migrations").format(sql.Identifier(schema))
+                )
+                done = {row[0] for row in await cur.fetchall()}
+                for version, name, text in migrations():
+                    if version in done:
+                        continue
+                    async with conn.transaction():
+                        await conn.execute(render(text, schema))
+                        await conn.execute(
+                            sql.SQL(
+                                "INSERT INTO {}.migrations (version, name) VALUES (%s, %s)"
+                            ).format(sql.Identifier(schema)),
+                            (version, name),
+                        )
+                    applied.append(f"{version:04d}_{name}")
+            finally:
+                await conn.execute(
+                    "SELECT pg_advisory_unlock(hashtextextended(%s, %s))",
+                    (f"umt-migrate:{schema}", _LOCK_SEED),
+                )
+    return applied
+
+
+async def pending_migrations_sql(url: str, *, schema: str = "umt") -> str:
+    """The SQL `migrate` would run now (for `umt migrate --dry-run`)."""
+    validate_schema(schema)
+    done: set[int] = set()
+    with wrap_exceptions():
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.migrations",)
+            )
+            row = await cur.fetchone()
+            if row is not None and row[0]:
+                cur = await conn.execute(
+                    sql.SQL("SELECT version FROM {}.migrations").format(sql.Identifier(schema))
+                )
+                done = {r[0] for r in await cur.fetchall()}
+    return "\n".join(
+        f"-- {version:04d}_{name}\n{render(text, schema)}"
+        for version, name, text in migrations()
+        if version not in done
+    )

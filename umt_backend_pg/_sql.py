@@ -1,0 +1,64 @@
+"""The SQL of the backend, read once from the package's .sql files."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+
+from psycopg import sql
+
+__all__ = ["SCHEMA_NAME", "migrations", "queries", "render", "schema_sql", "validate_schema"]
+
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_BLOCK = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
+
+
+def validate_schema(schema: str) -> str:
+    """Schema names are lowercase identifiers; anything else is refused before reaching SQL."""
+    if not isinstance(schema, str) or not SCHEMA_NAME.match(schema):
+        raise ValueError(
+            "schema must be a lowercase identifier (letters, digits, _; at most 63 characters), "
+            f"got {schema!r}"
+        )
+    return schema
+
+
+def _read(name: str) -> str:
+    return (resources.files("umt_backend_pg") / "sql" / name).read_text(encoding="utf-8")
+
+
+@cache
+def queries() -> dict[str, str]:
+    """Named query blocks of queries.sql, unrendered."""
+    text = _read("queries.sql")
+    found: dict[str, str] = {}
+    matches = list(_BLOCK.finditer(text))
+    for i, match in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+        found[match["name"]] = text[match.end() : end].strip()
+    return found
+
+
+@cache
+def migrations() -> list[tuple[int, str, str]]:
+    """(version, name, text) of every numbered migration, in order."""
+    folder = resources.files("umt_backend_pg") / "sql" / "migrations"
+    found = []
+    for entry in folder.iterdir():
+        match = re.match(r"^(\d{4})_([a-z0-9_]+)\.sql$", entry.name)
+        if match:
+            found.append((int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    return sorted(found)
+
+
+def schema_sql() -> str:
+    return _read("schema.sql")
+
+
+def render(text: str, schema: str) -> str:
+    """Put the quoted schema identifier into `{schema}`; nothing else is ever formatted in."""
+    composed = sql.SQL(text).format(  # our own .sql files, never input
+        schema=sql.Identifier(validate_schema(schema))
+    )
+    return composed.as_string(None)

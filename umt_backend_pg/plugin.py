@@ -1,0 +1,49 @@
+"""The Postgres backend's plugin: serves `postgresql://` and `postgres://` URLs.
+
+It imports without psycopg installed; the driver is loaded when a backend is opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from umt_sdk.backend import Backend, Clock, hookimpl
+
+__all__ = ["umt_backend_schemes", "umt_open_backend"]
+
+_SCHEMES = ("postgresql", "postgres")
+_OPTIONS = frozenset({"schema", "run_migrations", "min_size", "max_size", "listen"})
+
+
+@hookimpl
+def umt_backend_schemes() -> Sequence[str]:
+    return list(_SCHEMES)
+
+
+@hookimpl
+def umt_open_backend(
+    url: str, clock: Clock | None, options: Mapping[str, Any]
+) -> Awaitable[Backend] | None:
+    if urlsplit(url).scheme not in _SCHEMES:
+        return None
+
+    async def open_backend() -> Backend:
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"unknown Postgres backend option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(_OPTIONS))}"
+            )
+        if clock is not None:
+            raise TypeError("the Postgres backend keeps the database's time; it takes no clock")
+        try:
+            from umt_backend_pg._backend import PostgresBackend
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ImportError(
+                "the Postgres backend needs psycopg: pip install 'umt-tasks[pg]'"
+            ) from exc
+        return await PostgresBackend.open(url, **options)
+
+    return open_backend()

@@ -1,0 +1,96 @@
+-- umt engine schema, version 1. `{schema}` is replaced by the quoted schema identifier.
+
+CREATE SEQUENCE {schema}.fencing_tokens AS bigint;
+
+CREATE TABLE {schema}.runs (
+    id                  uuid PRIMARY KEY,
+    task_name           text NOT NULL,
+    task_version        integer NOT NULL,
+    status              text NOT NULL CHECK (
+        status IN ('pending', 'running', 'waiting', 'completed', 'failed', 'canceled')
+    ),
+    priority            smallint NOT NULL DEFAULT 0,
+    -- pending/waiting: claimable from then on (NULL: waits for a fact only);
+    -- running: a lower bound of the lease expiry, refreshed by heartbeats.
+    available_at        timestamptz,
+    lease_owner         text,
+    lease_expires_at    timestamptz,
+    fencing_token       bigint NOT NULL DEFAULT 0,
+    claims              integer NOT NULL DEFAULT 0,
+    failures            integer NOT NULL DEFAULT 0,
+    lease_expirations   integer NOT NULL DEFAULT 0,
+    idempotency_key     text,
+    input_hash          text NOT NULL,
+    trace_context       jsonb NOT NULL DEFAULT '{{}}',
+    input               jsonb NOT NULL,
+    output              jsonb,
+    error               jsonb,
+    wait_for            text,
+    cancel_requested_at timestamptz,
+    cancel_reason       text,
+    created_at          timestamptz NOT NULL DEFAULT now(),
+    updated_at          timestamptz NOT NULL DEFAULT now(),
+    finished_at         timestamptz
+) WITH (fillfactor = 70);
+
+-- The claim reads only its own (name, version) pairs: ready runs by priority, then FIFO ...
+CREATE INDEX runs_claim_ready ON {schema}.runs (task_name, task_version, priority DESC, available_at)
+    WHERE status = 'pending';
+-- ... and runs whose timer came: a sleep's end, a wait's timeout or wake-up, a lease expiry.
+CREATE INDEX runs_claim_timers ON {schema}.runs (task_name, task_version, available_at)
+    WHERE status IN ('waiting', 'running');
+CREATE UNIQUE INDEX runs_idempotency ON {schema}.runs (task_name, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
+    WHERE status = 'waiting' AND wait_for IS NOT NULL;
+CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
+CREATE INDEX runs_finished ON {schema}.runs (finished_at)
+    WHERE status IN ('completed', 'failed', 'canceled');
+
+CREATE TABLE {schema}.steps (
+    run_id          uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    name            text NOT NULL,
+    attempt         integer NOT NULL,
+    seq             bigint GENERATED ALWAYS AS IDENTITY,
+    kind            text NOT NULL CHECK (kind IN ('step', 'sleep', 'fact')),
+    status          text NOT NULL CHECK (status IN ('completed', 'failed', 'retrying', 'waiting')),
+    fencing_token   bigint NOT NULL,
+    output          jsonb,
+    error           jsonb,
+    started_at      timestamptz,
+    finished_at     timestamptz,
+    wake_at         timestamptz,
+    PRIMARY KEY (run_id, name, attempt)
+) WITH (fillfactor = 90);
+
+CREATE TABLE {schema}.executions (
+    run_id          uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    fencing_token   bigint NOT NULL,
+    worker_id       text NOT NULL,
+    claimed_at      timestamptz NOT NULL,
+    ended_at        timestamptz,
+    outcome         text NOT NULL,
+    current_step    text,
+    step_started_at timestamptz,
+    PRIMARY KEY (run_id, fencing_token)
+) WITH (fillfactor = 80);
+
+-- Facts: first write wins per (scope, name); scope is a run id, or '*' for broadcast facts.
+CREATE TABLE {schema}.facts (
+    scope       text NOT NULL,
+    name        text NOT NULL,
+    run_id      uuid REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    payload     jsonb NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (scope, name)
+);
+
+-- The operation ledger behind with_attempt_token.
+CREATE TABLE {schema}.op_ledger (
+    op_key          text PRIMARY KEY,
+    run_id          uuid NOT NULL,
+    fencing_token   bigint NOT NULL,
+    result          jsonb,
+    started_at      timestamptz NOT NULL DEFAULT now(),
+    finished_at     timestamptz
+);

@@ -1,0 +1,332 @@
+-- Named queries of the Postgres backend. Each block starts with `-- name: <query name>`.
+-- `{schema}` is replaced by the quoted engine schema; parameters are psycopg placeholders.
+
+-- name: insert_run
+INSERT INTO {schema}.runs (
+    id, task_name, task_version, status, priority, available_at, idempotency_key,
+    input_hash, trace_context, input
+)
+VALUES (
+    %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
+    now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
+    %(input)s::jsonb
+)
+ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id;
+
+-- name: find_idempotent_run
+SELECT id, input_hash FROM {schema}.runs
+WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
+
+-- name: notify
+SELECT pg_notify(%(channel)s, %(payload)s);
+
+-- name: claim_runs
+-- Up to %(limit)s runs of the worker's pairs: per pair, ready runs by priority then FIFO, plus
+-- runs whose timer came; pairs take turns (fair slots); each claimed run gets a new token.
+-- A run whose cancel was requested is finished as canceled instead of being handed out.
+WITH pairs AS (
+    SELECT p.name, p.version
+    FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
+), candidates AS (
+    SELECT c.id, c.priority, c.available_at,
+           row_number() OVER (
+               PARTITION BY p.name, p.version ORDER BY c.priority DESC, c.available_at
+           ) AS turn
+    FROM pairs p
+    CROSS JOIN LATERAL (
+        (SELECT r.id, r.priority, r.available_at
+         FROM {schema}.runs r
+         WHERE r.task_name = p.name AND r.task_version = p.version
+           AND r.status = 'pending' AND r.available_at <= now()
+         ORDER BY r.priority DESC, r.available_at
+         LIMIT %(limit)s)
+        UNION ALL
+        (SELECT r.id, r.priority, r.available_at
+         FROM {schema}.runs r
+         WHERE r.task_name = p.name AND r.task_version = p.version
+           AND r.status IN ('waiting', 'running') AND r.available_at <= now()
+           AND (r.status = 'waiting' OR r.lease_expires_at <= now())
+         ORDER BY r.available_at
+         LIMIT %(limit)s)
+    ) AS c
+), locked AS (
+    SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token
+    FROM candidates c
+    JOIN {schema}.runs r ON r.id = c.id
+    WHERE r.status IN ('pending', 'waiting', 'running') AND r.available_at <= now()
+      AND (r.status <> 'running' OR r.lease_expires_at <= now())
+    ORDER BY c.turn, c.priority DESC, c.available_at
+    LIMIT %(limit)s
+    FOR UPDATE OF r SKIP LOCKED
+), claimed AS (
+    UPDATE {schema}.runs r SET
+        status = CASE WHEN r.cancel_requested_at IS NULL THEN 'running' ELSE 'canceled' END,
+        claims = r.claims + CASE WHEN r.cancel_requested_at IS NULL THEN 1 ELSE 0 END,
+        fencing_token = CASE WHEN r.cancel_requested_at IS NULL
+                             THEN nextval('{schema}.fencing_tokens') ELSE r.fencing_token END,
+        lease_expirations = r.lease_expirations
+            + CASE WHEN l.previous_status = 'running' THEN 1 ELSE 0 END,
+        lease_owner = CASE WHEN r.cancel_requested_at IS NULL THEN %(worker_id)s END,
+        available_at = CASE WHEN r.cancel_requested_at IS NULL
+                            THEN now() + %(lease)s::interval END,
+        lease_expires_at = CASE WHEN r.cancel_requested_at IS NULL
+                                THEN now() + %(lease)s::interval END,
+        wait_for = NULL,
+        finished_at = CASE WHEN r.cancel_requested_at IS NULL THEN NULL ELSE now() END,
+        updated_at = now()
+    FROM locked l
+    WHERE r.id = l.id
+    RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
+              r.claims, r.failures, r.trace_context, r.status, l.previous_status,
+              l.previous_token
+), interrupted AS (
+    UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
+    FROM claimed c
+    WHERE c.previous_status = 'running' AND e.run_id = c.id
+      AND e.fencing_token = c.previous_token AND e.outcome = 'running'
+), started AS (
+    INSERT INTO {schema}.executions (run_id, fencing_token, worker_id, claimed_at, outcome)
+    SELECT c.id, c.fencing_token, %(worker_id)s, now(), 'running'
+    FROM claimed c WHERE c.status = 'running'
+)
+SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
+       c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context,
+       CASE WHEN c.claims > 1 THEN (
+           SELECT json_agg(json_build_object(
+               'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
+               'fencing_token', s.fencing_token, 'output', s.output, 'error', s.error,
+               'started_at', s.started_at, 'finished_at', s.finished_at,
+               'wake_at', s.wake_at) ORDER BY s.seq)
+           FROM {schema}.steps s WHERE s.run_id = c.id
+       ) END AS steps
+FROM claimed c
+WHERE c.status = 'running';
+
+-- name: heartbeat
+WITH beats AS (
+    SELECT b.id, b.token, b.step, b.step_started_at
+    FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[], %(steps)s::text[],
+                %(step_started)s::timestamptz[]) AS b (id, token, step, step_started_at)
+), extended AS (
+    UPDATE {schema}.runs r SET
+        lease_expires_at = now() + %(lease)s::interval,
+        available_at = now() + %(lease)s::interval
+    FROM beats b
+    WHERE r.id = b.id AND r.fencing_token = b.token AND r.status = 'running'
+    RETURNING r.id, r.cancel_requested_at, r.cancel_reason
+), noted AS (
+    UPDATE {schema}.executions e SET current_step = b.step, step_started_at = b.step_started_at
+    FROM beats b
+    JOIN extended x ON x.id = b.id
+    WHERE e.run_id = b.id AND e.fencing_token = b.token
+      AND e.current_step IS DISTINCT FROM b.step
+)
+SELECT b.id, x.id IS NOT NULL AS held, x.cancel_requested_at IS NOT NULL AS cancel_requested,
+       x.cancel_reason
+FROM beats b
+LEFT JOIN extended x ON x.id = b.id;
+
+-- name: record_step
+-- One round trip, one commit: the step record, only if the token still holds, and the lease.
+WITH owned AS (
+    UPDATE {schema}.runs SET lease_expires_at = now() + %(lease)s::interval
+    WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
+    RETURNING id
+), cleared AS (
+    UPDATE {schema}.executions e SET current_step = NULL, step_started_at = NULL
+    FROM owned o
+    WHERE e.run_id = o.id AND e.fencing_token = %(token)s AND e.current_step = %(name)s
+)
+INSERT INTO {schema}.steps (
+    run_id, name, attempt, kind, status, fencing_token, output, error,
+    started_at, finished_at, wake_at
+)
+SELECT o.id, %(name)s, %(attempt)s, %(kind)s, %(status)s, %(token)s, %(output)s::jsonb,
+       %(error)s::jsonb, %(started_at)s, %(finished_at)s, %(wake_at)s
+FROM owned o
+ON CONFLICT (run_id, name, attempt) DO UPDATE SET
+    kind = EXCLUDED.kind, status = EXCLUDED.status, fencing_token = EXCLUDED.fencing_token,
+    output = EXCLUDED.output, error = EXCLUDED.error, started_at = EXCLUDED.started_at,
+    finished_at = EXCLUDED.finished_at, wake_at = EXCLUDED.wake_at
+WHERE {schema}.steps.fencing_token <= EXCLUDED.fencing_token
+RETURNING 1;
+
+-- name: lock_fact_name_shared
+SELECT pg_advisory_xact_lock_shared(hashtextextended(%(name)s, 7219));
+
+-- name: lock_fact_name
+SELECT pg_advisory_xact_lock(hashtextextended(%(name)s, 7219));
+
+-- name: park
+-- Release the run until %(wake_at)s (NULL: until a fact), unless the awaited fact is already
+-- stored (then nothing changes and parked = false). Run after lock_fact_name_shared, in a new
+-- statement of the same transaction, so a concurrent signal is either seen here or sees us.
+WITH owned AS (
+    SELECT id, fencing_token FROM {schema}.runs
+    WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
+    FOR NO KEY UPDATE
+), present AS (
+    SELECT 1 FROM {schema}.facts
+    WHERE %(wait_for)s::text IS NOT NULL AND name = %(wait_for)s
+      AND scope IN (%(run_id)s::text, '*')
+    LIMIT 1
+), go AS (
+    SELECT o.id FROM owned o WHERE NOT EXISTS (SELECT 1 FROM present)
+), step AS (
+    INSERT INTO {schema}.steps (
+        run_id, name, attempt, kind, status, fencing_token, started_at, finished_at,
+        wake_at, error
+    )
+    SELECT g.id, %(step_name)s, %(step_attempt)s, %(step_kind)s, %(step_status)s, %(token)s,
+           %(step_started_at)s, %(step_finished_at)s, %(step_wake_at)s, %(step_error)s::jsonb
+    FROM go g WHERE %(step_name)s::text IS NOT NULL
+    ON CONFLICT (run_id, name, attempt) DO UPDATE SET
+        kind = EXCLUDED.kind, status = EXCLUDED.status, fencing_token = EXCLUDED.fencing_token,
+        error = EXCLUDED.error, started_at = EXCLUDED.started_at,
+        finished_at = EXCLUDED.finished_at, wake_at = EXCLUDED.wake_at
+), parked AS (
+    UPDATE {schema}.runs r SET
+        status = %(status)s, available_at = %(wake_at)s, wait_for = %(wait_for)s,
+        lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+    FROM go g WHERE r.id = g.id
+    RETURNING r.id
+), ended AS (
+    UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
+        current_step = NULL, step_started_at = NULL
+    FROM parked p WHERE e.run_id = p.id AND e.fencing_token = %(token)s
+)
+SELECT (SELECT count(*) FROM owned) AS owned, (SELECT count(*) FROM parked) AS parked;
+
+-- name: finish_run
+-- complete / fail / retry / cancel / release, fenced; also closes the execution.
+WITH finished AS (
+    UPDATE {schema}.runs SET
+        status = %(status)s,
+        output = COALESCE(%(output)s::jsonb, output),
+        error = COALESCE(%(error)s::jsonb, error),
+        failures = failures + %(add_failure)s,
+        available_at = CASE WHEN %(status)s = 'pending'
+                            THEN COALESCE(%(available_at)s::timestamptz, now()) END,
+        finished_at = CASE WHEN %(status)s IN ('completed', 'failed', 'canceled')
+                           THEN now() END,
+        lease_owner = NULL, lease_expires_at = NULL, wait_for = NULL, updated_at = now()
+    WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
+    RETURNING id
+), ended AS (
+    UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
+        current_step = NULL, step_started_at = NULL
+    FROM finished f WHERE e.run_id = f.id AND e.fencing_token = %(token)s
+)
+SELECT count(*) FROM finished;
+
+-- name: insert_fact
+WITH fact AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload)
+    VALUES (COALESCE(%(run_id)s::uuid::text, '*'), %(name)s, %(run_id)s::uuid, %(payload)s::jsonb)
+    ON CONFLICT (scope, name) DO NOTHING
+    RETURNING 1
+), woken AS (
+    UPDATE {schema}.runs r SET available_at = now(), updated_at = now()
+    WHERE r.status = 'waiting' AND r.wait_for = %(name)s
+      AND (%(run_id)s::uuid IS NULL OR r.id = %(run_id)s)
+      AND EXISTS (SELECT 1 FROM fact)
+    RETURNING r.task_name, r.task_version
+)
+SELECT (SELECT count(*) FROM fact) AS stored,
+       (SELECT array_agg(DISTINCT task_name || '@' || task_version) FROM woken) AS pairs;
+
+-- name: run_exists
+SELECT 1 FROM {schema}.runs WHERE id = %(run_id)s;
+
+-- name: get_fact
+SELECT name, run_id, payload::text AS payload, created_at FROM {schema}.facts
+WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*')
+ORDER BY scope = '*'
+LIMIT 1;
+
+-- name: cancel_run
+WITH target AS (
+    SELECT id, status, lease_expires_at, lease_owner, fencing_token FROM {schema}.runs
+    WHERE id = %(run_id)s
+    FOR NO KEY UPDATE
+), changed AS (
+    UPDATE {schema}.runs r SET
+        cancel_requested_at = COALESCE(r.cancel_requested_at, now()),
+        cancel_reason = COALESCE(r.cancel_reason, %(reason)s),
+        status = CASE WHEN t.status IN ('pending', 'waiting')
+                        OR (t.status = 'running' AND t.lease_expires_at <= now())
+                      THEN 'canceled' ELSE r.status END,
+        lease_expirations = r.lease_expirations
+            + CASE WHEN t.status = 'running' AND t.lease_expires_at <= now() THEN 1 ELSE 0 END,
+        finished_at = CASE WHEN t.status IN ('pending', 'waiting')
+                             OR (t.status = 'running' AND t.lease_expires_at <= now())
+                           THEN now() ELSE r.finished_at END,
+        available_at = CASE WHEN t.status = 'running' AND t.lease_expires_at > now()
+                            THEN r.available_at END,
+        wait_for = NULL,
+        updated_at = now()
+    FROM target t
+    WHERE r.id = t.id AND t.status NOT IN ('completed', 'failed', 'canceled')
+    RETURNING r.id, r.status
+), interrupted AS (
+    UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
+    FROM target t JOIN changed c ON c.id = t.id
+    WHERE t.status = 'running' AND c.status = 'canceled'
+      AND e.run_id = t.id AND e.fencing_token = t.fencing_token
+)
+SELECT t.status AS previous_status, c.status AS status
+FROM target t LEFT JOIN changed c ON c.id = t.id;
+
+-- name: get_run
+SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
+       input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
+       lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
+       cancel_requested_at, cancel_reason, wait_for, trace_context, now() AS db_now
+FROM {schema}.runs WHERE id = %(run_id)s;
+
+-- name: get_steps
+SELECT name, kind, status, attempt, fencing_token, output::text AS output, error,
+       started_at, finished_at, wake_at
+FROM {schema}.steps WHERE run_id = %(run_id)s ORDER BY seq;
+
+-- name: get_executions
+SELECT fencing_token, worker_id, claimed_at, ended_at, outcome, current_step, step_started_at
+FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
+
+-- name: list_runs
+SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
+       input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
+       lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
+       cancel_requested_at, cancel_reason, wait_for, trace_context, now() AS db_now
+FROM {schema}.runs
+WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
+  AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
+  AND (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(before)s::uuid IS NULL OR id < %(before)s)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: ledger_check_run
+SELECT 1 FROM {schema}.runs
+WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
+FOR SHARE;
+
+-- name: ledger_get
+SELECT fencing_token, result::text AS result FROM {schema}.op_ledger
+WHERE op_key = %(op_key)s
+FOR UPDATE;
+
+-- name: ledger_begin
+INSERT INTO {schema}.op_ledger (op_key, run_id, fencing_token)
+VALUES (%(op_key)s, %(run_id)s, %(token)s)
+ON CONFLICT (op_key) DO UPDATE SET run_id = EXCLUDED.run_id,
+    fencing_token = EXCLUDED.fencing_token, started_at = now()
+WHERE {schema}.op_ledger.result IS NULL
+  AND {schema}.op_ledger.fencing_token <= EXCLUDED.fencing_token
+RETURNING 1;
+
+-- name: ledger_finish
+UPDATE {schema}.op_ledger SET result = %(result)s::jsonb, finished_at = now()
+WHERE op_key = %(op_key)s AND fencing_token = %(token)s AND result IS NULL
+RETURNING 1;
