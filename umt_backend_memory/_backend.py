@@ -431,6 +431,7 @@ class MemoryBackend:
     def _take(
         self, run: _Run, worker_id: str, lease: timedelta, now: datetime
     ) -> ClaimedRun | None:
+        ready_at = run.lease_expires_at if run.status == "running" else run.available_at
         if run.status == "running":  # its lease expired: the holder is gone or frozen
             run.lease_expirations += 1
             self._end_lease(run, "interrupted", now)
@@ -461,6 +462,7 @@ class MemoryBackend:
             failures=run.failures,
             trace_context=dict(run.trace_context),
             steps=tuple(run.steps.values()),
+            ready_at=ready_at,
         )
 
     async def heartbeat(
@@ -651,6 +653,15 @@ class MemoryBackend:
                 and (query.status is None or r.status == query.status)
             ]
             return [self._record(r, full=False) for r in selected[: query.limit]]
+
+    async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
+        with self._lock:
+            wanted = set(pairs)
+            depths = dict.fromkeys(wanted, 0)
+            for run in self._runs.values():
+                if run.status == "pending" and run.pair in wanted:
+                    depths[run.pair] += 1
+            return depths
 
     async def wait_for_work(self, *, pairs: Sequence[TaskPair], timeout: float) -> None:
         loop = asyncio.get_running_loop()

@@ -311,6 +311,7 @@ class PostgresBackend:
                     failures=row["failures"],
                     trace_context=row["trace_context"] or {},
                     steps=steps,
+                    ready_at=row["ready_at"],
                 )
             )
         return claimed
@@ -599,6 +600,16 @@ class PostgresBackend:
             },
         )
         return [self._record(r) for r in rows]
+
+    async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
+        rows = await self._all(
+            "queue_depths",
+            {"names": [p.name for p in pairs], "versions": [p.version for p in pairs]},
+        )
+        depths = dict.fromkeys(pairs, 0)
+        for row in rows:
+            depths[TaskPair(name=row["task_name"], version=row["task_version"])] = row["depth"]
+        return depths
 
     async def wait_for_work(self, *, pairs: Sequence[TaskPair], timeout: float) -> None:
         if not self._listen or self._listener is None:

@@ -13,7 +13,8 @@ from typing import Any, Generic, TypeVar, overload
 from uuid import UUID
 
 from attrs import field, frozen
-from opentelemetry import propagate
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
 
 from umt_sdk import _serde
 from umt_sdk._plugins import PluginHost
@@ -28,6 +29,7 @@ from umt_sdk._spi import (
     TaskPair,
 )
 from umt_sdk._task import Registry, TaskDefinition
+from umt_sdk._telemetry import Telemetry
 from umt_sdk._views import RunInfo, RunPage, build_run_info
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
@@ -86,9 +88,12 @@ class RunHandle(Generic[O]):
 class Engine:
     """The client of one backend. Build it with `await connect(url, registry=...)`."""
 
-    def __init__(self, backend: Backend, registry: Registry) -> None:
+    def __init__(
+        self, backend: Backend, registry: Registry, *, telemetry: Telemetry | None = None
+    ) -> None:
         self.backend = backend
         self.registry = registry
+        self.telemetry = telemetry or Telemetry()
         self._workers: list[Worker] = []
 
     async def __aenter__(self) -> Engine:
@@ -173,22 +178,35 @@ class Engine:
         if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
             raise TaskDefinitionError(f"delay must be a timedelta >= 0, got {delay!r}")
         input_json = _serde.validate(input, definition.input_type, what="input")
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        result = await self.backend.enqueue(
-            NewRun(
-                run_id=new_run_id(),
-                task_name=definition.name,
-                task_version=definition.version,
-                input_json=input_json,
-                input_hash=_serde.input_hash(input_json),
-                priority=priority,
-                idempotency_key=idempotency_key,
-                delay=delay,
-                trace_context=carrier,
-            ),
-            conn=conn,
-        )
+        run_id = new_run_id()
+        attributes = {
+            **Telemetry.task_attributes(definition.name, definition.version),
+            "messaging.operation.type": "send",
+            "messaging.destination.name": definition.name,
+            "umt.priority": priority,
+        }
+        with self.telemetry.producer_span(f"umt.enqueue {definition.name}", attributes) as span:
+            result = await self.backend.enqueue(
+                NewRun(
+                    run_id=run_id,
+                    task_name=definition.name,
+                    task_version=definition.version,
+                    input_json=input_json,
+                    input_hash=_serde.input_hash(input_json),
+                    priority=priority,
+                    idempotency_key=idempotency_key,
+                    delay=delay,
+                    trace_context=self.telemetry.inject(),
+                ),
+                conn=conn,
+            )
+            span.set_attribute("umt.run.id", str(result.run_id))
+            span.set_attribute("messaging.message.id", str(result.run_id))
+            span.set_attribute("umt.run.created", result.created)
+        if result.created:
+            self.telemetry.runs_enqueued.add(
+                1, Telemetry.task_attributes(definition.name, definition.version)
+            )
         return RunHandle(
             run_id=result.run_id,
             task_name=definition.name,
@@ -207,10 +225,12 @@ class Engine:
         from umt_sdk._task import _check_name
 
         _check_name("fact", name)
-        if await self.backend.get_run(run_id) is None:
-            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
-        return await self.backend.signal(run_id=run_id, name=name, payload_json=payload_json)
+        attributes = {"umt.run.id": str(run_id), "umt.fact.name": name}
+        with self.telemetry.producer_span(f"umt.signal {name}", attributes) as span:
+            stored = await self.backend.signal(run_id=run_id, name=name, payload_json=payload_json)
+            span.set_attribute("umt.fact.stored", stored)
+        return stored
 
     async def broadcast(self, name: str, payload: Any = None) -> bool:
         """Store a fact every run can wait for by `name` (first write wins), and wake them."""
@@ -218,12 +238,19 @@ class Engine:
 
         _check_name("fact", name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
-        return await self.backend.signal(run_id=None, name=name, payload_json=payload_json)
+        with self.telemetry.producer_span(f"umt.broadcast {name}", {"umt.fact.name": name}) as span:
+            stored = await self.backend.signal(run_id=None, name=name, payload_json=payload_json)
+            span.set_attribute("umt.fact.stored", stored)
+        return stored
 
     async def cancel(self, run_id: UUID, *, reason: str = "") -> CancelOutcome:
         """Cancel a run: waiting and pending runs end at once; a running one gets its abort
         signal and starts no further step. Returns what happened."""
-        return await self.backend.cancel(run_id, reason=reason)
+        attributes = {"umt.run.id": str(run_id), "umt.cancel.reason": reason}
+        with self.telemetry.client_span("umt.cancel", attributes) as span:
+            outcome = await self.backend.cancel(run_id, reason=reason)
+            span.set_attribute("umt.cancel.outcome", outcome)
+        return outcome
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -332,6 +359,7 @@ class Engine:
             worker_id=worker_id,
             poll_interval=poll_interval,
             shutdown_grace=shutdown_grace,
+            telemetry=self.telemetry,
         )
         self._workers.append(worker)
         return worker
@@ -356,16 +384,20 @@ async def connect(
     registry: Registry | None = None,
     clock: Clock | None = None,
     plugins: Iterable[object] = (),
+    tracer_provider: TracerProvider | None = None,
+    meter_provider: MeterProvider | None = None,
     **options: Any,
 ) -> Engine:
     """Open an engine on the backend that serves `url` (`memory://`, `postgresql://...`).
 
     Backends are pluggy plugins found through the `umt` entry-point group; `plugins` adds
     more without installing them. `clock` is for tests (a `umt_sdk.testing.FakeClock`);
-    other keyword arguments go to the backend.
+    `tracer_provider` / `meter_provider` default to the global OpenTelemetry ones; other
+    keyword arguments go to the backend.
     """
     if not isinstance(url, str) or not url:
         raise TaskDefinitionError(f"connect() needs a backend URL such as 'memory://', got {url!r}")
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
-    return Engine(backend, registry if registry is not None else Registry())
+    telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    return Engine(backend, registry if registry is not None else Registry(), telemetry=telemetry)

@@ -20,10 +20,14 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from opentelemetry import trace
+
 from umt_sdk import _serde
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
+from umt_sdk._logging import RunLogger
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import Backend, ClaimedRun, ErrorInfo, Lease, ParkStatus, StepKind, StepRecord
+from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import (
     CanceledError,
     FactTimeoutError,
@@ -59,6 +63,8 @@ class _Release(BaseException):
     """The worker is shutting down: give the run back at the next step boundary."""
 
 
+_STEP_OUTCOMES: dict[type[BaseException], str] = {_Suspend: "retrying", _Release: "released"}
+
 AbortKind = Literal["cancel", "lease_lost", "shutdown", "crash"]
 
 
@@ -92,8 +98,10 @@ class Execution:
         worker_id: str,
         lease_duration: timedelta,
         loop: asyncio.AbstractEventLoop,
+        telemetry: Telemetry,
     ) -> None:
         self.backend = backend
+        self.telemetry = telemetry
         self.claimed = claimed
         self.definition = definition
         self.loop = loop
@@ -118,8 +126,25 @@ class Execution:
         self.current_step: str | None = None
         self.current_step_started_at: datetime | None = None
         self.stopped = False
-        self.trace_id = _trace_id(claimed)
-        self.logger = logging.LoggerAdapter(
+        # Replaying until the first step the last execution did not finish: logs stay quiet.
+        self.replaying = bool(claimed.steps)
+        self.attributes = {
+            **Telemetry.task_attributes(claimed.task_name, claimed.task_version),
+            "umt.run.id": str(claimed.run_id),
+            "umt.attempt": claimed.claims,
+            "umt.priority": claimed.priority,
+            "umt.worker.id": worker_id,
+        }
+        self.span = telemetry.execution_span(
+            task_name=claimed.task_name,
+            parent=telemetry.extract(claimed.trace_context),
+            attributes=self.attributes,
+        )
+        span_context = self.span.get_span_context()
+        self.trace_id = (
+            format(span_context.trace_id, "032x") if span_context.is_valid else _trace_id(claimed)
+        )
+        self.logger = RunLogger(
             logging.getLogger("umt.task"),
             {
                 "umt_run_id": str(claimed.run_id),
@@ -127,8 +152,21 @@ class Execution:
                 "umt_version": claimed.task_version,
                 "umt_trace_id": self.trace_id,
             },
+            context=self._log_context,
+            replaying=lambda: self.replaying,
         )
         self.task: asyncio.Task[None] | None = None
+
+    def _log_context(self) -> dict[str, object]:
+        span_context = trace.get_current_span().get_span_context()
+        return {
+            "umt_step": self.current_step,
+            "umt_span_id": format(span_context.span_id, "016x") if span_context.is_valid else None,
+        }
+
+    def event(self, name: str, **attributes: Any) -> None:
+        """An event on the execution span."""
+        self.span.add_event(name, {k: v for k, v in attributes.items() if v is not None})
 
     # -- time and signals -------------------------------------------------------------------
 
@@ -145,6 +183,9 @@ class Execution:
         """Fire the abort signal. Lease loss, shutdown and crashes also stop all writes."""
         if kind == "cancel":
             self.cancel_requested = True
+            self.event("umt.cancel_requested", **{"umt.cancel.reason": reason})
+        elif kind == "lease_lost":
+            self.event("umt.lease_lost", **{"umt.reason": reason})
         if kind in ("lease_lost", "crash"):
             self.stopped = True
         if self.abort_kind is None or kind in ("lease_lost", "crash"):
@@ -215,11 +256,29 @@ class Execution:
         try:
             return await awaitable
         except FencingError:
-            self.abort("lease_lost", "lease lost: another attempt holds the run")
+            self._fenced()
             raise _Stop from None
         except SimulatedCrash:
             self.abort("crash", "simulated crash")
             raise _Stop from None
+
+    def _fenced(self) -> None:
+        self.telemetry.fencing_rejections.add(1, self.attributes)
+        self.event("umt.fencing_rejected", **{"umt.step.name": self.current_step})
+        self.abort("lease_lost", "lease lost: another attempt holds the run")
+
+    def _replayed(self, record: StepRecord) -> None:
+        self.event(
+            "umt.step.replayed",
+            **{
+                "umt.step.name": record.name,
+                "umt.step.kind": record.kind,
+                "umt.step.attempt": record.attempt,
+            },
+        )
+
+    def _live(self) -> None:
+        self.replaying = False
 
     async def _record(self, record: StepRecord) -> None:
         await self._guard(self.backend.record_step(self.lease, record))
@@ -282,11 +341,62 @@ class Execution:
         last = self._last(full, "step")
         if last is not None:
             if last.status == "completed":
+                self._replayed(last)
                 return _serde.decode(last.output_json or "null", output_type, what=f"step {full!r}")
             if last.status == "failed":
+                self._replayed(last)
                 raise _step_failed(full, last.error)
         attempt = (last.attempt + 1) if last is not None else 1
         self._check_before_step()
+        self._live()
+        with self.telemetry.tracer.start_as_current_span(
+            f"umt.step {full}",
+            attributes={
+                **self.attributes,
+                "umt.step.name": full,
+                "umt.step.kind": "step",
+                "umt.step.attempt": attempt,
+            },
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            started_clock = time.monotonic()
+            try:
+                value = await self._execute_step(
+                    full, attempt, fn, args, kwargs, retry, output_type
+                )
+                span.set_attribute("umt.step.outcome", "completed")
+                return value
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    span.set_attribute("umt.step.outcome", "failed")
+                    Telemetry.fail(span, exc)
+                else:
+                    span.set_attribute(
+                        "umt.step.outcome", _STEP_OUTCOMES.get(type(exc), "interrupted")
+                    )
+                raise
+            finally:
+                self.telemetry.step_duration.record(
+                    time.monotonic() - started_clock,
+                    {
+                        **Telemetry.task_attributes(
+                            self.claimed.task_name, self.claimed.task_version
+                        ),
+                        "umt.step.kind": "step",
+                    },
+                )
+
+    async def _execute_step(
+        self,
+        full: str,
+        attempt: int,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any:
         started = self.now()
         self.current_step, self.current_step_started_at = full, started
         try:
@@ -301,7 +411,7 @@ class Execution:
         except (_Stop, _Suspend, _Release, SimulatedCrash, asyncio.CancelledError):
             raise
         except FencingError:
-            self.abort("lease_lost", "lease lost during a fenced operation")
+            self._fenced()
             raise _Stop from None
         except Exception as exc:
             if self.stopped:
@@ -323,11 +433,15 @@ class Execution:
                     started_at=started,
                     finished_at=now,
                 )
-                await self._park(
-                    step=record,
-                    wake_at=now + policy.delay_before(attempt + 1),
-                    wait_for=None,
-                    status="pending",
+                retry_at = now + policy.delay_before(attempt + 1)
+                await self._park(step=record, wake_at=retry_at, wait_for=None, status="pending")
+                self.event(
+                    "umt.step.retry_scheduled",
+                    **{
+                        "umt.step.name": full,
+                        "umt.step.attempt": attempt,
+                        "umt.retry_at": retry_at.isoformat(),
+                    },
                 )
                 raise _Suspend from None
             record = self._step_record(
@@ -363,8 +477,10 @@ class Execution:
         full = self._occurrence(name)
         last = self._last(full, "sleep")
         if last is not None and last.status == "completed":
+            self._replayed(last)
             return
         self._check_before_step()
+        self._live()
         now = self.now()
         if last is None:
             if duration <= timedelta(0):
@@ -384,6 +500,9 @@ class Execution:
                 full, "sleep", status="waiting", started_at=now, wake_at=wake_at
             )
             await self._park(step=waiting, wake_at=wake_at, wait_for=None, status="waiting")
+            self.event(
+                "umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()}
+            )
             raise _Suspend
         wake_at = last.wake_at or now
         if wake_at <= now:
@@ -397,8 +516,10 @@ class Execution:
                     wake_at=wake_at,
                 )
             )
+            self.event("umt.sleep.done", **{"umt.step.name": full})
             return
         await self._park(step=None, wake_at=wake_at, wait_for=None, status="waiting")
+        self.event("umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()})
         raise _Suspend
 
     async def wait_for_fact(
@@ -416,8 +537,10 @@ class Execution:
         full = self._occurrence(name)
         last = self._last(full, "fact")
         if last is not None and last.status == "completed":
+            self._replayed(last)
             return _fact_outcome(full, name, last.output_json, payload_type)
         self._check_before_step()
+        self._live()
         started = last.started_at if last is not None and last.started_at else self.now()
         deadline: datetime | None
         if last is not None:
@@ -445,6 +568,9 @@ class Execution:
                             output_json=_serde.dumps({"fact": raw, "source": "check"}),
                         )
                     )
+                    self.event(
+                        "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "check"}
+                    )
                     return value
             fact = await self._guard(self.backend.get_fact(run_id=self.claimed.run_id, name=name))
             if fact is not None:
@@ -459,6 +585,9 @@ class Execution:
                         output_json=output,
                     )
                 )
+                self.event(
+                    "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "signal"}
+                )
                 return _fact_outcome(full, name, output, payload_type)
             if deadline is not None and now >= deadline:
                 await self._record(
@@ -472,6 +601,7 @@ class Execution:
                         output_json='{"timeout":true}',
                     )
                 )
+                self.event("umt.fact.timeout", **{"umt.fact.name": name})
                 return _fact_outcome(full, name, '{"timeout":true}', payload_type)
             wake_at = deadline
             if poll is not None:
@@ -484,6 +614,13 @@ class Execution:
                 )
             )
             if await self._park(step=waiting, wake_at=wake_at, wait_for=name, status="waiting"):
+                self.event(
+                    "umt.wait_for_fact",
+                    **{
+                        "umt.fact.name": name,
+                        "umt.fact.deadline": deadline.isoformat() if deadline else None,
+                    },
+                )
                 raise _Suspend
             # The fact arrived between our look and the park: go round again.
 
@@ -492,15 +629,44 @@ class Execution:
     async def execute(self) -> None:
         """Run the handler to its next durable boundary and record how it ended."""
         token = _CURRENT.set(self)
+        telemetry = self.telemetry
+        task_attributes = Telemetry.task_attributes(
+            self.claimed.task_name, self.claimed.task_version
+        )
+        telemetry.runs_started.add(1, task_attributes)
+        if self.claimed.ready_at is not None:
+            telemetry.claim_latency.record(
+                max(0.0, (self.claimed.claimed_at - self.claimed.ready_at).total_seconds()),
+                task_attributes,
+            )
         try:
-            await self._execute()
-        except (_Stop, _Suspend, SimulatedCrash):
-            pass
-        except asyncio.CancelledError:
-            if not self.stopped:
-                raise
+            with trace.use_span(self.span, end_on_exit=True):
+                try:
+                    await self._execute()
+                except _Suspend:
+                    self.span.set_attribute("umt.outcome", "parked")
+                except (_Stop, SimulatedCrash):
+                    self.span.set_attribute("umt.outcome", "stopped")
+                except asyncio.CancelledError:
+                    self.span.set_attribute("umt.outcome", "stopped")
+                    if not self.stopped:
+                        raise
         finally:
             _CURRENT.reset(token)
+
+    def _outcome(self, outcome: str, error: BaseException | None = None) -> None:
+        attributes = Telemetry.task_attributes(self.claimed.task_name, self.claimed.task_version)
+        self.span.set_attribute("umt.outcome", outcome)
+        if outcome == "completed":
+            self.telemetry.runs_completed.add(1, attributes)
+        elif outcome == "failed":
+            self.telemetry.runs_failed.add(1, attributes)
+        elif outcome == "canceled":
+            self.telemetry.runs_canceled.add(1, attributes)
+        if error is not None and outcome in ("failed", "retrying"):
+            Telemetry.fail(self.span, error)
+        elif error is not None:
+            self.span.record_exception(error)
 
     async def _execute(self) -> None:
         definition = self.definition
@@ -519,12 +685,14 @@ class Execution:
             raise
         except _Release:
             await self._guard(self.backend.release(self.lease))
+            self._outcome("released")
             return
         except asyncio.CancelledError:
             if self.stopped:
                 raise
             if self.abort_kind == "shutdown":
                 await self._guard(self.backend.release(self.lease))
+                self._outcome("released")
                 return
             raise
         except Exception as exc:
@@ -533,11 +701,13 @@ class Execution:
             await self._finish_failed(exc)
             return
         await self._guard(self.backend.complete(self.lease, output_json=output_json))
+        self._outcome("completed")
 
     async def _finish_failed(self, exc: Exception) -> None:
         if self.cancel_requested:
             error = None if isinstance(exc, CanceledError) else error_info(exc)
             await self._guard(self.backend.finish_canceled(self.lease, error=error))
+            self._outcome("canceled", exc)
             return
         policy = self.definition.retry
         failures = self.claimed.failures + 1
@@ -545,6 +715,7 @@ class Execution:
         if policy.should_retry(exc, failures):
             retry_at = self.now() + policy.delay_before(failures + 1)
         await self._guard(self.backend.fail(self.lease, error=error_info(exc), retry_at=retry_at))
+        self._outcome("failed" if retry_at is None else "retrying", exc)
 
 
 def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:

@@ -181,6 +181,8 @@ class ClaimedRun:
     failures: int
     trace_context: Mapping[str, str] = field(factory=dict)
     steps: Sequence[StepRecord] = ()
+    ready_at: datetime | None = None
+    """When the run became claimable (for the claim-latency metric)."""
 
 
 @frozen(kw_only=True)
@@ -388,6 +390,10 @@ class Backend(Protocol):
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
         """Runs matching `query`, newest first, without steps."""
+        ...
+
+    async def queue_depths(self, pairs: Sequence[TaskPair]) -> Mapping[TaskPair, int]:
+        """How many runs of each pair are pending (for the queue-depth gauge; keep it cheap)."""
         ...
 
     async def wait_for_work(self, *, pairs: Sequence[TaskPair], timeout: float) -> None:

@@ -15,6 +15,7 @@ from uuid import UUID
 
 from umt_sdk._execution import Execution
 from umt_sdk._spi import Backend, Beat, ClaimedRun, TaskPair
+from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import BackendError, TaskDefinitionError
 
 if TYPE_CHECKING:
@@ -49,12 +50,14 @@ class Worker:
         worker_id: str | None = None,
         poll_interval: timedelta = timedelta(seconds=1),
         shutdown_grace: timedelta = timedelta(seconds=10),
+        telemetry: Telemetry | None = None,
     ) -> None:
         if concurrency < 1:
             raise TaskDefinitionError(f"worker concurrency must be >= 1, got {concurrency}")
         if lease < timedelta(milliseconds=100):
             raise TaskDefinitionError(f"worker lease must be at least 100 ms, got {lease}")
         self.backend = backend
+        self.telemetry = telemetry or Telemetry()
         self.registry = registry
         self.pairs = list(pairs)
         self.concurrency = concurrency
@@ -90,6 +93,7 @@ class Worker:
         self._tasks = [
             asyncio.create_task(self._claim_loop(), name=f"umt-claim-{self.worker_id}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"umt-heartbeat-{self.worker_id}"),
+            asyncio.create_task(self._depth_loop(), name=f"umt-depths-{self.worker_id}"),
         ]
 
     async def stop(self, *, grace: timedelta | None = None) -> None:
@@ -178,6 +182,7 @@ class Worker:
             worker_id=self.worker_id,
             lease_duration=self.lease,
             loop=self._loop,
+            telemetry=self.telemetry,
         )
         self._executions[claimed.run_id] = execution
         task = asyncio.create_task(execution.execute(), name=f"umt-run-{claimed.run_id}")
@@ -225,9 +230,19 @@ class Worker:
                 run_id = execution.claimed.run_id
                 if run_id in result.lost:
                     _log.warning("lost the lease of run %s; stopping its execution", run_id)
+                    self.telemetry.lease_expirations.add(1, execution.attributes)
                     execution.abort("lease_lost", "lease lost: another attempt holds the run")
                 elif run_id in result.cancel_requested:
                     execution.abort("cancel", result.cancel_requested[run_id] or "canceled")
+
+    async def _depth_loop(self) -> None:
+        """Refresh the queue-depth gauge of this worker's pairs (cheap, every 10 s)."""
+        while True:
+            try:
+                self.telemetry.set_depths(await self.backend.queue_depths(self.pairs))
+            except BackendError as exc:
+                _log.debug("queue depth refresh failed: %s", exc)
+            await asyncio.sleep(10)
 
     def _on_cancel(self, run_id: UUID, reason: str) -> None:
         execution = self._executions.get(run_id)

@@ -51,7 +51,9 @@ WITH pairs AS (
          LIMIT %(limit)s)
     ) AS c
 ), locked AS (
-    SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token
+    SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token,
+           CASE WHEN r.status = 'running' THEN r.lease_expires_at ELSE r.available_at END
+               AS ready_at
     FROM candidates c
     JOIN {schema}.runs r ON r.id = c.id
     WHERE r.status IN ('pending', 'waiting', 'running') AND r.available_at <= now()
@@ -79,7 +81,7 @@ WITH pairs AS (
     WHERE r.id = l.id
     RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
               r.claims, r.failures, r.trace_context, r.status, l.previous_status,
-              l.previous_token
+              l.previous_token, l.ready_at
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM claimed c
@@ -91,7 +93,7 @@ WITH pairs AS (
     FROM claimed c WHERE c.status = 'running'
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
-       c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context,
+       c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
        CASE WHEN c.claims > 1 THEN (
            SELECT json_agg(json_build_object(
                'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
@@ -330,3 +332,10 @@ RETURNING 1;
 UPDATE {schema}.op_ledger SET result = %(result)s::jsonb, finished_at = now()
 WHERE op_key = %(op_key)s AND fencing_token = %(token)s AND result IS NULL
 RETURNING 1;
+
+-- name: queue_depths
+SELECT r.task_name, r.task_version, count(*) AS depth
+FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
+JOIN {schema}.runs r
+  ON r.task_name = p.name AND r.task_version = p.version AND r.status = 'pending'
+GROUP BY r.task_name, r.task_version;
