@@ -64,9 +64,7 @@ def test_the_memory_backend_is_scanned() -> None:
     assert "umt_backend_memory/plugin.py" in names
 
 
-@pytest.mark.parametrize(
-    "path", _backend_files(), ids=lambda p: p.relative_to(ROOT).as_posix()
-)
+@pytest.mark.parametrize("path", _backend_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_backend_imports_only_public_sdk_names(path: Path) -> None:
     relative = path.relative_to(ROOT).as_posix()
     assert private_sdk_imports(path.read_text(encoding="utf-8"), relative) == []
