@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/00_crash_and_resume.py
+	$(BIN)/python examples/demo/demo.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check umt_sdk umt_backend_memory umt_backend_pg tests examples bench

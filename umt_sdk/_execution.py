@@ -126,6 +126,9 @@ class Execution:
         self.current_step: str | None = None
         self.current_step_started_at: datetime | None = None
         self.stopped = False
+        # Set while the write that hands the run back (park, complete, fail, ...) is in flight:
+        # a heartbeat racing with it may find the run released, which is not a lost lease.
+        self.letting_go = False
         # Replaying until the first step the last execution did not finish: logs stay quiet.
         self.replaying = bool(claimed.steps)
         self.attributes = {
@@ -249,10 +252,12 @@ class Execution:
         records.append(record)
         records.sort(key=lambda r: r.attempt)
 
-    async def _guard(self, awaitable: Awaitable[T]) -> T:
+    async def _guard(self, awaitable: Awaitable[T], *, final: bool = False) -> T:
         """Await a fenced backend write; on a lost lease, stop this execution."""
         if self.stopped:
             raise _Stop
+        if final:
+            self.letting_go = True
         try:
             return await awaitable
         except FencingError:
@@ -295,8 +300,10 @@ class Execution:
         parked = await self._guard(
             self.backend.park(
                 self.lease, step=step, wake_at=wake_at, wait_for=wait_for, status=status
-            )
+            ),
+            final=True,
         )
+        self.letting_go = parked
         if parked and step is not None:
             self._remember(step)
         return parked
@@ -684,14 +691,14 @@ class Execution:
         except (_Stop, _Suspend, SimulatedCrash):
             raise
         except _Release:
-            await self._guard(self.backend.release(self.lease))
+            await self._guard(self.backend.release(self.lease), final=True)
             self._outcome("released")
             return
         except asyncio.CancelledError:
             if self.stopped:
                 raise
             if self.abort_kind == "shutdown":
-                await self._guard(self.backend.release(self.lease))
+                await self._guard(self.backend.release(self.lease), final=True)
                 self._outcome("released")
                 return
             raise
@@ -700,13 +707,13 @@ class Execution:
                 raise _Stop from None
             await self._finish_failed(exc)
             return
-        await self._guard(self.backend.complete(self.lease, output_json=output_json))
+        await self._guard(self.backend.complete(self.lease, output_json=output_json), final=True)
         self._outcome("completed")
 
     async def _finish_failed(self, exc: Exception) -> None:
         if self.cancel_requested:
             error = None if isinstance(exc, CanceledError) else error_info(exc)
-            await self._guard(self.backend.finish_canceled(self.lease, error=error))
+            await self._guard(self.backend.finish_canceled(self.lease, error=error), final=True)
             self._outcome("canceled", exc)
             return
         policy = self.definition.retry
@@ -714,7 +721,9 @@ class Execution:
         retry_at = None
         if policy.should_retry(exc, failures):
             retry_at = self.now() + policy.delay_before(failures + 1)
-        await self._guard(self.backend.fail(self.lease, error=error_info(exc), retry_at=retry_at))
+        await self._guard(
+            self.backend.fail(self.lease, error=error_info(exc), retry_at=retry_at), final=True
+        )
         self._outcome("failed" if retry_at is None else "retrying", exc)
 
 

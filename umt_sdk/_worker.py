@@ -207,7 +207,7 @@ class Worker:
             await asyncio.sleep(interval)
             if self._heartbeats_paused:
                 continue
-            live = [e for e in self._executions.values() if not e.stopped]
+            live = [e for e in self._executions.values() if not e.stopped and not e.letting_go]
             if not live:
                 continue
             beats = [
@@ -228,6 +228,8 @@ class Worker:
                 continue
             for execution in live:
                 run_id = execution.claimed.run_id
+                if execution.letting_go:
+                    continue  # it handed the run back while the heartbeat was on its way
                 if run_id in result.lost:
                     _log.warning("lost the lease of run %s; stopping its execution", run_id)
                     self.telemetry.lease_expirations.add(1, execution.attributes)
