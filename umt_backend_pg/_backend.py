@@ -74,6 +74,21 @@ def _error(value: Any) -> ErrorInfo | None:
     )
 
 
+def _step(row: Mapping[str, Any], output_json: str | None) -> StepRecord:
+    return StepRecord(
+        name=row["name"],
+        kind=row["kind"],
+        status=row["status"],
+        attempt=row["attempt"],
+        fencing_token=row["fencing_token"],
+        output_json=output_json,
+        error=_error(row["error"]),
+        started_at=_ts(row["started_at"]),
+        finished_at=_ts(row["finished_at"]),
+        wake_at=_ts(row["wake_at"]),
+    )
+
+
 def _ts(value: Any) -> datetime | None:
     if value is None or isinstance(value, datetime):
         return value
@@ -283,19 +298,9 @@ class PostgresBackend:
         )
         claimed = []
         for row in rows:
+            # json_agg hands back steps as JSON: outputs as values, timestamps as text.
             steps = tuple(
-                StepRecord(
-                    name=s["name"],
-                    kind=s["kind"],
-                    status=s["status"],
-                    attempt=s["attempt"],
-                    fencing_token=s["fencing_token"],
-                    output_json=None if s["output"] is None else json.dumps(s["output"]),
-                    error=_error(s["error"]),
-                    started_at=_ts(s["started_at"]),
-                    finished_at=_ts(s["finished_at"]),
-                    wake_at=_ts(s["wake_at"]),
-                )
+                _step(s, None if s["output"] is None else json.dumps(s["output"]))
                 for s in (row["steps"] or ())
             )
             claimed.append(
@@ -570,21 +575,7 @@ class PostgresBackend:
             cancel_reason=row["cancel_reason"],
             wait_for=row["wait_for"],
             trace_context=row["trace_context"] or {},
-            steps=tuple(
-                StepRecord(
-                    name=s["name"],
-                    kind=s["kind"],
-                    status=s["status"],
-                    attempt=s["attempt"],
-                    fencing_token=s["fencing_token"],
-                    output_json=s["output"],
-                    error=_error(s["error"]),
-                    started_at=s["started_at"],
-                    finished_at=s["finished_at"],
-                    wake_at=s["wake_at"],
-                )
-                for s in steps
-            ),
+            steps=tuple(_step(s, s["output"]) for s in steps),
             executions=tuple(records),
         )
 
