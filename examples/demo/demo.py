@@ -46,16 +46,16 @@ def progress(done: int, total: int, what: str) -> None:
 
 
 BUSINESS_DDL = """
-DROP SCHEMA IF EXISTS demo CASCADE;
-CREATE SCHEMA demo;
-CREATE TABLE demo.step_log (
+DROP SCHEMA IF EXISTS {biz} CASCADE;
+CREATE SCHEMA {biz};
+CREATE TABLE {biz}.step_log (
     id bigserial PRIMARY KEY, run_id uuid NOT NULL, step text NOT NULL, worker text NOT NULL,
     started_at timestamptz NOT NULL DEFAULT clock_timestamp(), finished_at timestamptz
 );
-CREATE TABLE demo.client_calls (
+CREATE TABLE {biz}.client_calls (
     id bigserial PRIMARY KEY, op_key text NOT NULL, token bigint NOT NULL, resumed boolean NOT NULL
 );
-CREATE TABLE demo.submissions (
+CREATE TABLE {biz}.submissions (
     item text PRIMARY KEY, client_ref text NOT NULL, size bigint NOT NULL, approved_by text NOT NULL
 );
 """
@@ -99,7 +99,11 @@ class Workers:
 
 
 async def fetch(url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+    """A query on the demo's business tables (found through the search path)."""
+    search_path = f"-c search_path={os.environ['DEMO_BIZ']}"
+    async with await psycopg.AsyncConnection.connect(
+        url, autocommit=True, options=search_path
+    ) as conn:
         cur = await conn.execute(query, params)  # type: ignore[arg-type]  # demo's own SQL
         return await cur.fetchall()
 
@@ -120,6 +124,7 @@ async def main(schema: str, otel: str | None) -> int:
     say("starting Postgres (embedded in .umt/pg unless UMT_DATABASE_URL is set) ...")
     url = database_url(Path.cwd() / ".umt" / "pg")
     os.environ["DEMO_URL"] = url
+    os.environ["DEMO_BIZ"] = f"{schema}_biz"  # the business tables, beside the engine's schema
     from tasks import download, fetch_metadata, registry, summarize
 
     from umt_sdk import connect
@@ -128,7 +133,8 @@ async def main(schema: str, otel: str | None) -> int:
         await conn.execute(
             sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
         )
-        await conn.execute(BUSINESS_DDL)  # type: ignore[arg-type]  # constant DDL
+        ddl = sql.SQL(BUSINESS_DDL).format(biz=sql.Identifier(os.environ["DEMO_BIZ"]))  # type: ignore[arg-type]
+        await conn.execute(ddl)
     applied = await migrate(url, schema=schema)
     say(f"migrated schema {schema!r} ({', '.join(applied)})")
 
@@ -159,17 +165,18 @@ async def main(schema: str, otel: str | None) -> int:
         # -- 2. SIGKILL mid-step -----------------------------------------------------------------
         row = await wait_for_row(
             url,
-            "SELECT run_id FROM demo.step_log WHERE step = 'transfer' AND worker = 'io-1'"
+            "SELECT run_id FROM step_log WHERE step = 'transfer' AND worker = 'io-1'"
             " AND finished_at IS NULL ORDER BY id LIMIT 1",
         )
         victim: UUID = row[0]
         victim_item = next(i for i, r in runs.items() if r == victim)
+        await asyncio.sleep(0.8)  # let a heartbeat tell which step it is in (for the timeline)
         pid = workers.kill("io-1")
         killed_at = time.monotonic()
         say(f"SIGKILL io-1 (pid {pid}) in the middle of {victim_item}'s 'transfer' step")
         taker = await wait_for_row(
             url,
-            "SELECT worker FROM demo.step_log WHERE run_id = %s AND step = 'transfer'"
+            "SELECT worker FROM step_log WHERE run_id = %s AND step = 'transfer'"
             " AND worker <> 'io-1' ORDER BY id LIMIT 1",
             victim,
         )
@@ -207,7 +214,7 @@ async def main(schema: str, otel: str | None) -> int:
         order = [
             r[0]
             for r in await fetch(
-                url, "SELECT run_id FROM demo.step_log WHERE step = 'write' ORDER BY id"
+                url, "SELECT run_id FROM step_log WHERE step = 'write' ORDER BY id"
             )
         ]
         say(f"the urgent summary started #{order.index(urgent) + 1} of {len(order)}")
@@ -232,12 +239,12 @@ async def main(schema: str, otel: str | None) -> int:
             token, where = execution.fencing_token, execution.worker_id
             print(f"    execution token {token} on {where}: {execution.outcome}")
 
-        submissions = await fetch(url, "SELECT item, count(*) FROM demo.submissions GROUP BY item")
-        calls = await fetch(url, "SELECT count(*) FROM demo.client_calls")
+        submissions = await fetch(url, "SELECT item, count(*) FROM submissions GROUP BY item")
+        calls = await fetch(url, "SELECT count(*) FROM client_calls")
         bodies = await fetch(
             url,
             "SELECT run_id, step, count(*) FILTER (WHERE finished_at IS NOT NULL),"
-            " count(*) FILTER (WHERE finished_at IS NULL) FROM demo.step_log GROUP BY 1, 2",
+            " count(*) FILTER (WHERE finished_at IS NULL) FROM step_log GROUP BY 1, 2",
         )
         completed_twice = [b for b in bodies if b[2] > 1]
         interrupted = sum(b[3] for b in bodies)

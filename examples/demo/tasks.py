@@ -1,6 +1,6 @@
 """The demo's tasks: a download with a fenced submission, and two tasks owned by one group each.
 
-Step bodies log to `demo.step_log` (an append-only "external system" table) so the demo can
+Step bodies log to `step_log` (an append-only "external system" table) so the demo can
 prove which bodies ran, where, and how often.
 """
 
@@ -18,7 +18,15 @@ from umt_sdk import AttemptInfo, Registry, RetryPolicy, TaskContext, task, with_
 
 WORKER = os.environ.get("DEMO_WORKER", "driver")
 URL = os.environ.get("DEMO_URL", "")
+BUSINESS_SCHEMA = os.environ.get("DEMO_BIZ", "umt_demo_biz")
 TRANSFER_SECONDS = float(os.environ.get("DEMO_TRANSFER_SECONDS", "1.2"))
+
+
+async def business() -> psycopg.AsyncConnection[Any]:
+    """A connection to the demo's business tables (its schema first on the search path)."""
+    return await psycopg.AsyncConnection.connect(
+        URL, autocommit=True, options=f"-c search_path={BUSINESS_SCHEMA}"
+    )
 
 
 @attrs.frozen
@@ -35,16 +43,16 @@ class Receipt:
 
 
 async def _log(run_id: Any, step: str, *, finished: bool) -> None:
-    async with await psycopg.AsyncConnection.connect(URL, autocommit=True) as conn:
+    async with await business() as conn:
         if finished:
             await conn.execute(
-                "UPDATE demo.step_log SET finished_at = clock_timestamp() WHERE id = (SELECT"
-                " max(id) FROM demo.step_log WHERE run_id = %s AND step = %s AND worker = %s)",
+                "UPDATE step_log SET finished_at = clock_timestamp() WHERE id = (SELECT"
+                " max(id) FROM step_log WHERE run_id = %s AND step = %s AND worker = %s)",
                 (run_id, step, WORKER),
             )
         else:
             await conn.execute(
-                "INSERT INTO demo.step_log (run_id, step, worker) VALUES (%s, %s, %s)",
+                "INSERT INTO step_log (run_id, step, worker) VALUES (%s, %s, %s)",
                 (run_id, step, WORKER),
             )
 
@@ -66,21 +74,21 @@ async def download(ctx: TaskContext[Download]) -> Receipt:
 
     async def submit(size: int, approved_by: str) -> str:
         async def call_client(info: AttemptInfo) -> str:
-            async with await psycopg.AsyncConnection.connect(URL, autocommit=True) as conn:
+            async with await business() as conn:
                 await conn.execute(
-                    "INSERT INTO demo.client_calls (op_key, token, resumed) VALUES (%s, %s, %s)",
+                    "INSERT INTO client_calls (op_key, token, resumed) VALUES (%s, %s, %s)",
                     (info.op_key, info.attempt_token, info.resumed),
                 )
             return f"job-{ctx.input.item}-{info.attempt_token}"
 
         async def record(conn: psycopg.AsyncConnection[Any], ref: str) -> None:
             await conn.execute(
-                "INSERT INTO demo.submissions (item, client_ref, size, approved_by)"
+                "INSERT INTO submissions (item, client_ref, size, approved_by)"
                 " VALUES (%s, %s, %s, %s)",
                 (ctx.input.item, ref, size, approved_by),
             )
 
-        async with await psycopg.AsyncConnection.connect(URL, autocommit=True) as conn:
+        async with await business() as conn:
             return await with_attempt_token(
                 conn, f"submit:{ctx.input.item}", call_client, commit=record
             )

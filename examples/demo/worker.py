@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 async def main(url: str, schema: str, group: str, name: str, otel: str | None) -> None:
     os.environ["DEMO_WORKER"] = name
     os.environ["DEMO_URL"] = url
+    os.environ["DEMO_BIZ"] = f"{schema}_biz"
     from tasks import GROUPS, registry
 
     from umt_sdk import connect
