@@ -2,14 +2,25 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+BENCH_ARGS ?=
 
-.PHONY: demo test lint typecheck clean
+.PHONY: demo test lint typecheck clean bench
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	@touch $(BENCH_STAMP)
+
+# Full benchmark: umt vs a raw psycopg ceiling, DBOS, pgqueuer and procrastinate (installed by
+# the harness into .venv-bench-peers). Results: bench/results/. Quick check: BENCH_ARGS=--quick
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo/demo.py
@@ -25,4 +36,4 @@ test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-bench-peers .pytest_cache .mypy_cache .ruff_cache

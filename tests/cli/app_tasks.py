@@ -1,0 +1,82 @@
+"""A tiny task module for the CLI tests: `umt worker tests.cli.app_tasks:registry`."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import attrs
+
+from umt_sdk import Registry, RetryPolicy, TaskContext, task
+
+
+@attrs.frozen
+class Greeting:
+    name: str
+    times: int = 1
+
+
+@attrs.frozen
+class Nap:
+    seconds: float
+    marker: str
+    """A file that gets one line each time the `doze` step starts (so tests can see it)."""
+
+
+@attrs.frozen
+class Order:
+    order_id: str
+
+
+def _compose(greeting: str, name: str, times: int) -> str:
+    return " ".join([f"{greeting}, {name}!"] * times)
+
+
+@task("greet", version=1)
+async def greet(ctx: TaskContext[Greeting]) -> str:
+    return await ctx.step.run("compose", _compose, "Hello", ctx.input.name, ctx.input.times)
+
+
+@task("greet", version=2)
+async def greet_v2(ctx: TaskContext[Greeting]) -> str:
+    return await ctx.step.run("compose", _compose, "Hi", ctx.input.name, ctx.input.times)
+
+
+def _mark(marker: str) -> None:
+    with Path(marker).open("a", encoding="utf-8") as file:
+        file.write("doze\n")
+
+
+async def _doze(seconds: float, marker: str) -> float:
+    await asyncio.to_thread(_mark, marker)
+    await asyncio.sleep(seconds)
+    return seconds
+
+
+async def _wake() -> str:
+    return "awake"
+
+
+@task("nap", version=1, retry=RetryPolicy.none())
+async def nap(ctx: TaskContext[Nap]) -> str:
+    await ctx.step.run("doze", _doze, ctx.input.seconds, ctx.input.marker)
+    return await ctx.step.run("wake", _wake)
+
+
+@task("approval", version=1)
+async def approval(ctx: TaskContext[Order]) -> dict[str, str]:
+    approved: dict[str, str] = await ctx.step.wait_for_fact("approved")
+    return {"order_id": ctx.input.order_id, **approved}
+
+
+def _explode() -> None:
+    raise ValueError("kaboom")
+
+
+@task("boom", version=1, retry=RetryPolicy.none())
+async def boom(ctx: TaskContext[Order]) -> None:
+    await ctx.step.run("explode", _explode)
+
+
+registry = Registry([greet, greet_v2, nap, approval, boom])
+not_a_registry = [greet]
