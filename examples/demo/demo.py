@@ -7,7 +7,7 @@
 3. approvals arrive (some before their waiters reach them), one run is canceled, and an
    urgent run overtakes a backlog;
 4. a table of runs, the timeline of the interrupted run, and the counts that prove each side
-   effect happened once. The data stays in `.umt/pg` for `umt runs list --schema umt_demo`.
+   effect happened once. The data stays in `.umt/pg` for `umt --schema umt_demo runs list`.
 
 Options: `--schema NAME` (engine schema, default umt_demo), `--otel console` (print spans).
 `UMT_DATABASE_URL` points it at a running Postgres instead of the embedded one.
@@ -269,7 +269,7 @@ async def main(schema: str, otel: str | None) -> int:
         await engine.close()
         if provider is not None:
             provider.shutdown()
-    say(f"done; inspect with: umt runs list --schema {schema}" if ok else "EXACTLY-ONCE VIOLATED")
+    say(f"done; inspect with: umt --schema {schema} runs list" if ok else "EXACTLY-ONCE VIOLATED")
     return 0 if ok else 1
 
 

@@ -32,7 +32,7 @@ def test_demo_tells_the_whole_story(pg_url: str) -> None:
         "0 step bodies completed twice",
         "transfer   step  interrupted",
         "on io-1: interrupted",
-        "done; inspect with: umt runs list",
+        "done; inspect with: umt --schema",
     ):
         assert line in out, f"missing {line!r} in:\n{out}"
     assert "lost the lease" not in done.stderr, done.stderr
