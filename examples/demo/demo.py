@@ -50,7 +50,8 @@ DROP SCHEMA IF EXISTS {biz} CASCADE;
 CREATE SCHEMA {biz};
 CREATE TABLE {biz}.step_log (
     id bigserial PRIMARY KEY, run_id uuid NOT NULL, step text NOT NULL, worker text NOT NULL,
-    started_at timestamptz NOT NULL DEFAULT clock_timestamp(), finished_at timestamptz
+    token bigint NOT NULL, started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    finished_at timestamptz
 );
 CREATE TABLE {biz}.client_calls (
     id bigserial PRIMARY KEY, op_key text NOT NULL, token bigint NOT NULL, resumed boolean NOT NULL
@@ -241,13 +242,18 @@ async def main(schema: str, otel: str | None) -> int:
 
         submissions = await fetch(url, "SELECT item, count(*) FROM submissions GROUP BY item")
         calls = await fetch(url, "SELECT count(*) FROM client_calls")
-        bodies = await fetch(
-            url,
-            "SELECT run_id, step, count(*) FILTER (WHERE finished_at IS NOT NULL),"
-            " count(*) FILTER (WHERE finished_at IS NULL) FROM step_log GROUP BY 1, 2",
-        )
-        completed_twice = [b for b in bodies if b[2] > 1]
-        interrupted = sum(b[3] for b in bodies)
+        # A completed step never runs again: no body may start under a later attempt (a larger
+        # fencing token) than the one whose record completed the step.
+        bodies = await fetch(url, "SELECT run_id, step, token, finished_at IS NULL FROM step_log")
+        recorded = {}
+        for run_id in everything:
+            for entry in (await engine.get(run_id)).timeline:
+                if entry.status == "completed" and entry.kind == "step":
+                    recorded[(run_id, entry.name)] = entry.fencing_token
+        rerun_after_completion = [
+            b for b in bodies if (b[0], b[1]) in recorded and b[2] > recorded[(b[0], b[1])]
+        ]
+        cut_off = sum(1 for b in bodies if b[3])
         completed_downloads = [
             i for i, r in runs.items() if (await engine.get(r)).status == "completed"
         ]
@@ -255,13 +261,13 @@ async def main(schema: str, otel: str | None) -> int:
         say(
             f"exactly-once: {len(submissions)} submissions for {len(completed_downloads)} "
             f"completed downloads (max {max((c for _, c in submissions), default=0)} per item), "
-            f"{calls[0][0]} client call(s); {len(completed_twice)} step bodies completed twice; "
-            f"{interrupted} step bodies cut off by the SIGKILL (re-run elsewhere)"
+            f"{calls[0][0]} client call(s); {len(rerun_after_completion)} completed steps run "
+            f"again; {cut_off} step bodies cut off by the SIGKILL (re-run elsewhere)"
         )
         ok = (
             len(submissions) == len(completed_downloads) == len(items) - 1
             and all(c == 1 for _, c in submissions)
-            and not completed_twice
+            and not rerun_after_completion
             and (await engine.get(runs[canceled_item])).status == "canceled"
         )
     finally:

@@ -42,34 +42,36 @@ class Receipt:
     size: int
 
 
-async def _log(run_id: Any, step: str, *, finished: bool) -> None:
+async def _log(ctx: TaskContext[Any], step: str, *, finished: bool) -> None:
+    """Note in the 'external system' that a step body of this attempt started or finished."""
+    run_id, token = ctx.run_id, ctx.attempt_token
     async with await business() as conn:
         if finished:
             await conn.execute(
-                "UPDATE step_log SET finished_at = clock_timestamp() WHERE id = (SELECT"
-                " max(id) FROM step_log WHERE run_id = %s AND step = %s AND worker = %s)",
-                (run_id, step, WORKER),
+                "UPDATE step_log SET finished_at = clock_timestamp()"
+                " WHERE run_id = %s AND step = %s AND token = %s",
+                (run_id, step, token),
             )
         else:
             await conn.execute(
-                "INSERT INTO step_log (run_id, step, worker) VALUES (%s, %s, %s)",
-                (run_id, step, WORKER),
+                "INSERT INTO step_log (run_id, step, worker, token) VALUES (%s, %s, %s, %s)",
+                (run_id, step, WORKER, token),
             )
 
 
 @task("download", version=1, retry=RetryPolicy.network())
 async def download(ctx: TaskContext[Download]) -> Receipt:
     async def plan() -> str:
-        await _log(ctx.run_id, "plan", finished=False)
-        await _log(ctx.run_id, "plan", finished=True)
+        await _log(ctx, "plan", finished=False)
+        await _log(ctx, "plan", finished=True)
         return f"https://mirror.example/{ctx.input.item}.iso"
 
     async def transfer(url: str) -> int:
-        await _log(ctx.run_id, "transfer", finished=False)
+        await _log(ctx, "transfer", finished=False)
         for _ in range(int(TRANSFER_SECONDS / 0.1)):  # a long step that honours cancel
             ctx.throw_if_canceled()
             await asyncio.sleep(0.1)
-        await _log(ctx.run_id, "transfer", finished=True)
+        await _log(ctx, "transfer", finished=True)
         return 4_700_000 + len(url)
 
     async def submit(size: int, approved_by: str) -> str:
@@ -107,8 +109,8 @@ async def download(ctx: TaskContext[Download]) -> Receipt:
 @task("fetch_metadata", version=1)
 async def fetch_metadata(ctx: TaskContext[Download]) -> str:
     async def fetch() -> str:
-        await _log(ctx.run_id, "fetch", finished=False)
-        await _log(ctx.run_id, "fetch", finished=True)
+        await _log(ctx, "fetch", finished=False)
+        await _log(ctx, "fetch", finished=True)
         return WORKER
 
     return await ctx.step.run("fetch", fetch)
@@ -117,9 +119,9 @@ async def fetch_metadata(ctx: TaskContext[Download]) -> str:
 @task("summarize", version=1)
 async def summarize(ctx: TaskContext[Download]) -> str:
     async def write() -> str:
-        await _log(ctx.run_id, "write", finished=False)
+        await _log(ctx, "write", finished=False)
         await asyncio.sleep(0.2)
-        await _log(ctx.run_id, "write", finished=True)
+        await _log(ctx, "write", finished=True)
         return WORKER
 
     return await ctx.step.run("write", write)

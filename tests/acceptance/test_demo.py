@@ -29,7 +29,7 @@ def test_demo_tells_the_whole_story(pg_url: str) -> None:
         "cancel ubuntu-6: ",
         "the urgent summary started #",
         "exactly-once: 5 submissions for 5 completed downloads (max 1 per item)",
-        "0 step bodies completed twice",
+        "0 completed steps run again",
         "transfer   step  interrupted",
         "on io-1: interrupted",
         "done; inspect with: umt --schema",
