@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import psycopg
 
-from umt_sdk.exceptions import BackendError
+from umt_sdk.exceptions import BackendError, BackendUnavailableError
 
 __all__ = ["wrap_exceptions"]
 
@@ -22,7 +22,21 @@ def wrap_exceptions() -> Iterator[None]:
             "or connect with run_migrations=True"
         ) from exc
     except psycopg.OperationalError as exc:
-        raise BackendError(f"database unavailable: {exc}") from exc
+        if _unreachable(exc):
+            raise BackendUnavailableError(f"database unavailable: {exc}") from exc
+        raise BackendError(f"database error {exc.sqlstate or '?'}: {exc}") from exc
     except psycopg.Error as exc:
         sqlstate = getattr(exc, "sqlstate", None) or "?"
         raise BackendError(f"database error {sqlstate}: {exc}") from exc
+
+
+# Server shutting down / restarting / not accepting connections yet (admin_shutdown,
+# crash_shutdown, cannot_connect_now); class 08 is connection exceptions.
+_UNREACHABLE_STATES = frozenset({"57P01", "57P02", "57P03"})
+
+
+def _unreachable(exc: psycopg.OperationalError) -> bool:
+    """The server could not be reached or went away (the connection is gone), as opposed to
+    an operational error of a statement (a timeout, a resource limit) that would recur."""
+    sqlstate = exc.sqlstate
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _UNREACHABLE_STATES

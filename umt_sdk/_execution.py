@@ -29,6 +29,7 @@ from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import Backend, ClaimedRun, ErrorInfo, Lease, ParkStatus, StepKind, StepRecord
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import (
+    BackendUnavailableError,
     CanceledError,
     FactTimeoutError,
     FencingError,
@@ -262,6 +263,17 @@ class Execution:
             return await awaitable
         except FencingError:
             self._fenced()
+            raise _Stop from None
+        except BackendUnavailableError as exc:
+            # Whether the write landed is unknown, and an outage is not the handler's failure:
+            # stop writing (like a crash); the run resumes from its records after its lease.
+            _log.warning(
+                "run %s: the backend is unavailable (%s); stopping this execution, the run "
+                "resumes from its recorded steps when its lease expires",
+                self.claimed.run_id,
+                exc,
+            )
+            self.abort("crash", f"backend unavailable: {exc}")
             raise _Stop from None
         except SimulatedCrash:
             self.abort("crash", "simulated crash")

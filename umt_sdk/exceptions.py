@@ -8,6 +8,7 @@ UmtError
 ├── PayloadError             (also ValueError) an input/output/payload does not fit its type
 ├── BackendError             the backend failed; the operation may be retried
 │   ├── BackendNotFoundError no installed backend plugin serves the URL
+│   ├── BackendUnavailableError  the database could not be reached (restart, lost connection)
 │   └── FencingError         the caller's attempt no longer holds the run (lease lost)
 ├── IdempotencyConflictError same idempotency key, different input
 ├── RunNotFoundError         (also LookupError) no run with that id
@@ -30,6 +31,7 @@ from uuid import UUID
 __all__ = [
     "BackendError",
     "BackendNotFoundError",
+    "BackendUnavailableError",
     "CanceledError",
     "FactTimeoutError",
     "FencingError",
@@ -85,6 +87,12 @@ class BackendError(UmtError):
 
 class BackendNotFoundError(BackendError):
     """No installed backend serves this URL."""
+
+
+class BackendUnavailableError(BackendError):
+    """The backend could not be reached (connection lost, server restarting); it may be back
+    later. A running execution whose own write fails this way stops, and the run resumes from
+    its records once its lease expires: an outage is not charged to the run as a failure."""
 
 
 class FencingError(BackendError):

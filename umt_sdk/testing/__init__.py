@@ -5,6 +5,8 @@
 Postgres ones).
 """
 
+from typing import TYPE_CHECKING
+
 from umt_sdk.testing._clock import FakeClock
 from umt_sdk.testing._helpers import (
     BackendHarness,
@@ -21,6 +23,9 @@ __all__ = [
     "simulate_crash",
     "thaw_heartbeats",
 ]
+
+if TYPE_CHECKING:  # type checkers see the class; at run time pytest is imported only when asked
+    from umt_sdk.testing._contract import BackendContract
 
 
 def __getattr__(name: str) -> object:
