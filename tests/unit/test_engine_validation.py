@@ -1,0 +1,199 @@
+"""Engine arguments are checked before anything is stored."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+from uuid import uuid4
+
+import attrs
+import pytest
+
+from umt_backend_memory import MemoryBackend
+from umt_sdk import Engine, Registry, TaskContext, connect, task
+from umt_sdk.exceptions import (
+    PayloadError,
+    ResultTimeoutError,
+    RunNotFoundError,
+    TaskDefinitionError,
+    UnknownTaskError,
+)
+from umt_sdk.testing import FakeClock
+
+
+@attrs.frozen
+class Job:
+    key: str
+
+
+@task("validation.job")
+async def job(ctx: TaskContext[Job]) -> str:
+    return ctx.input.key
+
+
+@task("validation.no-input")
+async def no_input(ctx: TaskContext[None]) -> None:
+    assert ctx.input is None
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    engine = await connect("memory://", registry=Registry([job, no_input]), clock=FakeClock())
+    yield engine
+    await engine.close()
+
+
+async def _stored(engine: Engine) -> int:
+    return len(await engine.list())
+
+
+@pytest.mark.parametrize("priority", [32768, -32769, True, False, 1.5, "1", None])
+async def test_priority_must_be_a_small_integer(engine: Engine, priority: Any) -> None:
+    with pytest.raises(
+        TaskDefinitionError, match=r"priority must be an integer in -32768\.\.32767"
+    ):
+        await engine.enqueue(job, Job(key="p"), priority=priority)
+    assert await _stored(engine) == 0
+
+
+@pytest.mark.parametrize("priority", [-32768, 0, 32767])
+async def test_priority_bounds_are_accepted(engine: Engine, priority: int) -> None:
+    handle = await engine.enqueue(job, Job(key="p"), priority=priority)
+    assert (await engine.get(handle.run_id)).priority == priority
+
+
+@pytest.mark.parametrize("key", ["", "k" * 513, 5, b"bytes"])
+async def test_idempotency_key_must_be_a_short_string(engine: Engine, key: Any) -> None:
+    with pytest.raises(TaskDefinitionError, match="idempotency_key must be a non-empty string"):
+        await engine.enqueue(job, Job(key="i"), idempotency_key=key)
+    assert await _stored(engine) == 0
+
+
+async def test_a_512_character_key_is_accepted(engine: Engine) -> None:
+    handle = await engine.enqueue(job, Job(key="i"), idempotency_key="k" * 512)
+    assert (await engine.get(handle.run_id)).idempotency_key == "k" * 512
+
+
+@pytest.mark.parametrize("delay", [timedelta(microseconds=-1), timedelta(days=-1), 5, 0.5])
+async def test_delay_must_be_a_non_negative_timedelta(engine: Engine, delay: Any) -> None:
+    with pytest.raises(TaskDefinitionError, match="delay must be a timedelta >= 0"):
+        await engine.enqueue(job, Job(key="d"), delay=delay)
+    assert await _stored(engine) == 0
+
+
+async def test_a_delay_postpones_availability(engine: Engine) -> None:
+    now = engine.backend.clock.now()  # type: ignore[union-attr]
+    handle = await engine.enqueue(job, Job(key="d"), delay=timedelta(minutes=3))
+    assert (await engine.get(handle.run_id)).available_at == now + timedelta(minutes=3)
+    zero = await engine.enqueue(job, Job(key="z"), delay=timedelta(0))
+    assert (await engine.get(zero.run_id)).available_at == now
+
+
+async def test_a_task_without_input_takes_none(engine: Engine) -> None:
+    with pytest.raises(PayloadError, match="expected null, got dict"):
+        await engine.enqueue(no_input, {})
+    handle = await engine.enqueue(no_input, None)
+    async with engine.worker(poll_interval=timedelta(milliseconds=20)):
+        assert await handle.result(timeout=5) is None
+    assert (await engine.get(handle.run_id)).status == "completed"
+
+
+async def test_unknown_tasks_cannot_be_enqueued(engine: Engine) -> None:
+    with pytest.raises(UnknownTaskError):
+        await engine.enqueue("validation.nope", {"key": "x"})
+    with pytest.raises(UnknownTaskError):
+        await engine.enqueue(job, Job(key="x"), version=2)
+    with pytest.raises(TaskDefinitionError, match="expected 'task_name@version'"):
+        await engine.enqueue("validation.job@latest", {"key": "x"})
+    assert await _stored(engine) == 0
+
+
+@pytest.mark.parametrize("status", ["done", "PENDING", "", 1])
+async def test_list_status_must_be_known(engine: Engine, status: Any) -> None:
+    with pytest.raises(TaskDefinitionError, match="status must be one of canceled, completed"):
+        await engine.list(status=status)
+
+
+@pytest.mark.parametrize("limit", [0, -1, 10_001])
+async def test_list_limit_must_be_in_range(engine: Engine, limit: int) -> None:
+    with pytest.raises(TaskDefinitionError, match=r"limit must be in 1\.\.10000"):
+        await engine.list(limit=limit)
+
+
+async def test_list_limit_bounds_are_accepted(engine: Engine) -> None:
+    ids = [(await engine.enqueue(job, Job(key=str(i)))).run_id for i in range(3)]
+    one = await engine.list(limit=1)
+    assert [r.run_id for r in one] == [ids[-1]]
+    assert one.next_cursor == ids[-1]
+    everything = await engine.list(limit=10_000)
+    assert [r.run_id for r in everything] == ids[::-1]
+    assert everything.next_cursor is None
+
+
+async def test_signal_to_an_unknown_run(engine: Engine) -> None:
+    missing = uuid4()
+    with pytest.raises(RunNotFoundError) as caught:
+        await engine.signal(missing, "approved", {"by": "ops"})
+    assert caught.value.run_id == missing
+    assert isinstance(caught.value, LookupError)
+    backend = engine.backend
+    assert isinstance(backend, MemoryBackend)
+    assert backend.facts() == [], "nothing is stored for a run that does not exist"
+
+
+@pytest.mark.parametrize("name", ["", "has space", "a#b", 3])
+async def test_fact_names_are_checked(engine: Engine, name: Any) -> None:
+    handle = await engine.enqueue(job, Job(key="f"))
+    with pytest.raises(TaskDefinitionError, match="fact name must be"):
+        await engine.signal(handle.run_id, name)
+    with pytest.raises(TaskDefinitionError, match="fact name must be"):
+        await engine.broadcast(name)
+
+
+async def test_fact_payloads_must_be_json(engine: Engine) -> None:
+    handle = await engine.enqueue(job, Job(key="f"))
+    with pytest.raises(PayloadError, match="payload of fact 'go'"):
+        await engine.signal(handle.run_id, "go", object())
+
+
+async def test_unknown_runs_everywhere(engine: Engine) -> None:
+    missing = uuid4()
+    with pytest.raises(RunNotFoundError):
+        await engine.get(missing)
+    with pytest.raises(RunNotFoundError):
+        await engine.cancel(missing)
+    with pytest.raises(RunNotFoundError):
+        await engine.result(missing, timeout=1)
+
+
+async def test_result_times_out(engine: Engine) -> None:
+    handle = await engine.enqueue(job, Job(key="slow"))
+    with pytest.raises(ResultTimeoutError, match="still pending") as caught:
+        await handle.result(timeout=0.05)
+    assert isinstance(caught.value, TimeoutError)
+
+
+async def test_handle_fields(engine: Engine) -> None:
+    handle = await engine.enqueue(job, {"key": "h"}, idempotency_key="h")
+    again = await engine.enqueue(job, Job(key="h"), idempotency_key="h")
+    assert handle.id == handle.run_id == again.run_id
+    assert (handle.created, again.created) == (True, False)
+    assert (handle.task_name, handle.task_version) == ("validation.job", 1)
+
+
+@pytest.mark.parametrize("url", ["", None, 5])
+async def test_connect_needs_a_url(url: Any) -> None:
+    with pytest.raises(
+        TaskDefinitionError, match="connect\\(\\) needs a backend URL such as 'memory://'"
+    ):
+        await connect(url)
+
+
+async def test_worker_arguments_are_checked(engine: Engine) -> None:
+    with pytest.raises(TaskDefinitionError, match="concurrency must be >= 1"):
+        engine.worker(concurrency=0)
+    with pytest.raises(TaskDefinitionError, match="lease must be at least 100 ms"):
+        engine.worker(lease=timedelta(milliseconds=99))
+    with pytest.raises(TaskDefinitionError, match="must be a list"):
+        engine.worker(versions="validation.job@1")  # type: ignore[arg-type]

@@ -1,0 +1,116 @@
+"""Backends are pluggy plugins chosen by URL scheme; `connect(plugins=[...])` adds more."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+import umt_backend_memory.plugin
+from umt_backend_memory import MemoryBackend
+from umt_sdk import Registry, TaskContext, connect, task
+from umt_sdk.backend import Backend, Clock, SystemClock, hookimpl
+from umt_sdk.exceptions import BackendError, BackendNotFoundError
+from umt_sdk.testing import FakeClock
+
+
+@task("plugins.double")
+async def double(ctx: TaskContext[int]) -> int:
+    return 2 * ctx.input
+
+
+def make_mem2_plugin() -> types.ModuleType:
+    """A plugin module serving `mem2://` with the memory backend, recording what it was given."""
+    module = types.ModuleType("mem2_plugin")
+    module.opened = []  # type: ignore[attr-defined]
+
+    @hookimpl
+    def umt_backend_schemes() -> Sequence[str]:
+        return ["mem2"]
+
+    @hookimpl
+    def umt_open_backend(
+        url: str, clock: Clock | None, options: Mapping[str, Any]
+    ) -> Awaitable[Backend] | None:
+        if urlsplit(url).scheme != "mem2":
+            return None
+
+        async def open_backend() -> Backend:
+            backend = MemoryBackend(clock=clock or SystemClock())
+            module.opened.append((url, dict(options), backend))  # type: ignore[attr-defined]
+            return backend
+
+        return open_backend()
+
+    module.umt_backend_schemes = umt_backend_schemes  # type: ignore[attr-defined]
+    module.umt_open_backend = umt_open_backend  # type: ignore[attr-defined]
+    return module
+
+
+async def test_an_unknown_scheme_names_the_installed_ones() -> None:
+    with pytest.raises(BackendNotFoundError) as caught:
+        await connect("nosuch://x")
+    message = str(caught.value)
+    assert "scheme 'nosuch'" in message
+    assert "installed schemes: memory" in message
+    assert "umt_backend_memory.plugin" in message
+    assert "plugins=[...]" in message
+    assert isinstance(caught.value, BackendError)
+
+
+async def test_the_error_does_not_repeat_credentials() -> None:
+    with pytest.raises(BackendNotFoundError) as caught:
+        await connect("nosuch://admin:s3cr3t@db.internal:5432/app")
+    assert "s3cr3t" not in str(caught.value)
+    assert "db.internal:5432/app" in str(caught.value)
+
+
+async def test_a_url_without_a_scheme_is_not_found() -> None:
+    with pytest.raises(BackendNotFoundError, match=r"scheme '\(none\)'"):
+        await connect("just-a-path")
+
+
+async def test_an_extra_plugin_serves_its_scheme() -> None:
+    plugin = make_mem2_plugin()
+    clock = FakeClock(auto_advance=True)
+    engine = await connect(
+        "mem2://box", registry=Registry([double]), clock=clock, plugins=[plugin], shards=3
+    )
+    try:
+        [(url, options, backend)] = plugin.opened  # type: ignore[attr-defined]
+        assert (url, options) == ("mem2://box", {"shards": 3})
+        assert engine.backend is backend
+        assert engine.backend.clock is clock
+        handle = await engine.enqueue(double, 21)
+        async with engine.worker():
+            assert await handle.result(timeout=5) == 42
+    finally:
+        await engine.close()
+
+
+async def test_the_extra_plugin_is_listed_and_needed() -> None:
+    plugin = make_mem2_plugin()
+    with pytest.raises(BackendNotFoundError, match="installed schemes: mem2, memory"):
+        await connect("nosuch://", plugins=[plugin])
+    with pytest.raises(BackendNotFoundError, match="scheme 'mem2'"):
+        await connect("mem2://box")
+    assert plugin.opened == []  # type: ignore[attr-defined]
+
+
+async def test_memory_urls_still_go_to_the_memory_plugin_alongside_extras() -> None:
+    plugin = make_mem2_plugin()
+    engine = await connect("memory://", plugins=[plugin, umt_backend_memory.plugin])
+    try:
+        assert isinstance(engine.backend, MemoryBackend)
+        assert isinstance(engine.backend.clock, SystemClock)
+        assert plugin.opened == []  # type: ignore[attr-defined]
+    finally:
+        await engine.close()
+
+
+async def test_the_memory_backend_refuses_options() -> None:
+    with pytest.raises(TypeError, match="the memory backend takes no options, got dsn, pool_size"):
+        await connect("memory://", pool_size=5, dsn="x")

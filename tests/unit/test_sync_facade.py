@@ -1,0 +1,133 @@
+"""`connect_sync`: the blocking facade, driven from plain code, with its own loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+from uuid import uuid4
+
+import attrs
+import pytest
+
+from umt_sdk import (
+    Engine,
+    PayloadError,
+    Registry,
+    RunCanceledError,
+    RunNotFoundError,
+    SyncEngine,
+    TaskContext,
+    connect_sync,
+    task,
+)
+from umt_sdk.exceptions import BackendNotFoundError
+
+
+@attrs.frozen
+class Ticket:
+    key: str
+
+
+@task("sync.approval")
+async def approval(ctx: TaskContext[Ticket]) -> dict[str, Any]:
+    payload: dict[str, Any] = await ctx.step.wait_for_fact("approved")
+    return {"key": ctx.input.key, **payload}
+
+
+@task("sync.other")
+async def other(ctx: TaskContext[Ticket]) -> str:
+    return ctx.input.key
+
+
+REGISTRY = Registry([approval, other])
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "umt-sync-engine"]
+
+
+def _eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_client_calls_work_from_plain_code() -> None:
+    before = _loop_threads()
+    with connect_sync("memory://", registry=REGISTRY) as facade:
+        assert isinstance(facade, SyncEngine)
+        assert isinstance(facade.engine, Engine)
+        assert len(_loop_threads()) == len(before) + 1
+
+        first = facade.enqueue(approval, Ticket(key="a"))
+        second = facade.enqueue("sync.other", {"key": "b"}, priority=5, idempotency_key="k-b")
+        assert facade.enqueue(other, Ticket(key="b"), idempotency_key="k-b") == second
+
+        info = facade.get(first)
+        assert (info.status, info.task_name, info.task_version) == ("pending", "sync.approval", 1)
+        assert [r.run_id for r in facade.list()] == [second, first]
+        assert [r.run_id for r in facade.list(task_name="sync.other")] == [second]
+        assert len(facade.list(status="completed")) == 0
+
+        assert facade.signal(first, "approved", {"by": "ops"}) is True
+        assert facade.signal(first, "approved", {"by": "someone else"}) is False
+        assert facade.broadcast("maintenance", None) is True
+
+        assert facade.cancel(second, reason="not needed") == "canceled"
+        assert facade.cancel(second) == "already_finished"
+        with pytest.raises(RunCanceledError, match="not needed"):
+            facade.result(second, timeout=2)
+
+        with pytest.raises(RunNotFoundError):
+            facade.get(uuid4())
+        with pytest.raises(RunNotFoundError):
+            facade.signal(uuid4(), "approved")
+        with pytest.raises(PayloadError, match=r"input\.key"):
+            facade.enqueue(approval, {"key": 5})
+    assert _loop_threads() == before, "close() stops the loop thread"
+
+
+def test_a_worker_on_the_facades_loop_finishes_a_run_signaled_from_plain_code() -> None:
+    facade = connect_sync("memory://", registry=REGISTRY)
+    try:
+        worker = facade.engine.worker(
+            versions=["sync.approval@1"], poll_interval=timedelta(milliseconds=50)
+        )
+        # The engine belongs to the facade's loop: start the worker there.
+        asyncio.run_coroutine_threadsafe(worker.start(), facade._loop).result(timeout=5)
+        run_id = facade.enqueue(approval, Ticket(key="w"))
+        _eventually(lambda: facade.get(run_id).status == "waiting")
+        assert facade.get(run_id).waiting_for == "approved"
+        assert facade.signal(run_id, "approved", {"by": "ops"})
+        assert facade.result(run_id, timeout=5) == {"key": "w", "by": "ops"}
+        assert facade.get(run_id).status == "completed"
+    finally:
+        facade.close()
+    assert not facade._thread.is_alive()
+    assert worker.running_runs == []
+
+
+def test_a_closed_facade_refuses_calls_cleanly() -> None:
+    facade = connect_sync("memory://", registry=REGISTRY)
+    run_id = facade.enqueue(other, Ticket(key="x"))
+    facade.close()
+    facade.close()  # closing twice is harmless
+    # No "coroutine was never awaited" warning either: pytest turns warnings into errors.
+    with pytest.raises(RuntimeError, match="SyncEngine is closed"):
+        facade.get(run_id)
+    with pytest.raises(RuntimeError, match="SyncEngine is closed"):
+        facade.enqueue(other, Ticket(key="y"))
+
+
+def test_a_failed_connect_leaves_no_thread_behind() -> None:
+    before = _loop_threads()
+    with pytest.raises(BackendNotFoundError):
+        connect_sync("nosuch://x")
+    with pytest.raises(TypeError, match="takes no options"):
+        connect_sync("memory://", bogus=True)
+    assert _loop_threads() == before
