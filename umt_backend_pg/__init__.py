@@ -1,22 +1,36 @@
 """The Postgres umt backend (psycopg 3): `await umt_sdk.connect("postgresql://...")`.
 
-Also: `migrate(url, schema=...)` for deployments that migrate separately, and
-`start_embedded()` / `database_url()` for an embedded Postgres with no setup.
+Also: `migrate(url, schema=...)` for deployments that migrate separately,
+`start_embedded()` / `database_url()` for an embedded Postgres with no setup, and the
+transactional outbox: `install_outbox` / `outbox_ddl` for the business database,
+`insert_outbox_event` for business transactions and `OutboxRelay` to turn rows into runs.
 """
 
 from umt_backend_pg._backend import PostgresBackend, PostgresLedger
 from umt_backend_pg._embedded import database_url, start_embedded
 from umt_backend_pg._migrate import migrate, pending_migrations_sql
+from umt_backend_pg._outbox import (
+    DispatchReport,
+    OutboxRelay,
+    insert_outbox_event,
+    install_outbox,
+    outbox_ddl,
+)
 
 __all__ = [
+    "DispatchReport",
+    "OutboxRelay",
     "PostgresBackend",
     "PostgresLedger",
     "database_url",
+    "insert_outbox_event",
+    "install_outbox",
     "migrate",
+    "outbox_ddl",
     "pending_migrations_sql",
     "start_embedded",
 ]
 
-for _name in ("PostgresBackend", "PostgresLedger"):
+for _name in ("DispatchReport", "OutboxRelay", "PostgresBackend", "PostgresLedger"):
     globals()[_name].__module__ = __name__
 del _name

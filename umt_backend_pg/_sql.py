@@ -8,7 +8,17 @@ from importlib import resources
 
 from psycopg import sql
 
-__all__ = ["SCHEMA_NAME", "migrations", "queries", "render", "schema_sql", "validate_schema"]
+__all__ = [
+    "SCHEMA_NAME",
+    "blocks",
+    "migrations",
+    "queries",
+    "render",
+    "render_identifiers",
+    "schema_sql",
+    "validate_identifier",
+    "validate_schema",
+]
 
 SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _BLOCK = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
@@ -24,6 +34,16 @@ def validate_schema(schema: str) -> str:
     return schema
 
 
+def validate_identifier(value: str, what: str) -> str:
+    """Table and other names follow the same rule as schema names."""
+    if not isinstance(value, str) or not SCHEMA_NAME.match(value):
+        raise ValueError(
+            f"{what} must be a lowercase identifier (letters, digits, _; at most 63 "
+            f"characters), got {value!r}"
+        )
+    return value
+
+
 def _read(name: str) -> str:
     return (resources.files("umt_backend_pg") / "sql" / name).read_text(encoding="utf-8")
 
@@ -31,7 +51,13 @@ def _read(name: str) -> str:
 @cache
 def queries() -> dict[str, str]:
     """Named query blocks of queries.sql, unrendered."""
-    text = _read("queries.sql")
+    return blocks("queries.sql")
+
+
+@cache
+def blocks(filename: str) -> dict[str, str]:
+    """Named blocks (`-- name: x`) of one of the package's .sql files, unrendered."""
+    text = _read(filename)
     found: dict[str, str] = {}
     matches = list(_BLOCK.finditer(text))
     for i, match in enumerate(matches):
@@ -60,5 +86,16 @@ def render(text: str, schema: str) -> str:
     """Put the quoted schema identifier into `{schema}`; nothing else is ever formatted in."""
     composed = sql.SQL(text).format(  # our own .sql files, never input
         schema=sql.Identifier(validate_schema(schema))
+    )
+    return composed.as_string(None)
+
+
+def render_identifiers(text: str, **identifiers: str) -> str:
+    """Put each quoted identifier into its `{name}`; nothing else is ever formatted in."""
+    composed = sql.SQL(text).format(  # our own .sql files, never input
+        **{
+            name: sql.Identifier(validate_identifier(value, name))
+            for name, value in identifiers.items()
+        }
     )
     return composed.as_string(None)

@@ -1,0 +1,661 @@
+"""The transactional outbox: business transactions write events, a relay turns them into runs.
+
+The business code inserts an `outbox_event` row in the same transaction as the business change
+(`insert_outbox_event`, or a plain INSERT). An `OutboxRelay` claims due `pending` rows with
+`FOR UPDATE SKIP LOCKED`, routes each by its `type` to a task, enqueues a run under the row's
+idempotency key (`outbox:<id>` by default), and marks the row `dispatched`, or schedules a retry
+with exponential backoff, or marks it `dead`.
+
+Two layouts:
+- same database (the engine's schema lives in the business database): the enqueue runs on the
+  relay's own transaction (`engine.enqueue(..., conn=...)`), so the run and the row's new status
+  commit together: a crash loses both or neither.
+- two databases: the enqueue commits in the engine's database first, then the row is marked;
+  a crash in between leaves the row pending, and the next dispatch finds the run already there
+  under the same idempotency key (no second run).
+`mode="auto"` finds out which applies when the relay first connects: it takes a random advisory
+lock on its connection and asks the engine's pool whether it sees that lock, held by that
+backend, in its own database (locks are per server and per database, so only the same database
+of the same server sees it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal, TypeAlias
+
+import psycopg
+from attrs import frozen
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
+from psycopg import sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from umt_backend_pg._backend import PostgresBackend
+from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
+from umt_sdk import Engine, TaskDefinition
+from umt_sdk.exceptions import (
+    BackendUnavailableError,
+    IdempotencyConflictError,
+    PayloadError,
+)
+
+__all__ = [
+    "DispatchReport",
+    "OutboxRelay",
+    "install_outbox",
+    "insert_outbox_event",
+    "outbox_ddl",
+]
+
+_log = logging.getLogger("umt.outbox")
+
+TaskRef: TypeAlias = "TaskDefinition[Any, Any] | str"
+Route: TypeAlias = "TaskRef | tuple[TaskRef, Callable[[Any], Any]]"
+RelayMode: TypeAlias = Literal["auto", "same_database", "separate"]
+ConnOrPool: TypeAlias = "str | psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any]"
+
+_MAX_TABLE_NAME = 56  # leaves room for the derived `<table>_claim` / `<table>_notify` names
+
+
+def _names(schema: str, table: str) -> dict[str, str]:
+    validate_identifier(schema, "schema")
+    validate_identifier(table, "table")
+    if len(table) > _MAX_TABLE_NAME:
+        raise ValueError(f"table must be at most {_MAX_TABLE_NAME} characters, got {table!r}")
+    return {
+        "schema": schema,
+        "table": table,
+        "index": f"{table}_claim",
+        "function": f"{table}_notify",
+        "trigger": f"{table}_notify",
+    }
+
+
+def _sql(block: str, schema: str, table: str) -> str:
+    return render_identifiers(blocks("outbox.sql")[block], **_names(schema, table))
+
+
+def channel_name(schema: str, table: str) -> str:
+    """The NOTIFY channel of the insert trigger (as the trigger computes it)."""
+    _names(schema, table)
+    return f"{schema}.{table}"[:63]
+
+
+def outbox_ddl(*, schema: str = "public", table: str = "outbox_event") -> str:
+    """The SQL that creates the outbox table, its claim index and its insert trigger.
+
+    For projects that run their own migrations; idempotent (IF NOT EXISTS / OR REPLACE).
+    """
+    return _sql("ddl", schema, table)
+
+
+async def install_outbox(
+    conn: psycopg.AsyncConnection[Any], *, schema: str = "public", table: str = "outbox_event"
+) -> None:
+    """Apply `outbox_ddl(schema=..., table=...)` on `conn` (your business database), in one
+    transaction under an advisory lock, so concurrent installs are safe; applying it again
+    changes nothing."""
+    if not isinstance(conn, psycopg.AsyncConnection):
+        raise TypeError(
+            f"install_outbox takes a psycopg.AsyncConnection, got {type(conn).__name__}"
+        )
+    ddl = outbox_ddl(schema=schema, table=table)
+    async with conn.transaction():
+        await conn.execute(
+            _sql("install_lock", schema, table), {"key": f"umt-outbox:{schema}.{table}"}
+        )
+        await conn.execute(ddl)
+
+
+async def insert_outbox_event(
+    conn: psycopg.AsyncConnection[Any],
+    type: str,
+    payload: Mapping[str, Any] | None = None,
+    *,
+    idempotency_key: str | None = None,
+    schema: str = "public",
+    table: str = "outbox_event",
+) -> int:
+    """Insert an outbox row on `conn` (inside your business transaction) and return its id.
+
+    The current trace context (W3C headers), if any, is stored with the row: the relay's
+    dispatch span links to it.
+    """
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    cur = await conn.execute(
+        _sql("insert_event", schema, table),
+        {
+            "type": type,
+            "payload": Jsonb(dict(payload or {})),
+            "idempotency_key": idempotency_key,
+            "trace_context": Jsonb(carrier) if carrier else None,
+        },
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    event_id: int = row[0]
+    return event_id
+
+
+@frozen(kw_only=True)
+class DispatchReport:
+    """What one `run_once` did."""
+
+    claimed: int = 0
+    dispatched: int = 0
+    """Rows marked dispatched (their run was created, or already existed under the key)."""
+    created: int = 0
+    """Of those, how many runs this dispatch created."""
+    retried: int = 0
+    """Rows that failed and were scheduled again (backoff)."""
+    dead: int = 0
+    """Rows marked dead (unknown type, invalid payload, or out of attempts)."""
+    engine_unavailable: bool = False
+    """The engine's database could not be reached; the untouched rows stay pending."""
+
+
+@frozen
+class _Outcome:
+    row_id: int
+    ok: bool
+    created: bool = False
+    error: str = ""
+    dead: bool = False
+
+
+class _Unavailable(Exception):
+    pass
+
+
+class OutboxRelay:
+    """Dispatches outbox rows to runs. Use `run()`, `run_once()` or `async with relay:`.
+
+    Args:
+        conn_or_pool: the business database: a URL, a psycopg `AsyncConnection` (used only by
+            this relay), or an `AsyncConnectionPool`.
+        engine: where runs are enqueued.
+        routes: event type -> task (the payload is the input), or -> (task, mapper) where
+            `mapper(payload)` builds the input. A task is a definition or a name (newest
+            version at dispatch time).
+        batch_size: rows claimed per transaction.
+        max_attempts: failed dispatches after which a row is `dead`.
+        backoff / max_backoff: the delay after the n-th failure is backoff * 2^(n-1), capped.
+        poll_interval: how long an idle relay waits when no NOTIFY comes.
+        mode: "auto" (detect), "same_database" (required: the enqueue commits with the row's
+            status) or "separate" (enqueue, then mark; safe anywhere thanks to the key).
+        concurrency: with separate databases, how many rows of a batch are enqueued at once
+            (1 keeps the rows' order; on one database they share the relay's transaction and
+            go one by one).
+        listen: wake on the insert trigger's NOTIFY (False: poll only).
+        tracer_provider: for the per-row dispatch spans (the global one by default).
+    """
+
+    def __init__(
+        self,
+        conn_or_pool: ConnOrPool,
+        engine: Engine,
+        routes: Mapping[str, Route],
+        *,
+        schema: str = "public",
+        table: str = "outbox_event",
+        batch_size: int = 100,
+        max_attempts: int = 10,
+        backoff: timedelta = timedelta(seconds=1),
+        max_backoff: timedelta = timedelta(minutes=5),
+        poll_interval: timedelta = timedelta(seconds=5),
+        mode: RelayMode = "auto",
+        concurrency: int = 8,
+        listen: bool = True,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        if not isinstance(conn_or_pool, str | psycopg.AsyncConnection | AsyncConnectionPool):
+            raise TypeError(
+                "OutboxRelay takes a database URL, a psycopg.AsyncConnection or an "
+                f"AsyncConnectionPool, got {type(conn_or_pool).__name__}"
+            )
+        if not isinstance(engine, Engine):
+            raise TypeError(f"OutboxRelay needs an umt Engine, got {type(engine).__name__}")
+        if mode not in ("auto", "same_database", "separate"):
+            raise ValueError(f"mode must be 'auto', 'same_database' or 'separate', got {mode!r}")
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError(f"batch_size must be in 1..10000, got {batch_size}")
+        if not 1 <= concurrency <= 1000:
+            raise ValueError(f"concurrency must be in 1..1000, got {concurrency}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        for what, value in (
+            ("backoff", backoff),
+            ("max_backoff", max_backoff),
+            ("poll_interval", poll_interval),
+        ):
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ValueError(f"{what} must be a positive timedelta, got {value!r}")
+        self._source = conn_or_pool
+        self.engine = engine
+        self.schema = schema
+        self.table = table
+        self._q = {name: _sql(name, schema, table) for name in blocks("outbox.sql")}
+        self.channel = channel_name(schema, table)
+        self.routes: dict[str, tuple[TaskRef, Callable[[Any], Any] | None]] = {}
+        for event_type, route in routes.items():
+            if isinstance(route, tuple):
+                target, mapper = route
+                if not callable(mapper):
+                    raise TypeError(f"route {event_type!r}: the mapper must be callable")
+            else:
+                target, mapper = route, None
+            engine.registry.resolve(target)  # an unknown or stale task fails here, not later
+            self.routes[event_type] = (target, mapper)
+        self.batch_size = batch_size
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.poll_interval = poll_interval
+        self.mode: RelayMode = mode
+        self.concurrency = concurrency
+        self._same_database: bool | None = False if mode == "separate" else None
+        self._listen = listen
+        self._tracer = trace.get_tracer("umt.outbox", tracer_provider=tracer_provider)
+        self._own_conn: psycopg.AsyncConnection[Any] | None = None
+        self._batch_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._listener: asyncio.Task[None] | None = None
+        self._listening_on_batch_conn = False
+        self._task: asyncio.Task[None] | None = None
+        self.totals = DispatchReport()
+        """What this relay did so far, summed over its batches."""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> OutboxRelay:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def start(self) -> asyncio.Task[None]:
+        """Run the relay in a background task (what `async with relay:` does)."""
+        if self._task is not None and not self._task.done():
+            raise RuntimeError("this OutboxRelay is already running")
+        self._stopping.clear()  # here, not in the task: a stop() right after start() holds
+        self._task = asyncio.create_task(self._loop(), name=f"umt-outbox-relay-{self.table}")
+        return self._task
+
+    async def stop(self) -> None:
+        """Stop gracefully: the batch in progress is finished and committed, then run() returns."""
+        self._stopping.set()
+        self._wake.set()
+        if self._task is not None:
+            task, self._task = self._task, None
+            await task
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection the relay opened itself (with a URL); `stop()` does it too."""
+        await self._close_own()
+
+    @property
+    def same_database(self) -> bool | None:
+        """Whether enqueues share the relay's transaction (None until the first batch)."""
+        return self._same_database
+
+    async def run(self) -> None:
+        """Dispatch until `stop()`: batches back to back while rows are due, then wait for a
+        NOTIFY from the insert trigger, the next retry's time, or `poll_interval`."""
+        self._stopping.clear()
+        await self._loop()
+
+    async def _loop(self) -> None:
+        failures = 0
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                try:
+                    if self._listen and self._listener is None:
+                        await self._start_listening()
+                    report = await self.run_once()
+                    failures = 0
+                except (psycopg.Error, OSError, BackendUnavailableError) as exc:
+                    failures += 1
+                    delay = min(0.2 * 2**failures, 30.0)
+                    _log.warning("outbox relay: %s; retrying in %.1f s", exc, delay)
+                    await self._close_own()
+                    await self._pause(delay)
+                    continue
+                if report.engine_unavailable:
+                    failures += 1
+                    await self._pause(min(0.2 * 2**failures, 30.0))
+                elif report.claimed < self.batch_size:
+                    await self._idle()
+        finally:
+            await self._stop_listening()
+            await self._close_own()
+
+    async def run_once(self) -> DispatchReport:
+        """Claim one batch of due rows and dispatch them; return what happened."""
+        async with self._batch_lock, self._connection() as conn:
+            if self._same_database is None:
+                self._same_database = await self._detect(conn)
+            report = await self._dispatch_batch(conn, same_database=self._same_database)
+        t = self.totals
+        self.totals = DispatchReport(
+            claimed=t.claimed + report.claimed,
+            dispatched=t.dispatched + report.dispatched,
+            created=t.created + report.created,
+            retried=t.retried + report.retried,
+            dead=t.dead + report.dead,
+        )
+        return report
+
+    # -- connections ----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        source = self._source
+        if isinstance(source, AsyncConnectionPool):
+            async with source.connection() as conn:
+                yield conn
+        elif isinstance(source, psycopg.AsyncConnection):
+            yield source
+        else:
+            if self._own_conn is None or self._own_conn.closed or self._own_conn.broken:
+                await self._close_own()
+                self._own_conn = await psycopg.AsyncConnection.connect(source, autocommit=True)
+            yield self._own_conn
+
+    async def _close_own(self) -> None:
+        conn, self._own_conn = self._own_conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def _conninfo(self) -> tuple[str, dict[str, Any]] | None:
+        source = self._source
+        if isinstance(source, str):
+            return source, {}
+        if isinstance(source, AsyncConnectionPool):
+            conninfo: Any = source.conninfo
+            kwargs: Any = source.kwargs
+            if callable(conninfo):  # psycopg_pool's dynamic conninfo
+                conninfo = conninfo()
+                if inspect.isawaitable(conninfo):
+                    conninfo = await conninfo
+            if callable(kwargs):
+                kwargs = kwargs()
+                if inspect.isawaitable(kwargs):
+                    kwargs = await kwargs
+            return str(conninfo), dict(kwargs or {})
+        return None  # a single connection: it listens itself, between batches
+
+    async def _start_listening(self) -> None:
+        if await self._conninfo() is None:
+            if not self._listening_on_batch_conn:
+                conn = self._source
+                assert isinstance(conn, psycopg.AsyncConnection)
+                async with self._batch_lock, conn.transaction():
+                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                self._listening_on_batch_conn = True
+            return
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._listener = asyncio.create_task(self._listen_loop(ready), name="umt-outbox-listen")
+        await asyncio.wait({ready, self._listener}, timeout=10, return_when="FIRST_COMPLETED")
+
+    async def _listen_loop(self, ready: asyncio.Future[None]) -> None:
+        delay = 0.1
+        while not self._stopping.is_set():
+            try:
+                info = await self._conninfo()
+                assert info is not None
+                conninfo, kwargs = info
+                kwargs["autocommit"] = True
+                async with await psycopg.AsyncConnection.connect(conninfo, **kwargs) as conn:
+                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                    if not ready.done():
+                        ready.set_result(None)
+                    delay = 0.1
+                    self._wake.set()  # rows written while we were not listening
+                    async for _ in conn.notifies():
+                        self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._stopping.is_set():
+                    return
+                _log.warning("outbox LISTEN connection lost (%s); reconnecting", exc)
+                if not ready.done():
+                    ready.set_result(None)  # run() polls meanwhile
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _stop_listening(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await listener
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _idle(self) -> None:
+        """Wait for a NOTIFY, the next due retry, `poll_interval`, or stop()."""
+        timeout = self.poll_interval.total_seconds()
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q["next_due"])
+            row = await cur.fetchone()
+            if not conn.autocommit:
+                await conn.commit()
+        if row is not None and row[0] is not None:
+            # due now but skipped: another relay holds them; look again soon in case it died
+            timeout = min(timeout, max(float(row[0]), 0.5 if row[0] == 0 else 0.01))
+        if self._wake.is_set() or self._stopping.is_set():
+            return
+        if self._listening_on_batch_conn:
+            # psycopg keeps notifications that arrive during a batch's queries in a backlog
+            # that notifies() yields first, so none is lost between two waits.
+            batch_conn = self._source
+            assert isinstance(batch_conn, psycopg.AsyncConnection)
+            deadline = time.monotonic() + timeout
+            while not (self._wake.is_set() or self._stopping.is_set()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                async with self._batch_lock:
+                    notes = batch_conn.notifies(timeout=min(remaining, 0.2), stop_after=1)
+                    async for _ in notes:
+                        self._wake.set()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _detect(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Same database iff the engine's pool sees an advisory lock this connection holds."""
+        backend = self.engine.backend
+        if not isinstance(backend, PostgresBackend):
+            if self.mode == "same_database":
+                raise ValueError(
+                    "mode='same_database' needs the engine on the Postgres backend, got "
+                    f"{type(backend).__name__}"
+                )
+            return False
+        k1, k2 = secrets.randbelow(2**31 - 1) + 1, secrets.randbelow(2**31 - 1) + 1
+        async with conn.transaction():
+            cur = await conn.execute(self._q["probe_lock"], {"k1": k1, "k2": k2})
+            row = await cur.fetchone()
+            assert row is not None
+            pid = row[1]
+            async with backend._pool.connection() as engine_conn:
+                cur = await engine_conn.execute(
+                    self._q["probe_see"], {"k1": k1, "k2": k2, "pid": pid}
+                )
+                seen = await cur.fetchone()
+        same = bool(seen and seen[0])
+        if self.mode == "same_database" and not same:
+            raise ValueError(
+                "mode='same_database', but the relay's connection and the engine's backend are "
+                "not on the same database; use mode='separate' (or 'auto')"
+            )
+        _log.info(
+            "outbox relay on %s.%s: %s",
+            self.schema,
+            self.table,
+            "same database as the engine (transactional enqueue)"
+            if same
+            else "separate databases (enqueue, then mark dispatched)",
+        )
+        return same
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    async def _dispatch_batch(
+        self, conn: psycopg.AsyncConnection[Any], *, same_database: bool
+    ) -> DispatchReport:
+        outcomes: list[_Outcome] = []
+        unavailable = False
+        async with conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(self._q["claim"], {"limit": self.batch_size})
+            rows = await cur.fetchall()
+            if same_database or self.concurrency == 1:
+                for row in rows:
+                    try:
+                        outcomes.append(await self._dispatch_row(conn, row, same_database))
+                    except _Unavailable:
+                        unavailable = True
+                        break
+            else:
+                slots = asyncio.Semaphore(self.concurrency)
+
+                async def dispatch(row: dict[str, Any]) -> _Outcome | None:
+                    nonlocal unavailable
+                    async with slots:
+                        if unavailable:
+                            return None
+                        try:
+                            return await self._dispatch_row(conn, row, same_database)
+                        except _Unavailable:
+                            unavailable = True
+                            return None
+
+                results = await asyncio.gather(*(dispatch(row) for row in rows))
+                outcomes = [o for o in results if o is not None]
+            done = [o.row_id for o in outcomes if o.ok]
+            if done:
+                await conn.execute(self._q["mark_dispatched"], {"ids": done})
+            failed = [o for o in outcomes if not o.ok]
+            statuses: dict[int, str] = {}
+            if failed:
+                marked = conn.cursor()
+                await marked.execute(
+                    self._q["mark_failed"],
+                    {
+                        "ids": [o.row_id for o in failed],
+                        "errors": [o.error[:4000] for o in failed],
+                        "dead": [o.dead for o in failed],
+                        "max_attempts": self.max_attempts,
+                        "base": self.backoff,
+                        "cap": self.max_backoff,
+                    },
+                )
+                statuses = {r[0]: r[1] for r in await marked.fetchall()}
+        dead = sum(1 for s in statuses.values() if s == "dead")
+        for outcome in failed:
+            _log.warning(
+                "outbox event %s %s: %s",
+                outcome.row_id,
+                "is dead" if statuses.get(outcome.row_id) == "dead" else "will be retried",
+                outcome.error,
+            )
+        return DispatchReport(
+            claimed=len(rows),
+            dispatched=len(done),
+            created=sum(1 for o in outcomes if o.ok and o.created),
+            retried=len(failed) - dead,
+            dead=dead,
+            engine_unavailable=unavailable,
+        )
+
+    async def _dispatch_row(
+        self, conn: psycopg.AsyncConnection[Any], row: dict[str, Any], same_database: bool
+    ) -> _Outcome:
+        row_id: int = row["id"]
+        event_type: str = row["type"]
+        key: str = row["idempotency_key"] or f"outbox:{row_id}"
+        links = []
+        if row["trace_context"]:
+            writer = trace.get_current_span(
+                propagate.extract(dict(row["trace_context"]))
+            ).get_span_context()
+            if writer.is_valid:
+                links.append(Link(writer))
+        attributes: dict[str, Any] = {
+            "messaging.system": "umt.outbox",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": f"{self.schema}.{self.table}",
+            "messaging.message.id": str(row_id),
+            "umt.outbox.event.id": row_id,
+            "umt.outbox.event.type": event_type,
+            "umt.outbox.attempt": row["attempts"] + 1,
+            "umt.outbox.idempotency_key": key,
+            "umt.outbox.same_database": same_database,
+        }
+        with self._tracer.start_as_current_span(
+            f"umt.outbox.dispatch {event_type}",
+            kind=SpanKind.CONSUMER,
+            links=links,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            route = self.routes.get(event_type)
+            if route is None:
+                known = ", ".join(sorted(self.routes)) or "none"
+                error = f"no route for outbox event type {event_type!r} (routes: {known})"
+                span.set_status(Status(StatusCode.ERROR, error))
+                span.set_attribute("umt.outbox.outcome", "dead")
+                return _Outcome(row_id, ok=False, error=error, dead=True)
+            target, mapper = route
+            try:
+                payload = row["payload"]
+                value = mapper(payload) if mapper is not None else payload
+                if same_database:
+                    async with conn.transaction():  # a savepoint: a failed enqueue undoes itself
+                        handle = await self.engine.enqueue(
+                            target, value, idempotency_key=key, conn=conn
+                        )
+                else:
+                    handle = await self.engine.enqueue(target, value, idempotency_key=key)
+            except BackendUnavailableError as exc:
+                if same_database:
+                    raise  # the relay's own connection: the whole batch rolls back
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"engine unavailable: {exc}"))
+                span.set_attribute("umt.outbox.outcome", "deferred")
+                raise _Unavailable from exc
+            except Exception as exc:
+                # Retrying cannot fix an input the task refuses, nor a key that names a run
+                # with another input: those are dead at once; anything else backs off.
+                permanent = isinstance(exc, PayloadError | IdempotencyConflictError)
+                error = f"{type(exc).__name__}: {exc}"
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, error))
+                span.set_attribute("umt.outbox.outcome", "dead" if permanent else "failed")
+                return _Outcome(row_id, ok=False, error=error, dead=permanent)
+            span.set_attribute("umt.run.id", str(handle.run_id))
+            span.set_attribute("umt.run.created", handle.created)
+            span.set_attribute("umt.outbox.outcome", "dispatched")
+            return _Outcome(row_id, ok=True, created=handle.created)
