@@ -1,11 +1,12 @@
 """The Postgres backend: the SPI over psycopg 3 with a pool, LISTEN/NOTIFY and named SQL.
 
 Round trips (each one statement and one commit unless noted):
-- enqueue: 1 (insert + NOTIFY in one transaction: 2 statements pipelined; +1 on an
-  idempotency hit, to read the existing run);
+- enqueue: 1 (the insert and its NOTIFY in one statement; +1 on an idempotency hit, to read
+  the existing run);
 - claim: 1 for up to N runs, including their step records for replay;
 - step checkpoint: 1 (insert the record if the token holds, extend the lease);
 - park on a sleep or a retry: 1; park on a fact: 1 (lock + park, pipelined in a transaction);
+- signal: 1 (lock + insert + wake-up + NOTIFY, pipelined in a transaction);
 - complete / fail / cancel-finish / release: 1;
 - heartbeat: 1 per worker per interval, for every run it holds.
 A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete.
@@ -240,6 +241,8 @@ class PostgresBackend:
             "input_hash": new.input_hash,
             "trace_context": Jsonb(dict(new.trace_context)),
             "input": new.input_json,
+            "channel": self.work_channel,
+            "pair": f"{new.task_name}@{new.task_version}",
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -250,7 +253,7 @@ class PostgresBackend:
             with wrap_exceptions():
                 return await self._enqueue_on(conn, new, params)
         with wrap_exceptions():
-            async with self._pool.connection() as own, own.transaction():
+            async with self._pool.connection() as own:  # autocommit: one statement, one commit
                 return await self._enqueue_on(own, new, params)
 
     async def _enqueue_on(
@@ -258,10 +261,6 @@ class PostgresBackend:
     ) -> EnqueueResult:
         cur = await conn.execute(self._q["insert_run"], params)
         if await cur.fetchone() is not None:
-            await conn.execute(
-                self._q["notify"],
-                {"channel": self.work_channel, "payload": f"{new.task_name}@{new.task_version}"},
-            )
             return EnqueueResult(run_id=new.run_id, created=True)
         cur = await conn.execute(self._q["find_idempotent_run"], params)
         row = await cur.fetchone()
@@ -292,6 +291,9 @@ class PostgresBackend:
                 "names": [p.name for p in pairs],
                 "versions": [p.version for p in pairs],
                 "limit": limit,
+                # Over-fetch candidates: a short batch would make the worker wait for its
+                # next poll while work is still queued (see claim_runs in queries.sql).
+                "scan": limit + max(limit, 16),
                 "worker_id": worker_id,
                 "lease": lease,
             },
@@ -457,26 +459,24 @@ class PostgresBackend:
         await self._finish(lease, status="pending", outcome="released")
 
     async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
+        params = {
+            "run_id": run_id,
+            "name": name,
+            "payload": payload_json,
+            "channel": self.work_channel,
+        }
         with wrap_exceptions():
             async with self._pool.connection() as conn:
-                if run_id is not None:
-                    cur = await conn.execute(self._q["run_exists"], {"run_id": run_id})
-                    if await cur.fetchone() is None:
-                        raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                async with conn.transaction():
-                    await conn.execute(self._q["lock_fact_name"], {"name": name})
-                    cur = await conn.execute(
-                        self._q["insert_fact"],
-                        {"run_id": run_id, "name": name, "payload": payload_json},
-                    )
+                try:
+                    # Exclusive lock on the fact name, then the insert and the wake-up in a new
+                    # statement; pipelined, so the transaction costs one round trip.
+                    async with conn.pipeline(), conn.transaction():
+                        await conn.execute(self._q["lock_fact_name"], {"name": name})
+                        cur = await conn.execute(self._q["insert_fact"], params)
                     row = await cur.fetchone()
-                    stored, pairs = row if row else (0, None)
-                    if pairs:
-                        await conn.execute(
-                            self._q["notify"],
-                            {"channel": self.work_channel, "payload": ",".join(sorted(pairs))},
-                        )
-        return bool(stored)
+                except psycopg.errors.ForeignKeyViolation:
+                    raise RunNotFoundError(f"no run {run_id}", run_id=run_id) from None
+        return bool(row and row[0])
 
     async def get_fact(self, *, run_id: UUID, name: str) -> Fact | None:
         row = await self._one("get_fact", {"run_id": run_id, "name": name})

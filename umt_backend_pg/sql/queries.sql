@@ -2,17 +2,22 @@
 -- `{schema}` is replaced by the quoted engine schema; parameters are psycopg placeholders.
 
 -- name: insert_run
-INSERT INTO {schema}.runs (
-    id, task_name, task_version, status, priority, available_at, idempotency_key,
-    input_hash, trace_context, input
+-- One statement: the run, and (only if it was inserted) the NOTIFY that wakes idle workers.
+-- Postgres delivers it at commit and folds identical notifications of one transaction.
+WITH inserted AS (
+    INSERT INTO {schema}.runs (
+        id, task_name, task_version, status, priority, available_at, idempotency_key,
+        input_hash, trace_context, input
+    )
+    VALUES (
+        %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
+        now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
+        %(input)s::jsonb
+    )
+    ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id
 )
-VALUES (
-    %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
-    now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
-    %(input)s::jsonb
-)
-ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-RETURNING id;
+SELECT i.id, pg_notify(%(channel)s, %(pair)s) FROM inserted i;
 
 -- name: find_idempotent_run
 SELECT id, input_hash FROM {schema}.runs
@@ -25,6 +30,8 @@ SELECT pg_notify(%(channel)s, %(payload)s);
 -- Up to %(limit)s runs of the worker's pairs: per pair, ready runs by priority then FIFO, plus
 -- runs whose timer came; pairs take turns (fair slots); each claimed run gets a new token.
 -- A run whose cancel was requested is finished as canceled instead of being handed out.
+-- Each pair offers up to %(scan)s (> %(limit)s) candidates, so rows that a concurrent claim
+-- locked or took meanwhile (skipped below) do not leave the batch short.
 WITH pairs AS (
     SELECT p.name, p.version
     FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
@@ -40,7 +47,7 @@ WITH pairs AS (
          WHERE r.task_name = p.name AND r.task_version = p.version
            AND r.status = 'pending' AND r.available_at <= now()
          ORDER BY r.priority DESC, r.available_at
-         LIMIT %(limit)s)
+         LIMIT %(scan)s)
         UNION ALL
         (SELECT r.id, r.priority, r.available_at
          FROM {schema}.runs r
@@ -48,7 +55,7 @@ WITH pairs AS (
            AND r.status IN ('waiting', 'running') AND r.available_at <= now()
            AND (r.status = 'waiting' OR r.lease_expires_at <= now())
          ORDER BY r.available_at
-         LIMIT %(limit)s)
+         LIMIT %(scan)s)
     ) AS c
 ), locked AS (
     SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token,
@@ -236,10 +243,8 @@ WITH fact AS (
     RETURNING r.task_name, r.task_version
 )
 SELECT (SELECT count(*) FROM fact) AS stored,
-       (SELECT array_agg(DISTINCT task_name || '@' || task_version) FROM woken) AS pairs;
-
--- name: run_exists
-SELECT 1 FROM {schema}.runs WHERE id = %(run_id)s;
+       (SELECT pg_notify(%(channel)s, string_agg(DISTINCT task_name || '@' || task_version, ','))
+        FROM woken HAVING count(*) > 0) AS notified;
 
 -- name: get_fact
 SELECT name, run_id, payload::text AS payload, created_at FROM {schema}.facts
