@@ -167,7 +167,9 @@ class Worker:
                 return
             for run in claimed:
                 self._spawn(run)
-            if len(claimed) < free:
+            # A short batch may only mean that a concurrent claim took some candidates: ask
+            # again at once, and wait only when a claim finds nothing.
+            if not claimed:
                 await self.backend.wait_for_work(
                     pairs=self.pairs, timeout=self.poll_interval.total_seconds()
                 )
