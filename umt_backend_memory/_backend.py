@@ -202,24 +202,35 @@ class MemoryBackend:
                 (-run.priority, ready_at, seq, run_id, version),
             )
 
-    def _pop_ready(self, pair: TaskPair) -> _Run | None:
+    def _ready_head(self, pair: TaskPair, now: datetime) -> _Run | None:
+        """The first claimable run in the pair's ready heap, dropping stale entries.
+
+        A running run was promoted because its lease had expired; if its holder renewed the
+        lease since (a heartbeat, a recorded step), it is not claimable: back to the timers.
+        """
         heap = self._ready.get(pair)
         while heap:
-            *_, run_id, version = heapq.heappop(heap)
+            *_, run_id, version = heap[0]
             run = self._runs.get(run_id)
-            if run is not None and run.version == version:
-                return run
+            if run is None or run.version != version:
+                heapq.heappop(heap)
+                continue
+            expires = run.lease_expires_at
+            if run.status == "running" and expires is not None and expires > now:
+                heapq.heappop(heap)
+                heapq.heappush(self._timers, (expires, run.seq, run.run_id, run.version))
+                continue
+            return run
         return None
 
-    def _has_ready(self, pairs: Sequence[TaskPair]) -> bool:
-        for pair in pairs:
-            heap = self._ready.get(pair)
-            while heap:
-                run = self._runs.get(heap[0][3])
-                if run is not None and run.version == heap[0][4]:
-                    return True
-                heapq.heappop(heap)
-        return False
+    def _pop_ready(self, pair: TaskPair, now: datetime) -> _Run | None:
+        run = self._ready_head(pair, now)
+        if run is not None:
+            heapq.heappop(self._ready[pair])
+        return run
+
+    def _has_ready(self, pairs: Sequence[TaskPair], now: datetime) -> bool:
+        return any(self._ready_head(pair, now) is not None for pair in pairs)
 
     def _check(self, lease: Lease) -> _Run:
         run = self._runs.get(lease.run_id)
@@ -301,7 +312,7 @@ class MemoryBackend:
             if run.lease_expires_at is not None and run.lease_expires_at > now:
                 return
         self._promote(now)
-        if self._has_ready(list(self._active_pairs)):
+        if self._has_ready(list(self._active_pairs), now):
             return
         while self._timers:
             when, _, timer_run_id, version = self._timers[0]
@@ -419,7 +430,7 @@ class MemoryBackend:
                 for pair in list(open_pairs):  # round-robin: one busy pair cannot starve another
                     if len(claimed) >= limit:
                         break
-                    run = self._pop_ready(pair)
+                    run = self._pop_ready(pair, now)
                     if run is None:
                         open_pairs.remove(pair)
                         continue
@@ -669,7 +680,7 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             now = self.clock.now()
             self._promote(now)
-            if self._has_ready(pairs):
+            if self._has_ready(pairs, now):
                 return
             future: asyncio.Future[None] = loop.create_future()
             self._work_waiters.append(future)
