@@ -2,11 +2,12 @@
 
 Also: `migrate(url, schema=...)` for deployments that migrate separately,
 `start_embedded()` / `database_url()` for an embedded Postgres with no setup, and the
+operation ledger for a separate business database (`install_ledger`), and the
 transactional outbox: `install_outbox` / `outbox_ddl` for the business database,
 `insert_outbox_event` for business transactions and `OutboxRelay` to turn rows into runs.
 """
 
-from umt_backend_pg._backend import PostgresBackend, PostgresLedger
+from umt_backend_pg._backend import PostgresBackend, PostgresLedger, install_ledger
 from umt_backend_pg._embedded import database_url, start_embedded
 from umt_backend_pg._migrate import migrate, pending_migrations_sql
 from umt_backend_pg._outbox import (
@@ -24,6 +25,7 @@ __all__ = [
     "PostgresLedger",
     "database_url",
     "insert_outbox_event",
+    "install_ledger",
     "install_outbox",
     "migrate",
     "outbox_ddl",

@@ -52,7 +52,12 @@ from umt_sdk.backend import (
     StepRecord,
     TaskPair,
 )
-from umt_sdk.exceptions import FencingError, IdempotencyConflictError, RunNotFoundError
+from umt_sdk.exceptions import (
+    BackendError,
+    FencingError,
+    IdempotencyConflictError,
+    RunNotFoundError,
+)
 
 __all__ = ["PostgresBackend", "PostgresLedger"]
 
@@ -116,6 +121,7 @@ class PostgresBackend:
         self._notified: dict[str, int] = {}
         self._seen: dict[frozenset[str], int] = {}
         self._cancel_listeners: list[Callable[[UUID, str], None]] = []
+        self._same_database: dict[tuple[str, int, str], bool] = {}
         self._closed = False
 
     @classmethod
@@ -633,10 +639,30 @@ class PostgresBackend:
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):
             raise TypeError(
-                "with_attempt_token on Postgres takes a psycopg.AsyncConnection to the engine's "
-                f"database, got {type(conn).__name__}"
+                "with_attempt_token on Postgres takes a psycopg.AsyncConnection to your "
+                f"business database, got {type(conn).__name__}"
             )
         return PostgresLedger(self, conn)
+
+    async def _engine_database(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Whether `conn` is on the engine's database (cached per database)."""
+        info = conn.info
+        where = (info.host, info.port, info.dbname)
+        same = self._same_database.get(where)
+        if same is None:
+            with wrap_exceptions():
+                cur = await conn.execute(self._q["engine_tables_here"])
+                row = await cur.fetchone()
+                if row is None or not row[1]:
+                    raise BackendError(
+                        f"no operation ledger in schema {self.schema!r} of database "
+                        f"{info.dbname!r}: install it there with umt_backend_pg.install_ledger"
+                        f"(conn, schema={self.schema!r}), or use a connection to the "
+                        "engine's database"
+                    )
+                same = bool(row[0])
+            self._same_database[where] = same
+        return same
 
     async def close(self) -> None:
         self._closed = True
@@ -650,16 +676,30 @@ class PostgresBackend:
 
 
 class PostgresLedger:
-    """The operation ledger in the engine schema, on the caller's business connection.
+    """The operation ledger (`<schema>.op_ledger`) on the caller's business connection.
 
-    The connection should not be inside a transaction of the caller's: `begin` must commit
-    before the side effect runs. `commit(tx, result)` receives the connection itself, inside
-    the transaction that checks the fencing token.
+    Two layouts, found by looking for the engine's runs table on `conn` (once per database):
+    - the business tables share the engine's database: the ledger is the engine schema's,
+      and every begin and commit also checks that the run's current fencing token is the
+      caller's (a stale attempt is refused even before the new one reaches the operation);
+    - the business database is another one: install the ledger there with
+      `umt_backend_pg.install_ledger(conn, schema=<the engine's schema name>)`. The ledger
+      then fences by itself: a begin raises the op's token to the caller's (never lowers
+      it), and a commit lands only under the token that last began the op.
+    Either way an operation's business writes commit once. The connection should not be
+    inside a transaction of the caller's: `begin` must commit before the side effect runs.
+    `commit(tx, result)` receives the connection itself, inside the fenced transaction.
     """
 
     def __init__(self, backend: PostgresBackend, conn: psycopg.AsyncConnection[Any]) -> None:
         self._backend = backend
         self._conn = conn
+
+    async def _holds_run(self, params: Mapping[str, Any]) -> bool:
+        if not await self._backend._engine_database(self._conn):
+            return True  # a separate business database: the ledger's own token fences
+        cur = await self._conn.execute(self._backend._q["ledger_check_run"], params)
+        return await cur.fetchone() is not None
 
     async def begin(self, *, op_key: str, lease: Lease) -> LedgerEntry:
         q = self._backend._q
@@ -667,8 +707,7 @@ class PostgresLedger:
         params = {"op_key": op_key, "run_id": lease.run_id, "token": lease.fencing_token}
         with wrap_exceptions():
             async with conn.transaction():
-                cur = await conn.execute(q["ledger_check_run"], params)
-                if await cur.fetchone() is None:
+                if not await self._holds_run(params):
                     raise PostgresBackend._fenced(lease, f"beginning {op_key!r}")
                 cur = await conn.execute(q["ledger_get"], params)
                 existing = await cur.fetchone()
@@ -699,8 +738,7 @@ class PostgresLedger:
         }
         with wrap_exceptions():
             async with conn.transaction():
-                cur = await conn.execute(q["ledger_check_run"], params)
-                if await cur.fetchone() is None:
+                if not await self._holds_run(params):
                     raise PostgresBackend._fenced(lease, f"committing {op_key!r}")
                 await commit(conn)
                 cur = await conn.execute(q["ledger_finish"], params)
@@ -708,3 +746,13 @@ class PostgresLedger:
                     raise PostgresBackend._fenced(
                         lease, f"committing {op_key!r} (finished elsewhere)"
                     )
+
+
+async def install_ledger(conn: psycopg.AsyncConnection[Any], *, schema: str = "umt") -> None:
+    """Create the operation ledger in a business database separate from the engine's.
+
+    Use the engine's schema name, so that `with_attempt_token` finds it there.
+    """
+    with wrap_exceptions():
+        async with conn.transaction():
+            await conn.execute(render(queries()["install_ledger"], schema))

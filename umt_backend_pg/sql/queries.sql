@@ -314,6 +314,10 @@ WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
 ORDER BY id DESC
 LIMIT %(limit)s;
 
+-- name: engine_tables_here
+-- Is this connection on the engine's database (its runs table is here), and is there a ledger?
+SELECT to_regclass('{schema}.runs') IS NOT NULL, to_regclass('{schema}.op_ledger') IS NOT NULL;
+
 -- name: ledger_check_run
 SELECT 1 FROM {schema}.runs
 WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
@@ -344,3 +348,15 @@ FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
 JOIN {schema}.runs r
   ON r.task_name = p.name AND r.task_version = p.version AND r.status = 'pending'
 GROUP BY r.task_name, r.task_version;
+
+-- name: install_ledger
+-- The operation ledger alone, for a business database separate from the engine's.
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.op_ledger (
+    op_key          text PRIMARY KEY,
+    run_id          uuid NOT NULL,
+    fencing_token   bigint NOT NULL,
+    result          jsonb,
+    started_at      timestamptz NOT NULL DEFAULT now(),
+    finished_at     timestamptz
+);

@@ -1,0 +1,143 @@
+"""with_attempt_token against business tables in a database other than the engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from umt_backend_pg import install_ledger
+from umt_sdk import (
+    AttemptInfo,
+    BackendError,
+    Registry,
+    RunFailedError,
+    TaskContext,
+    connect,
+    task,
+    with_attempt_token,
+)
+from umt_sdk.testing import freeze_heartbeats
+
+BUSINESS_URL: dict[str, str] = {}
+GATES: dict[int, asyncio.Event] = {}
+ACTIONS: Counter[int] = Counter()
+RESUMED: list[bool] = []
+
+
+@attrs.frozen
+class Order:
+    key: str
+
+
+@task("separate.pay", version=1)
+async def pay(ctx: TaskContext[Order]) -> str:
+    async def act(info: AttemptInfo) -> str:
+        RESUMED.append(info.resumed)
+        ACTIONS[ctx.attempt] += 1
+        gate = GATES.get(ctx.attempt)
+        if gate is not None:
+            await gate.wait()
+        return f"paid-{info.attempt_token}"
+
+    async def record(tx: psycopg.AsyncConnection[Any], receipt: str) -> None:
+        await tx.execute(
+            "INSERT INTO payments (key, receipt) VALUES (%s, %s)", (ctx.input.key, receipt)
+        )
+
+    async def submit() -> str:
+        async with await psycopg.AsyncConnection.connect(
+            BUSINESS_URL["url"], autocommit=True
+        ) as conn:
+            return await with_attempt_token(conn, f"pay:{ctx.input.key}", act, commit=record)
+
+    receipt: str = await ctx.step.run("submit", submit)
+    return receipt
+
+
+@pytest.fixture
+async def business_db(pg_url: str) -> AsyncIterator[str]:
+    name = f"biz_{uuid.uuid4().hex[:10]}"
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+        await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = make_conninfo(**{**conninfo_to_dict(pg_url), "dbname": name})
+    BUSINESS_URL["url"] = url
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute("CREATE TABLE payments (key text, receipt text)")  # no unique key
+    yield url
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+        await conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+async def _payments(url: str) -> list[tuple[str, str]]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT key, receipt FROM payments ORDER BY key")
+        return list(await cur.fetchall())
+
+
+async def test_without_a_ledger_the_error_says_how_to_install_it(
+    pg_url: str, pg_schema: str, business_db: str
+) -> None:
+    engine = await connect(pg_url, registry=Registry([pay]), schema=pg_schema)
+    handle = await engine.enqueue(pay, Order("no-ledger"))
+    async with engine.worker():
+        with pytest.raises(RunFailedError) as caught:
+            await handle.result(timeout=20)
+    await engine.close()
+    assert "install_ledger" in caught.value.error_message
+    assert BackendError.__name__ in caught.value.error_message
+
+
+async def test_separate_database_commits_once_and_refuses_the_stale_attempt(
+    pg_url: str, pg_schema: str, business_db: str
+) -> None:
+    ACTIONS.clear()
+    RESUMED.clear()
+    GATES.clear()
+    async with await psycopg.AsyncConnection.connect(business_db, autocommit=True) as conn:
+        await install_ledger(conn, schema=pg_schema)
+        await install_ledger(conn, schema=pg_schema)  # idempotent
+    engine = await connect(pg_url, registry=Registry([pay]), schema=pg_schema)
+
+    # A stale attempt blocked inside its action while another takes over.
+    GATES[1] = asyncio.Event()
+    handle = await engine.enqueue(pay, Order("o-1"))
+    stale = engine.worker(lease=timedelta(seconds=1))
+    await stale.start()
+    for _ in range(500):
+        if ACTIONS[1]:
+            break
+        await asyncio.sleep(0.01)
+    freeze_heartbeats(stale)
+    await asyncio.sleep(2.2)
+    async with engine.worker(lease=timedelta(seconds=1)):
+        receipt = await handle.result(timeout=20)
+        GATES[1].set()
+        for _ in range(500):
+            if not stale.running_runs:
+                break
+            await asyncio.sleep(0.01)
+    await stale.stop()
+    executions = (await engine.get(handle.run_id)).executions
+    assert [e.outcome for e in executions] == ["interrupted", "completed"]
+
+    # The same op key again: the recorded result, no new action.
+    again = await engine.enqueue(pay, Order("o-1"), idempotency_key="again")
+    async with engine.worker():
+        assert await again.result(timeout=20) == receipt
+    await engine.close()
+
+    rows = await _payments(business_db)
+    assert rows == [("o-1", receipt)], f"business rows: {rows}"
+    assert RESUMED == [False, True], RESUMED
+    assert ACTIONS == {1: 1, 2: 1}, f"actions per attempt: {dict(ACTIONS)}"
+    assert receipt == f"paid-{executions[-1].fencing_token}", "the takeover's receipt"
