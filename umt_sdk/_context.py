@@ -71,10 +71,10 @@ class StepApi:
 
         The keyword `retry` is taken by umt; pass a lambda if `fn` has a parameter of that name.
         """
-        from umt_sdk._task import _check_name, _hints, _unwrap_awaitable
+        from umt_sdk._task import _check_name, output_type_of
 
         _check_name("step", name)
-        output_type = _unwrap_awaitable(_hints(fn).get("return", Any)) if _typed(fn) else Any
+        output_type = output_type_of(fn)
         return self._execution.run_step(name, fn, args, kwargs, retry, output_type)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
@@ -103,10 +103,6 @@ class StepApi:
         return value
 
 
-def _typed(fn: Callable[..., Any]) -> bool:
-    return hasattr(fn, "__annotations__") and bool(getattr(fn, "__annotations__", None))
-
-
 class SyncStepApi:
     """`ctx.step` in a plain (sync) task: the same operations, blocking the handler's thread."""
 
@@ -125,10 +121,10 @@ class SyncStepApi:
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result."""
-        from umt_sdk._task import _check_name, _hints, _unwrap_awaitable
+        from umt_sdk._task import _check_name, output_type_of
 
         _check_name("step", name)
-        output_type = _unwrap_awaitable(_hints(fn).get("return", Any)) if _typed(fn) else Any
+        output_type = output_type_of(fn)
         value: R = self._execution.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
         return value
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
 import typing
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
@@ -49,6 +51,25 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
         raise TaskDefinitionError(
             f"cannot resolve the type annotations of {fn.__qualname__}: {exc}"
         ) from exc
+
+
+_OUTPUT_TYPES: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
+
+
+def output_type_of(fn: Callable[..., Any]) -> Any:
+    """The return annotation of `fn` (awaitables unwrapped; Any if none), cached per function:
+    inline steps ask for it on every call."""
+    try:
+        return _OUTPUT_TYPES[fn]
+    except (KeyError, TypeError):
+        pass
+    if getattr(fn, "__annotations__", None):
+        found = _unwrap_awaitable(_hints(fn).get("return", Any))
+    else:
+        found = Any
+    with contextlib.suppress(TypeError):  # not weak-referenceable (a builtin): not cached
+        _OUTPUT_TYPES[fn] = found
+    return found
 
 
 def _unwrap_awaitable(tp: Any) -> Any:
