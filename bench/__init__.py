@@ -1,0 +1,1 @@
+"""The umt benchmark harness: `python -m bench --help` (or `make bench`)."""
