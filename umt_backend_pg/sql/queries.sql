@@ -26,6 +26,10 @@ WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s);
 
+-- name: async_commit
+-- This transaction's commit need not wait for its WAL to reach disk (see _all_async_commit).
+SET LOCAL synchronous_commit TO off;
+
 -- name: claim_runs
 -- Up to %(limit)s runs of the worker's pairs: per pair, ready runs by priority then FIFO, plus
 -- runs whose timer came; pairs take turns (fair slots); each claimed run gets a new token.
@@ -136,30 +140,49 @@ SELECT b.id, x.id IS NOT NULL AS held, x.cancel_requested_at IS NOT NULL AS canc
 FROM beats b
 LEFT JOIN extended x ON x.id = b.id;
 
--- name: record_step
--- One round trip, one commit: the step record, only if the token still holds, and the lease.
-WITH owned AS (
-    UPDATE {schema}.runs SET lease_expires_at = now() + %(lease)s::interval
-    WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
-    RETURNING id
+-- name: record_steps
+-- One round trip, one commit for a batch of checkpoints (group commit): each step record lands
+-- only if its run's token still holds; the lease is extended only once half of it is gone
+-- (heartbeats keep it fresh). Run rows are share-locked, not rewritten: a takeover waits.
+WITH items AS (
+    SELECT *
+    FROM unnest(
+        %(run_ids)s::uuid[], %(tokens)s::bigint[], %(leases)s::interval[], %(names)s::text[],
+        %(attempts)s::integer[], %(kinds)s::text[], %(statuses)s::text[], %(outputs)s::text[],
+        %(errors)s::text[], %(started)s::timestamptz[], %(finished)s::timestamptz[],
+        %(wakes)s::timestamptz[]
+    ) AS i (run_id, token, lease, name, attempt, kind, status, output, error, started_at,
+            finished_at, wake_at)
+), owned AS (
+    SELECT r.id, r.fencing_token, r.lease_expires_at
+    FROM {schema}.runs r
+    WHERE r.id IN (SELECT run_id FROM items) AND r.status = 'running'
+    FOR KEY SHARE
+), extended AS (
+    UPDATE {schema}.runs r SET lease_expires_at = now() + i.lease
+    FROM owned o
+    JOIN items i ON i.run_id = o.id AND i.token = o.fencing_token
+    WHERE r.id = o.id AND o.lease_expires_at < now() + i.lease / 2
 ), cleared AS (
     UPDATE {schema}.executions e SET current_step = NULL, step_started_at = NULL
-    FROM owned o
-    WHERE e.run_id = o.id AND e.fencing_token = %(token)s AND e.current_step = %(name)s
+    FROM items i
+    JOIN owned o ON o.id = i.run_id AND o.fencing_token = i.token
+    WHERE e.run_id = i.run_id AND e.fencing_token = i.token AND e.current_step = i.name
 )
 INSERT INTO {schema}.steps (
     run_id, name, attempt, kind, status, fencing_token, output, error,
     started_at, finished_at, wake_at
 )
-SELECT o.id, %(name)s, %(attempt)s, %(kind)s, %(status)s, %(token)s, %(output)s::jsonb,
-       %(error)s::jsonb, %(started_at)s, %(finished_at)s, %(wake_at)s
-FROM owned o
+SELECT i.run_id, i.name, i.attempt, i.kind, i.status, i.token, i.output::jsonb,
+       i.error::jsonb, i.started_at, i.finished_at, i.wake_at
+FROM items i
+JOIN owned o ON o.id = i.run_id AND o.fencing_token = i.token
 ON CONFLICT (run_id, name, attempt) DO UPDATE SET
     kind = EXCLUDED.kind, status = EXCLUDED.status, fencing_token = EXCLUDED.fencing_token,
     output = EXCLUDED.output, error = EXCLUDED.error, started_at = EXCLUDED.started_at,
     finished_at = EXCLUDED.finished_at, wake_at = EXCLUDED.wake_at
 WHERE {schema}.steps.fencing_token <= EXCLUDED.fencing_token
-RETURNING 1;
+RETURNING run_id, name, attempt;
 
 -- name: lock_fact_name_shared
 SELECT pg_advisory_xact_lock_shared(hashtextextended(%(name)s, 7219));
