@@ -343,7 +343,12 @@ class Registry:
                         f"({newest.pair}); new runs use the newest. Pass version="
                         f"{ref.version} to pin the old one on purpose"
                     )
-            return self.get(ref.name, ref.version if version is None else version)
+            elif version != ref.version:
+                raise TaskDefinitionError(
+                    f"version={version} conflicts with the definition passed ({ref.pair}); "
+                    f"pass the @{version} definition itself, or '{ref.name}@{version}'"
+                )
+            return self.get(ref.name, ref.version)
         if not isinstance(ref, str):
             raise TaskDefinitionError(f"expected a task definition or a task name, got {ref!r}")
         if "@" in ref:

@@ -102,8 +102,8 @@ async def test_a_task_without_input_takes_none(engine: Engine) -> None:
 async def test_unknown_tasks_cannot_be_enqueued(engine: Engine) -> None:
     with pytest.raises(UnknownTaskError):
         await engine.enqueue("validation.nope", {"key": "x"})
-    with pytest.raises(UnknownTaskError):
-        await engine.enqueue(job, Job(key="x"), version=2)
+    with pytest.raises(TaskDefinitionError, match="conflicts with the definition passed"):
+        await engine.enqueue(job, Job(key="x"), version=2)  # the typed handle would lie
     with pytest.raises(TaskDefinitionError, match="expected 'task_name@version'"):
         await engine.enqueue("validation.job@latest", {"key": "x"})
     assert await _stored(engine) == 0
