@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -115,9 +114,10 @@ class Worker:
                 await asyncio.wait(pending, timeout=5)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # Bounded: a driver may turn a cancellation into an error of its own (psycopg does),
+        # so the loops also check `_stopping`; never hang a shutdown on one of them.
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         self._tasks = []
 
     # -- testing hooks (used through umt_sdk.testing) -----------------------------------------
@@ -205,7 +205,7 @@ class Worker:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.heartbeat_interval.total_seconds()
-        while True:
+        while not self._stopping:
             await asyncio.sleep(interval)
             if self._heartbeats_paused:
                 continue
@@ -241,7 +241,7 @@ class Worker:
 
     async def _depth_loop(self) -> None:
         """Refresh the queue-depth gauge of this worker's pairs (cheap, every 10 s)."""
-        while True:
+        while not self._stopping:
             try:
                 self.telemetry.set_depths(await self.backend.queue_depths(self.pairs))
             except BackendError as exc:
