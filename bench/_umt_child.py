@@ -72,7 +72,7 @@ REGISTRY = Registry([bench_drain, bench_latency, bench_recovery])
 
 
 async def _wait(event: object) -> None:
-    await asyncio.to_thread(event.wait)  # type: ignore[attr-defined]
+    await asyncio.to_thread(event.wait)  # type: ignore[attr-defined]  # set by the stdin reader before use
 
 
 async def enqueue(args: argparse.Namespace) -> None:

@@ -35,7 +35,7 @@ def sqlalchemy_url(url: str) -> str:
     return url
 
 
-def build(dsn: str, wid: str, pool: int = 0):  # type: ignore[no-untyped-def]
+def build(dsn: str, wid: str, pool: int = 0):  # type: ignore[no-untyped-def]  # runs in the peers venv; dbos types not here
     from dbos import DBOS
 
     @DBOS.step(name="bench_noop")
@@ -61,7 +61,7 @@ def build(dsn: str, wid: str, pool: int = 0):  # type: ignore[no-untyped-def]
     }
     if pool:
         config["sys_db_pool_size"] = pool
-    DBOS(config=config)  # type: ignore[arg-type]
+    DBOS(config=config)  # type: ignore[arg-type]  # a plain dict, DBOS takes its TypedDict
     logging.getLogger("dbos").setLevel(logging.WARNING)
     DBOS.launch()
     return DBOS, wf

@@ -23,7 +23,7 @@ FIRST_START: list[float] = []
 HANDLED = [0]
 
 
-async def driver(dsn: str):  # type: ignore[no-untyped-def]
+async def driver(dsn: str):  # type: ignore[no-untyped-def]  # runs in the peers venv; pgqueuer types not here
     import psycopg
     from pgqueuer import PsycopgDriver
 

@@ -23,7 +23,7 @@ FIRST_START: list[float] = []
 HANDLED = [0]
 
 
-def make_app(dsn: str, pool: int):  # type: ignore[no-untyped-def]
+def make_app(dsn: str, pool: int):  # type: ignore[no-untyped-def]  # runs in the peers venv; procrastinate types not here
     import procrastinate
 
     app = procrastinate.App(
