@@ -443,9 +443,11 @@ class MemoryBackend:
         self, run: _Run, worker_id: str, lease: timedelta, now: datetime
     ) -> ClaimedRun | None:
         ready_at = run.lease_expires_at if run.status == "running" else run.available_at
+        lost_leases = 0
         if run.status == "running":  # its lease expired: the holder is gone or frozen
             run.lease_expirations += 1
             self._end_lease(run, "interrupted", now)
+            lost_leases = self._lost_leases(run)
         if run.cancel_requested_at is not None:
             self._finish(run, "canceled", now)
             return None
@@ -474,6 +476,16 @@ class MemoryBackend:
             trace_context=dict(run.trace_context),
             steps=tuple(run.steps.values()),
             ready_at=ready_at,
+            lost_leases=lost_leases,
+        )
+
+    @staticmethod
+    def _lost_leases(run: _Run) -> int:
+        """Leases lost since the newest step record: interrupted executions from the one that
+        wrote it on (as the Postgres claim counts them)."""
+        newest = max((s.fencing_token for s in run.steps.values()), default=0)
+        return sum(
+            1 for e in run.executions if e.outcome == "interrupted" and e.fencing_token >= newest
         )
 
     async def heartbeat(
@@ -742,7 +754,13 @@ class MemoryBackend:
 
 
 class MemoryLedger:
-    """The operation ledger of the memory backend, committing into a `MemoryStore`."""
+    """The operation ledger of the memory backend, committing into a `MemoryStore`.
+
+    The same rules as Postgres: the fence is the ledger row of the op key (a begin raises its
+    token, never lowers it); `finish` checks the run and the op before the commit callback
+    runs (fence first) and again, atomically with applying the callback's buffered writes,
+    after it. No lock is held while the callback runs.
+    """
 
     def __init__(self, backend: MemoryBackend, store: MemoryStore) -> None:
         self._backend = backend
@@ -756,9 +774,30 @@ class MemoryLedger:
             row = backend._ledger.get(op_key)
             if row is not None and row.result_json is not None:
                 return LedgerEntry(result_json=row.result_json, resumed=False)
+            if row is not None and row.fencing_token > lease.fencing_token:
+                raise self._stale(op_key, lease, "a newer attempt began it")
             backend._ledger[op_key] = _LedgerRow(lease.run_id, lease.fencing_token)
         backend._crash("ledger.begin", lease.run_id, "after")
         return LedgerEntry(result_json=None, resumed=row is not None)
+
+    def _fence(self, op_key: str, lease: Lease) -> _LedgerRow:
+        """The op's row if `lease` may still commit it; else FencingError. Hold the lock."""
+        backend = self._backend
+        backend._check(lease)
+        row = backend._ledger.get(op_key)
+        if row is None or row.fencing_token != lease.fencing_token:
+            raise self._stale(op_key, lease, "a newer attempt began it")
+        if row.result_json is not None:
+            raise self._stale(op_key, lease, "it was already finished by another attempt")
+        return row
+
+    @staticmethod
+    def _stale(op_key: str, lease: Lease, why: str) -> FencingError:
+        return FencingError(
+            f"operation {op_key!r}: attempt token {lease.fencing_token} may not commit it: {why}",
+            run_id=lease.run_id,
+            fencing_token=lease.fencing_token,
+        )
 
     async def finish(
         self,
@@ -770,20 +809,22 @@ class MemoryLedger:
     ) -> None:
         backend = self._backend
         backend._crash("ledger.finish", lease.run_id, "before")
-        tx = self._store.transaction()
-        await commit(tx)  # writes are buffered; they apply below only if the token still holds
         with backend._lock:
-            backend._check(lease)
-            row = backend._ledger.setdefault(op_key, _LedgerRow(lease.run_id, lease.fencing_token))
-            if row.result_json is not None:
-                raise FencingError(
-                    f"operation {op_key!r} was already finished by another attempt",
-                    run_id=lease.run_id,
-                    fencing_token=lease.fencing_token,
-                )
+            self._fence(op_key, lease)  # fence first: a stale attempt's callback never runs
+        tx = self._store.transaction()
+        try:
+            await commit(tx)  # writes are buffered; they apply below only if the fence holds
+        except Exception as exc:
+            with backend._lock:
+                try:
+                    self._fence(op_key, lease)
+                except FencingError as fenced:  # it failed because a newer attempt took over
+                    raise fenced from exc
+            raise
+        with backend._lock:
+            row = self._fence(op_key, lease)
             tx.apply()
             row.result_json = result_json
-            row.fencing_token = lease.fencing_token
         backend._crash("ledger.finish", lease.run_id, "after")
 
 

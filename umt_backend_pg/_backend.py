@@ -348,6 +348,7 @@ class PostgresBackend:
                     trace_context=row["trace_context"] or {},
                     steps=steps,
                     ready_at=row["ready_at"],
+                    lost_leases=row["lost_leases"],
                 )
             )
         return claimed
@@ -738,16 +739,22 @@ class PostgresLedger:
     """The operation ledger (`<schema>.op_ledger`) on the caller's business connection.
 
     Two layouts, found by looking for the engine's runs table on `conn` (once per database):
-    - the business tables share the engine's database: the ledger is the engine schema's,
-      and every begin and commit also checks that the run's current fencing token is the
-      caller's (a stale attempt is refused even before the new one reaches the operation);
+    - the business tables share the engine's database: the ledger is the engine schema's;
     - the business database is another one: install the ledger there with
-      `umt_backend_pg.install_ledger(conn, schema=<the engine's schema name>)`. The ledger
-      then fences by itself: a begin raises the op's token to the caller's (never lowers
-      it), and a commit lands only under the token that last began the op.
-    Either way an operation's business writes commit once. The connection should not be
-    inside a transaction of the caller's: `begin` must commit before the side effect runs.
-    `commit(tx, result)` receives the connection itself, inside the fenced transaction.
+      `umt_backend_pg.install_ledger(conn, schema=<the engine's schema name>)`.
+    Either way the fence is the ledger row of the op key: a begin raises the op's token to the
+    caller's (never lowers it), and a commit lands only under the token that last began the
+    op, checked by the last statement before the commit (`ledger_finish`). The run itself is
+    only read (on `conn`, or through the engine's pool for a separate database), never locked:
+    at begin, before the commit callback and before the result is recorded, so an attempt
+    whose lease is already lost is refused even before a newer attempt reaches the operation.
+    No lock is held on engine rows while your code runs: a frozen commit cannot hold up a
+    takeover, a cancel or a heartbeat. (The rows your callback writes stay locked by its open
+    transaction until it ends, like any transaction of yours.)
+
+    The connection should not be inside a transaction of the caller's: `begin` must commit
+    before the side effect runs. `commit(tx, result)` receives the connection itself, inside
+    the fenced transaction.
     """
 
     def __init__(self, backend: PostgresBackend, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -755,10 +762,21 @@ class PostgresLedger:
         self._conn = conn
 
     async def _holds_run(self, params: Mapping[str, Any]) -> bool:
-        if not await self._backend._engine_database(self._conn):
-            return True  # a separate business database: the ledger's own token fences
-        cur = await self._conn.execute(self._backend._q["ledger_check_run"], params)
-        return await cur.fetchone() is not None
+        if await self._backend._engine_database(self._conn):
+            cur = await self._conn.execute(self._backend._q["ledger_check_run"], params)
+            return await cur.fetchone() is not None
+        return await self._backend._one("ledger_check_run", params) is not None
+
+    async def _fence(self, lease: Lease, params: Mapping[str, Any], what: str) -> None:
+        """Refuse a stale attempt before its commit callback runs (plain reads, no locks)."""
+        if not await self._holds_run(params):
+            raise PostgresBackend._fenced(lease, what)
+        cur = await self._conn.execute(self._backend._q["ledger_peek"], params)
+        row = await cur.fetchone()
+        if row is None or row[0] != lease.fencing_token or row[1]:
+            raise PostgresBackend._fenced(
+                lease, f"{what} (a newer attempt began it, or it finished elsewhere)"
+            )
 
     async def begin(self, *, op_key: str, lease: Lease) -> LedgerEntry:
         q = self._backend._q
@@ -789,22 +807,43 @@ class PostgresLedger:
     ) -> None:
         q = self._backend._q
         conn = self._conn
+        what = f"committing {op_key!r}"
         params = {
             "op_key": op_key,
             "run_id": lease.run_id,
             "token": lease.fencing_token,
             "result": result_json,
         }
-        with wrap_exceptions():
-            async with conn.transaction():
-                if not await self._holds_run(params):
-                    raise PostgresBackend._fenced(lease, f"committing {op_key!r}")
-                await commit(conn)
-                cur = await conn.execute(q["ledger_finish"], params)
-                if await cur.fetchone() is None:
-                    raise PostgresBackend._fenced(
-                        lease, f"committing {op_key!r} (finished elsewhere)"
-                    )
+        try:
+            with wrap_exceptions():
+                async with conn.transaction():
+                    await self._fence(lease, params, what)  # fence first
+                    await commit(conn)
+                    if not await self._holds_run(params):
+                        raise PostgresBackend._fenced(lease, what)
+                    cur = await conn.execute(q["ledger_finish"], params)
+                    if await cur.fetchone() is None:
+                        raise PostgresBackend._fenced(
+                            lease, f"{what} (a newer attempt began it, or it finished elsewhere)"
+                        )
+        except FencingError:
+            raise
+        except Exception as exc:
+            # The callback (or the connection) failed. If that is because a newer attempt took
+            # over (say, its business row hit your unique key), the answer is FencingError.
+            if await self._stale(lease, params, what):
+                raise PostgresBackend._fenced(lease, what) from exc
+            raise
+
+    async def _stale(self, lease: Lease, params: Mapping[str, Any], what: str) -> bool:
+        try:
+            with wrap_exceptions():
+                await self._fence(lease, params, what)
+        except FencingError:
+            return True
+        except Exception:  # cannot tell (the connection is gone): report the original error
+            return False
+        return False
 
 
 async def install_ledger(conn: psycopg.AsyncConnection[Any], *, schema: str = "umt") -> None:

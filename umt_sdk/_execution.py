@@ -29,10 +29,12 @@ from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import Backend, ClaimedRun, ErrorInfo, Lease, ParkStatus, StepKind, StepRecord
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import (
+    BackendError,
     BackendUnavailableError,
     CanceledError,
     FactTimeoutError,
     FencingError,
+    LeaseLostTooOftenError,
     NonDeterminismError,
     PayloadError,
     StepFailedError,
@@ -689,6 +691,9 @@ class Execution:
 
     async def _execute(self) -> None:
         definition = self.definition
+        if self.claimed.lost_leases >= definition.max_lost_leases:
+            await self._fail_lost_leases()
+            return
         try:
             try:
                 value = _serde.decode(self.claimed.input_json, definition.input_type, what="input")
@@ -721,6 +726,43 @@ class Execution:
             return
         await self._guard(self.backend.complete(self.lease, output_json=output_json), final=True)
         self._outcome("completed")
+
+    async def _fail_lost_leases(self) -> None:
+        """The run's executions keep dying without progress: fail it rather than start the
+        same fault again (no retry: the retry policy is for errors a handler raises)."""
+        claimed = self.claimed
+        limit = self.definition.max_lost_leases
+        step_name = await self._last_seen_step()
+        where = f" (last seen in step {step_name!r})" if step_name else ""
+        exc = LeaseLostTooOftenError(
+            f"run {claimed.run_id} of {claimed.task_name}@{claimed.task_version} lost its lease "
+            f"{claimed.lost_leases} times without recording a step{where}; its executions keep "
+            "dying (a crash, an OOM kill, a freeze longer than the lease) on a fault that "
+            f"repeats, so it is failed instead of started again (max_lost_leases={limit}). "
+            "Fix the cause, then enqueue it again",
+            run_id=claimed.run_id,
+            lost_leases=claimed.lost_leases,
+            max_lost_leases=limit,
+            step_name=step_name,
+        )
+        _log.error("%s", exc)
+        await self._guard(
+            self.backend.fail(self.lease, error=error_info(exc), retry_at=None), final=True
+        )
+        self._outcome("failed", exc)
+
+    async def _last_seen_step(self) -> str | None:
+        """The step the last interrupted execution was in, as its heartbeats reported."""
+        try:
+            record = await self.backend.get_run(self.claimed.run_id)
+        except BackendError:
+            return None
+        if record is None:
+            return None
+        for execution in reversed(record.executions):
+            if execution.fencing_token != self.lease.fencing_token and execution.current_step:
+                return execution.current_step
+        return None
 
     async def _finish_failed(self, exc: Exception) -> None:
         if self.cancel_requested:

@@ -46,8 +46,15 @@ async def with_attempt_token(
     1. If the ledger on `conn` has a result for `op_key`, return it without calling `fn`.
     2. Record (fenced) that this attempt begins `op_key`, then call `fn(info)`;
        `info.resumed` is True when an earlier attempt began it and left no result.
-    3. In one transaction: check the caller still holds the run (else `FencingError`), run
-       `commit(tx, result)` for business writes, and record the result.
+    3. In one transaction: check that the caller still holds the run and is the attempt that
+       last began `op_key` (else `FencingError`, and `commit` is not called: fence first), run
+       `commit(tx, result)` for business writes, and record the result only if that still
+       holds (else `FencingError`, and the business writes roll back with it).
+
+    The fence is the ledger row of `op_key`: a newer attempt's begin raises its token, so a
+    stale attempt either committed before the newer one began (which then returns the recorded
+    result) or is refused. No lock on the engine's rows is held while `fn` or `commit` runs:
+    a frozen or slow commit never holds up a takeover, a cancel or another run's heartbeat.
 
     Call it from inside a step. `conn` is a business connection the backend understands (a
     psycopg connection for Postgres, a `MemoryStore` for the memory backend).

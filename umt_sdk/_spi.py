@@ -183,6 +183,12 @@ class ClaimedRun:
     steps: Sequence[StepRecord] = ()
     ready_at: datetime | None = None
     """When the run became claimable (for the claim-latency metric)."""
+    lost_leases: int = 0
+    """When this claim takes over an expired lease: how many leases the run has lost since it
+    last recorded a step, this one included (the executions whose lease expired, counting the
+    one that recorded the newest step record and every later one); 0 for any other claim.
+    The worker fails the run instead of executing it when this reaches the task's
+    `max_lost_leases`."""
 
 
 @frozen(kw_only=True)
@@ -280,10 +286,20 @@ class LedgerEntry:
 
 
 class Ledger(Protocol):
-    """The operation ledger behind `with_attempt_token`, bound to one business connection."""
+    """The operation ledger behind `with_attempt_token`, bound to one business connection.
+
+    The fence is the ledger row of the op key: it holds the token of the attempt that last
+    began the operation, and a begin never lowers it. No lock on the engine's rows (the run) is
+    ever held while user code runs: a frozen or slow commit callback must not delay a takeover,
+    a cancel or another run's heartbeat.
+    """
 
     async def begin(self, *, op_key: str, lease: Lease) -> LedgerEntry:
-        """Record that `lease` begins `op_key` (fenced) and say what is known of it."""
+        """Record that `lease` begins `op_key` and say what is known of it.
+
+        Refused (`FencingError`) when the run is no longer held under the lease's token, or a
+        newer attempt has begun the op; otherwise the op's token is raised to the lease's.
+        """
         ...
 
     async def finish(
@@ -294,7 +310,14 @@ class Ledger(Protocol):
         result_json: str,
         commit: Callable[[Any], Awaitable[None]],
     ) -> None:
-        """In one transaction: check the fencing token, run `commit(tx)`, record the result."""
+        """In one transaction: fence, run `commit(tx)`, fence again and record the result.
+
+        Fence first: when the run or the op's token is no longer the lease's, or the op has a
+        result, raise `FencingError` without calling `commit`; if `commit` raises and the
+        attempt turns out stale, raise `FencingError` from that error. The result (and the
+        writes of `commit`) land only if the op's token is still the lease's when it is
+        recorded, atomically with that check, and the run is still held.
+        """
         ...
 
 
@@ -326,7 +349,12 @@ class Backend(Protocol):
         """Lease up to `limit` available runs of `pairs`: highest priority first, FIFO among
         equals, slots shared fairly across pairs, each with a new, larger fencing token.
         Runs whose lease expired are available. Never returns a run whose cancel was requested
-        (such a run is finished as canceled instead)."""
+        (such a run is finished as canceled instead).
+
+        A claim that takes over an expired lease counts it (`RunRecord.lease_expirations`),
+        marks the old execution `interrupted` and reports in `ClaimedRun.lost_leases` how many
+        leases the run lost since its last step record; the SDK decides what that means (the
+        task's `max_lost_leases`), so the backend needs no limit of its own."""
         ...
 
     async def heartbeat(

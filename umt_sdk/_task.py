@@ -18,6 +18,7 @@ from umt_sdk._spi import TaskPair
 from umt_sdk.exceptions import NotInTaskError, TaskDefinitionError, UnknownTaskError
 
 __all__ = [
+    "DEFAULT_MAX_LOST_LEASES",
     "AsyncStep",
     "Registry",
     "SyncStep",
@@ -30,6 +31,11 @@ I = TypeVar("I")
 O = TypeVar("O")
 R = TypeVar("R")
 P = ParamSpec("P")
+
+DEFAULT_MAX_LOST_LEASES = 10
+"""How many times a run may lose its lease without recording a step before it fails: enough to
+ride out deploys, node losses and database restarts, few enough that a run which kills its
+worker every time (an OOM, a segfault) ends within minutes, not never."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-/]{1,200}$")
 
@@ -91,6 +97,8 @@ class TaskDefinition(Generic[I, O]):
     input_type: Any
     output_type: Any
     retry: RetryPolicy
+    max_lost_leases: int = DEFAULT_MAX_LOST_LEASES
+    """Lost leases without progress after which a run of this task fails (see `task`)."""
 
     @property
     def pair(self) -> TaskPair:
@@ -114,7 +122,13 @@ if typing.TYPE_CHECKING:
     from umt_sdk._context import TaskContext as _AsyncCtx
 
 
-def task(name: str, *, version: int = 1, retry: RetryPolicy | None = None) -> _TaskDecorator:
+def task(
+    name: str,
+    *,
+    version: int = 1,
+    retry: RetryPolicy | None = None,
+    max_lost_leases: int = DEFAULT_MAX_LOST_LEASES,
+) -> _TaskDecorator:
     """Declare a durable task.
 
     The handler takes one argument, annotated `TaskContext[Input]` (async handler) or
@@ -126,6 +140,10 @@ def task(name: str, *, version: int = 1, retry: RetryPolicy | None = None) -> _T
         name: stable name of the task.
         version: integer >= 1.
         retry: retry policy for the task and, unless they override it, its steps.
+        max_lost_leases: a run fails with `LeaseLostTooOftenError` once it has lost its lease
+            this many times since it last recorded a step (a worker crashed, was OOM-killed or
+            froze past the lease while running it), instead of being started again: a fault
+            that repeats must not loop forever. Default 10; must be >= 1.
     """
     _check_name("task", name)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -135,6 +153,15 @@ def task(name: str, *, version: int = 1, retry: RetryPolicy | None = None) -> _T
     policy = retry if retry is not None else RetryPolicy()
     if not isinstance(policy, RetryPolicy):
         raise TaskDefinitionError(f"task {name!r}: retry must be a RetryPolicy, got {retry!r}")
+    if (
+        isinstance(max_lost_leases, bool)
+        or not isinstance(max_lost_leases, int)
+        or max_lost_leases < 1
+    ):
+        raise TaskDefinitionError(
+            f"task {name!r}: max_lost_leases must be an integer >= 1 (lost leases without "
+            f"progress before a run fails), got {max_lost_leases!r}"
+        )
 
     def decorate(fn: Callable[..., Any]) -> TaskDefinition[Any, Any]:
         from umt_sdk._context import SyncTaskContext, TaskContext
@@ -171,6 +198,7 @@ def task(name: str, *, version: int = 1, retry: RetryPolicy | None = None) -> _T
             input_type=input_type,
             output_type=output_type,
             retry=policy,
+            max_lost_leases=max_lost_leases,
         )
 
     return typing.cast(_TaskDecorator, decorate)

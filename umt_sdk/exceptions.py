@@ -13,6 +13,7 @@ UmtError
 ├── IdempotencyConflictError same idempotency key, different input
 ├── RunNotFoundError         (also LookupError) no run with that id
 ├── NonDeterminismError      the code no longer matches the run's recorded history
+├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
 ├── CanceledError            the run was canceled (raised inside the handler)
@@ -36,6 +37,7 @@ __all__ = [
     "FactTimeoutError",
     "FencingError",
     "IdempotencyConflictError",
+    "LeaseLostTooOftenError",
     "NonDeterminismError",
     "NotInTaskError",
     "PayloadError",
@@ -144,6 +146,30 @@ class NonDeterminismError(UmtError):
         self.step_name = step_name
         self.recorded_kind = recorded_kind
         self.current_kind = current_kind
+
+
+class LeaseLostTooOftenError(UmtError):
+    """The run lost its lease too many times without recording a step: its executions keep
+    dying (a crash, an OOM kill, a freeze longer than the lease) on a fault that repeats, so
+    the engine failed it instead of starting it again. Fix the cause, then enqueue it again.
+
+    Recorded as the run's error (`RunFailedError.error_type` ends with this class's name);
+    the limit is the task's `max_lost_leases`."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        lost_leases: int = 0,
+        max_lost_leases: int = 0,
+        step_name: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.lost_leases = lost_leases
+        self.max_lost_leases = max_lost_leases
+        self.step_name = step_name
 
 
 class StepFailedError(UmtError):

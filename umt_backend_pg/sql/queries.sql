@@ -34,6 +34,7 @@ SET LOCAL synchronous_commit TO off;
 -- Up to %(limit)s runs of the worker's pairs: per pair, ready runs by priority then FIFO, plus
 -- runs whose timer came; pairs take turns (fair slots); each claimed run gets a new token.
 -- A run whose cancel was requested is finished as canceled instead of being handed out.
+-- A takeover of an expired lease reports the run's lost leases (the worker applies the limit).
 -- Each pair offers up to %(scan)s (> %(limit)s) candidates, so rows that a concurrent claim
 -- locked or took meanwhile (skipped below) do not leave the batch short.
 WITH pairs AS (
@@ -112,7 +113,15 @@ SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
                'started_at', s.started_at, 'finished_at', s.finished_at,
                'wake_at', s.wake_at) ORDER BY s.seq)
            FROM {schema}.steps s WHERE s.run_id = c.id
-       ) END AS steps
+       ) END AS steps,
+       -- A takeover: the leases lost since the newest step record, this one included (the
+       -- old execution is marked interrupted above, which this snapshot does not see yet).
+       CASE WHEN c.previous_status = 'running' THEN 1 + (
+           SELECT count(*) FROM {schema}.executions e
+           WHERE e.run_id = c.id AND e.outcome = 'interrupted'
+             AND e.fencing_token >= COALESCE(
+                 (SELECT max(s.fencing_token) FROM {schema}.steps s WHERE s.run_id = c.id), 0)
+       ) ELSE 0 END AS lost_leases
 FROM claimed c
 WHERE c.status = 'running';
 
@@ -342,9 +351,16 @@ LIMIT %(limit)s;
 SELECT to_regclass('{schema}.runs') IS NOT NULL, to_regclass('{schema}.op_ledger') IS NOT NULL;
 
 -- name: ledger_check_run
+-- Is the run still held under the attempt's token? A plain read, never a lock: a lock on the
+-- run row held across the caller's commit callback would block takeovers, cancels and the
+-- worker's heartbeat. The fence is the op_ledger row (see ledger_finish).
 SELECT 1 FROM {schema}.runs
-WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
-FOR SHARE;
+WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running';
+
+-- name: ledger_peek
+-- The op's state before the commit callback runs (fence first); no lock either.
+SELECT fencing_token, result IS NOT NULL AS finished FROM {schema}.op_ledger
+WHERE op_key = %(op_key)s;
 
 -- name: ledger_get
 SELECT fencing_token, result::text AS result FROM {schema}.op_ledger
@@ -361,6 +377,10 @@ WHERE {schema}.op_ledger.result IS NULL
 RETURNING 1;
 
 -- name: ledger_finish
+-- The fence: the last statement before the commit. It lands only while the op's token is still
+-- the attempt's (a newer attempt's begin raises it; if that begin is in flight, this waits for
+-- it and then matches nothing), and its row lock, held until the commit, makes a later begin
+-- wait and find the result.
 UPDATE {schema}.op_ledger SET result = %(result)s::jsonb, finished_at = now()
 WHERE op_key = %(op_key)s AND fencing_token = %(token)s AND result IS NULL
 RETURNING 1;
