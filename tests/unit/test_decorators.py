@@ -226,3 +226,17 @@ def test_steps_outside_a_task_raise_not_in_task() -> None:
     with pytest.raises(NotInTaskError):
         parse.aio("t")
     assert _parse("t") == {"t": 1}, "the plain function still works on its own"
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "3", None])
+def test_max_lost_leases_must_be_a_positive_integer(limit: Any) -> None:
+    with pytest.raises(TaskDefinitionError, match="max_lost_leases must be an integer >= 1"):
+        task("t.lost", version=1, max_lost_leases=limit)
+
+
+def test_max_lost_leases_is_kept_on_the_definition() -> None:
+    async def handler(ctx: TaskContext[int]) -> int:
+        return ctx.input
+
+    assert task("t.lost", version=1)(handler).max_lost_leases == 10
+    assert task("t.lost", version=1, max_lost_leases=2)(handler).max_lost_leases == 2

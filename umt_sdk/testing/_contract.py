@@ -21,6 +21,7 @@ import pytest
 from umt_sdk import (
     AttemptInfo,
     Engine,
+    ErrorInfo,
     FactTimeoutError,
     IdempotencyConflictError,
     PayloadError,
@@ -37,7 +38,8 @@ from umt_sdk import (
     task,
     with_attempt_token,
 )
-from umt_sdk.exceptions import NotInTaskError, RunNotFoundError
+from umt_sdk._spi import Lease, StepRecord
+from umt_sdk.exceptions import FencingError, NotInTaskError, RunNotFoundError
 from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats, simulate_crash
 
 __all__ = ["BackendContract"]
@@ -260,16 +262,53 @@ async def fenced_task(ctx: TaskContext[Job]) -> str:
             return f"receipt-{info.attempt_token}"
 
         async def commit(tx: Any, receipt: str) -> None:
+            BUSINESS.setdefault("commits", []).append(ctx.attempt_token)
             await harness.business_insert(tx, ctx.input.key, receipt)
+            BODY_RUNS[(ctx.input.key, "commit")] += 1
+            gate = GATES.get(f"{ctx.input.key}:commit{ctx.attempt}")
+            if gate is not None:  # frozen inside the commit, its business row written
+                await gate.wait()
 
         conn = await harness.business_connection()
         try:
             return await with_attempt_token(conn, f"submit:{ctx.input.key}", act, commit=commit)
+        except FencingError:
+            BUSINESS.setdefault("fenced", []).append(ctx.attempt_token)
+            raise
         finally:
             await harness.business_release(conn)
 
     receipt: str = await ctx.step.run("submit", submit)
     return receipt
+
+
+@task("contract.dies", version=1, max_lost_leases=3)
+async def dies_task(ctx: TaskContext[Job]) -> str:
+    """Its worker dies inside `doomed` every time (the test crashes it there)."""
+    await ctx.step.run("before", lambda: None)
+
+    async def doomed() -> str:
+        BODY_RUNS[(ctx.input.key, "doomed")] += 1
+        await _gate(f"{ctx.input.key}:never").wait()
+        return "survived"
+
+    value: str = await ctx.step.run("doomed", doomed)
+    return value
+
+
+@task("contract.inching", version=1, max_lost_leases=2)
+async def inching_task(ctx: TaskContext[Job]) -> list[str]:
+    """Each execution records one more step, then its worker dies in the next one."""
+    key = ctx.input.key
+
+    async def part(name: str) -> str:
+        BODY_RUNS[(key, name)] += 1
+        if name != "p1" and BODY_RUNS[(key, name)] == 1:
+            BODY_RUNS[(key, "dying")] += 1
+            await _gate(f"{key}:never").wait()
+        return name
+
+    return [await ctx.step.run(name, part, name) for name in ("p1", "p2", "p3", "p4")]
 
 
 ALL_TASKS: list[TaskDefinition[Any, Any]] = [
@@ -578,13 +617,48 @@ class BackendContract:
         await _eventually(lambda: _true(BODY_RUNS[("l1", "second")] == 1))
         freeze_heartbeats(stale)
         await harness.advance(harness.lease * 2)
+        stale_execution = stale._executions[handle.run_id]
         async with engine.worker(concurrency=1, lease=harness.lease) as fresh:
             await _eventually(lambda: _true(BODY_RUNS[("l1", "second")] == 2))
+            # The fresh attempt holds the run (inside `second`): the stale attempt's writes are
+            # refused, whatever they are, and leave nothing behind.
+            held = await engine.get(handle.run_id)
+            stale_token, fresh_token = (e.fencing_token for e in held.executions)
+            assert fresh_token > stale_token, "a takeover gets a new, larger fencing token"
+            stale_lease = Lease(
+                run_id=handle.run_id,
+                fencing_token=stale_token,
+                worker_id=stale.worker_id,
+                duration=harness.lease,
+            )
+            with pytest.raises(FencingError):
+                await engine.backend.record_step(
+                    stale_lease,
+                    StepRecord(
+                        name="second",
+                        kind="step",
+                        status="completed",
+                        fencing_token=stale_token,
+                        output_json="2",
+                    ),
+                )
+            with pytest.raises(FencingError):
+                await engine.backend.complete(stale_lease, output_json="0")
+            with pytest.raises(FencingError):
+                await engine.backend.fail(
+                    stale_lease, error=ErrorInfo(type="Stale", message="stale"), retry_at=None
+                )
+            record = await engine.backend.get_run(handle.run_id)
+            assert record is not None
+            assert record.status == "running"
+            assert record.fencing_token == fresh_token
+            assert [(s.name, s.fencing_token) for s in record.steps] == [("first", stale_token)]
             GATES["l1"].set()  # both attempts proceed; only the holder may record
             assert await handle.result(timeout=20) == 6
             await _eventually(lambda: _true(not stale.running_runs))
             del fresh
         await stale.stop()
+        assert stale_execution.abort_kind == "lease_lost", "the stale attempt's write was refused"
         info = await engine.get(handle.run_id)
         tokens = {
             s.fencing_token for s in info.timeline if s.name == "second" and s.status == "completed"
@@ -592,6 +666,13 @@ class BackendContract:
         assert len(tokens) == 1
         assert max(e.fencing_token for e in info.executions) in tokens
         assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+        record = await engine.backend.get_run(handle.run_id)
+        assert record is not None
+        assert {s.name: s.fencing_token for s in record.steps} == {
+            "first": stale_token,
+            "second": fresh_token,
+            "third": fresh_token,
+        }, "no step record under the stale token after the takeover"
 
     async def test_fenced_side_effect_commits_once(
         self, engine: Engine, harness: BackendHarness
@@ -605,6 +686,10 @@ class BackendContract:
         await harness.advance(harness.lease * 2)
         async with engine.worker(concurrency=1, lease=harness.lease):
             receipt = await handle.result(timeout=20)
+            stale_token, fresh_token = (
+                e.fencing_token for e in (await engine.get(handle.run_id)).executions
+            )
+            await _assert_ledger_refuses(engine, harness, "submit:op1", handle.run_id, stale_token)
             GATES["op1:attempt1"].set()
             await _eventually(lambda: _true(not stale.running_runs))
         await stale.stop()
@@ -614,6 +699,8 @@ class BackendContract:
         assert BUSINESS["resumed"] == [False, True], "the takeover sees the earlier start"
         assert receipt == f"receipt-{info.executions[-1].fencing_token}"
         assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+        assert BUSINESS["fenced"] == [stale_token], "the stale attempt's commit got FencingError"
+        assert BUSINESS["commits"] == [fresh_token], "fence first: its callback never ran"
 
     async def test_fenced_op_returns_the_recorded_result(self, engine: Engine) -> None:
         first_run = await engine.enqueue(fenced_task, Job(key="op2"))
@@ -683,6 +770,164 @@ class BackendContract:
         assert len(await engine.list(status="completed")) == 0
         assert len(await engine.list(task_name="contract.echo", version=1)) == 0
 
+    # -- a frozen commit, the ledger's fence, lost leases ----------------------------------------
+
+    async def test_a_commit_frozen_in_its_callback_does_not_hold_up_the_takeover(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("op3:commit1")  # the first attempt freezes inside its commit, its row written
+        handle = await engine.enqueue(fenced_task, Job(key="op3"))
+        stale = engine.worker(concurrency=1, lease=harness.lease)
+        await stale.start()
+        await _eventually(lambda: _true(BODY_RUNS[("op3", "commit")] == 1))
+        freeze_heartbeats(stale)
+        await harness.advance(harness.lease * 2)
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            # No lock of the frozen commit holds the run: the takeover claims it and its new
+            # attempt begins the operation (raising the op's token) while the old one is frozen.
+            await _eventually(lambda: _true(BODY_RUNS[("op3", "act")] == 2))
+            GATES["op3:commit1"].set()  # the stale commit goes on: refused, rolled back
+            receipt = await handle.result(timeout=20)
+            await _eventually(lambda: _true(not stale.running_runs))
+        await stale.stop()
+        info = await engine.get(handle.run_id)
+        stale_token, fresh_token = (e.fencing_token for e in info.executions)
+        assert receipt == f"receipt-{fresh_token}"
+        assert await harness.business_rows() == {"op3": receipt}
+        assert BUSINESS["fenced"] == [stale_token]
+        assert BUSINESS["commits"] == [stale_token, fresh_token]
+        assert BUSINESS["resumed"] == [False, True]
+        assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+
+    async def test_a_stale_commit_after_a_newer_attempt_began_is_refused_before_its_callback(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("op5:attempt1")  # the first attempt blocks inside its action
+        _gate("op5:attempt2")  # the takeover too, once it has begun the operation
+        handle = await engine.enqueue(fenced_task, Job(key="op5"))
+        stale = engine.worker(concurrency=1, lease=harness.lease)
+        await stale.start()
+        await _eventually(lambda: _true(BODY_RUNS[("op5", "act")] == 1))
+        freeze_heartbeats(stale)
+        await harness.advance(harness.lease * 2)
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            await _eventually(lambda: _true(BODY_RUNS[("op5", "act")] == 2))
+            GATES["op5:attempt1"].set()  # the stale attempt tries to commit: refused
+            await _eventually(lambda: _true(not stale.running_runs))
+            assert BUSINESS.get("commits", []) == [], "fence first: its callback never ran"
+            assert await harness.business_rows() == {}
+            GATES["op5:attempt2"].set()
+            receipt = await handle.result(timeout=20)
+        await stale.stop()
+        info = await engine.get(handle.run_id)
+        stale_token, fresh_token = (e.fencing_token for e in info.executions)
+        assert BUSINESS["fenced"] == [stale_token]
+        assert BUSINESS["commits"] == [fresh_token]
+        assert await harness.business_rows() == {"op5": receipt}
+        assert receipt == f"receipt-{fresh_token}"
+
+    async def test_cancel_is_not_held_up_by_a_frozen_commit_which_then_writes_nothing(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("op4:commit1")
+        handle = await engine.enqueue(fenced_task, Job(key="op4"))
+        stale = engine.worker(concurrency=1, lease=harness.lease)
+        await stale.start()
+        await _eventually(lambda: _true(BODY_RUNS[("op4", "commit")] == 1))
+        freeze_heartbeats(stale)
+        await harness.advance(harness.lease * 2)
+        outcome = await asyncio.wait_for(engine.cancel(handle.run_id, reason="operator"), 10)
+        assert outcome == "canceled", "its holder is gone (lease expired): canceled at once"
+        GATES["op4:commit1"].set()
+        await _eventually(lambda: _true(not stale.running_runs))
+        await stale.stop()
+        info = await engine.get(handle.run_id)
+        assert info.status == "canceled"
+        assert BUSINESS["fenced"] == [info.executions[0].fencing_token]
+        assert await harness.business_rows() == {}, "the frozen commit landed nowhere"
+
+    async def test_a_run_that_keeps_losing_its_lease_fails_with_the_reason(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        dying = Engine(engine.backend, Registry([dies_task]))
+        handle = await dying.enqueue(dies_task, Job(key="d1"))
+        for lost in range(1, dies_task.max_lost_leases + 1):
+            worker = dying.worker(concurrency=1, lease=harness.lease)
+            await worker.start()
+            await _eventually(_counted(("d1", "doomed"), lost))
+            await asyncio.sleep(worker.heartbeat_interval.total_seconds() * 2)  # names the step
+            simulate_crash(worker)  # the worker dies in `doomed`, every time
+            await worker.stop()
+            await harness.advance(harness.lease * 2)
+        async with dying.worker(concurrency=1, lease=harness.lease):
+            with pytest.raises(RunFailedError) as caught:
+                await handle.result(timeout=20)
+        assert caught.value.error_type == "umt_sdk.exceptions.LeaseLostTooOftenError"
+        message = caught.value.error_message
+        assert "lost its lease 3 times without recording a step" in message, message
+        assert "'doomed'" in message, message
+        assert "max_lost_leases=3" in message, message
+        assert BODY_RUNS[("d1", "doomed")] == 3, "the claim after the third loss does not run it"
+        info = await engine.get(handle.run_id)
+        assert info.status == "failed"
+        assert info.lease_expirations == 3
+        assert info.attempts == 4
+        assert info.failures == 1
+        assert [e.outcome for e in info.executions] == ["interrupted"] * 3 + ["failed"]
+        assert info.error is not None
+        assert info.error.type == caught.value.error_type
+
+    async def test_lost_leases_count_since_the_last_step_record(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        inching = Engine(engine.backend, Registry([inching_task]))
+        handle = await inching.enqueue(inching_task, Job(key="in"))
+        for died in range(1, 4):  # more losses in all than max_lost_leases=2, one per step
+            worker = inching.worker(concurrency=1, lease=harness.lease)
+            await worker.start()
+            await _eventually(_counted(("in", "dying"), died))
+            simulate_crash(worker)
+            await worker.stop()
+            await harness.advance(harness.lease * 2)
+        async with inching.worker(concurrency=1, lease=harness.lease):
+            assert await handle.result(timeout=20) == ["p1", "p2", "p3", "p4"]
+        info = await engine.get(handle.run_id)
+        assert info.lease_expirations == 3, "each execution made progress before it died"
+        assert info.failures == 0
+
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _counted(key: tuple[str, str], count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return BODY_RUNS[key] == count
+
+    return check
+
+
+async def _assert_ledger_refuses(
+    engine: Engine, harness: BackendHarness, op_key: str, run_id: UUID, stale_token: int
+) -> None:
+    """The ledger refuses a stale attempt directly: no begin, no commit, the callback uncalled."""
+    stale_lease = Lease(
+        run_id=run_id, fencing_token=stale_token, worker_id="stale", duration=harness.lease
+    )
+    called: list[Any] = []
+
+    async def commit(tx: Any) -> None:
+        called.append(tx)
+
+    conn = await harness.business_connection()
+    try:
+        ledger = engine.backend.ledger(conn)
+        with pytest.raises(FencingError):
+            await ledger.finish(
+                op_key=op_key, lease=stale_lease, result_json='"stale"', commit=commit
+            )
+        assert called == [], "fence first: a stale attempt's commit callback never runs"
+        with pytest.raises(FencingError):
+            await ledger.begin(op_key=op_key, lease=stale_lease)
+    finally:
+        await harness.business_release(conn)
