@@ -34,7 +34,9 @@ T_IO_STEPS = ("s1", "s2", "side", "s3")
 class WorkerProcess:
     """One `worker_proc.py` process; its stdout and stderr go to files in the test's tmp dir."""
 
-    def __init__(self, args: list[str], logs: Path, name: str) -> None:
+    def __init__(
+        self, args: list[str], logs: Path, name: str, *, program: Path = WORKER_PROGRAM
+    ) -> None:
         self.name = name
         self.out_path = logs / f"{name}.out"
         self.err_path = logs / f"{name}.err"
@@ -42,7 +44,7 @@ class WorkerProcess:
         self._err: IO[bytes] = self.err_path.open("wb")
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
         self.popen = subprocess.Popen(
-            [sys.executable, str(WORKER_PROGRAM), *args],
+            [sys.executable, str(program), *args],
             stdout=self._out,
             stderr=self._err,
             stdin=subprocess.DEVNULL,
@@ -114,6 +116,7 @@ class Spawner:
         concurrency: int = 4,
         poll: float = 1.0,
         url: str | None = None,
+        program: Path = WORKER_PROGRAM,
     ) -> WorkerProcess:
         name = f"{group}-{len(self.started)}"
         args = [
@@ -136,7 +139,7 @@ class Spawner:
             "--poll",
             str(poll),
         ]
-        proc = WorkerProcess(args, self.logs, name)
+        proc = WorkerProcess(args, self.logs, name, program=program)
         self.started.append(proc)
         return proc
 

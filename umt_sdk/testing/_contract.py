@@ -855,7 +855,7 @@ class BackendContract:
             worker = dying.worker(concurrency=1, lease=harness.lease)
             await worker.start()
             await _eventually(_counted(("d1", "doomed"), lost))
-            await asyncio.sleep(worker.heartbeat_interval.total_seconds() * 2)  # names the step
+            await _eventually(_heartbeat_names(engine, handle.run_id, "doomed"))
             simulate_crash(worker)  # the worker dies in `doomed`, every time
             await worker.stop()
             await harness.advance(harness.lease * 2)
@@ -898,6 +898,16 @@ class BackendContract:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _heartbeat_names(engine: Engine, run_id: UUID, step_name: str) -> Callable[[], Awaitable[bool]]:
+    """Whether a heartbeat of the run's current execution has reported it inside `step_name`."""
+
+    async def check() -> bool:
+        executions = (await engine.get(run_id)).executions
+        return bool(executions) and executions[-1].current_step == step_name
+
+    return check
 
 
 def _counted(key: tuple[str, str], count: int) -> Callable[[], Awaitable[bool]]:

@@ -1,0 +1,116 @@
+"""A worker frozen (SIGSTOP) or slow inside `with_attempt_token`'s commit callback holds up
+nothing: not the takeover of its run, not `engine.cancel()`, not the leases of its other runs.
+And the fence still holds: the frozen attempt's commit, once it goes on, is refused, so the
+business table has exactly one write per operation (real processes, Postgres, a 1 s lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from tests.chaos._lease_support import (
+    bookings,
+    finished,
+    lease_engine,
+    lease_spawner,
+    lines,
+    log_rows,
+    printed,
+    start,
+    stopped,
+)
+from tests.chaos.lease_worker import Busy, Fenced, busy, fenced
+from tests.integration._support import Spawner, eventually, fetch, q
+from umt_sdk import Engine
+
+__all__ = ["lease_engine", "lease_spawner"]  # fixtures used by name
+
+
+async def test_a_worker_frozen_in_its_commit_holds_up_neither_takeover_nor_cancel(
+    lease_engine: Engine, lease_spawner: Spawner, pg_url: str, pg_schema: str
+) -> None:
+    frozen = start(lease_spawner, group="frozen", concurrency=2)
+    await frozen.wait_ready()
+    taken = await lease_engine.enqueue(fenced, Fenced(key="taken", hold_takeover=True))
+    canceled = await lease_engine.enqueue(fenced, Fenced(key="canceled"))
+    stale_tokens = {key: await printed(frozen, "IN_COMMIT", key) for key in ("taken", "canceled")}
+    # Both runs are inside their commit callbacks, their business rows written, uncommitted.
+    frozen.signal(signal.SIGSTOP)
+    await eventually(lambda: _true(stopped(frozen)), timeout=10, what="SIGSTOP to land")
+
+    outcome = await asyncio.wait_for(
+        lease_engine.cancel(canceled.run_id, reason="operator"), timeout=10
+    )
+    assert outcome in ("requested", "canceled"), outcome
+    assert stopped(frozen), "cancel() returned while the worker is frozen in its commit"
+    rescuer = start(lease_spawner, group="rescuer", concurrency=2)
+    await rescuer.wait_ready()
+
+    # The takeover claims the run and begins the operation (raising the op's token).
+    new_token = await printed(rescuer, "IN_ACT", "taken")
+    assert new_token > stale_tokens["taken"]
+    done = await finished(lease_engine, canceled.run_id, timeout=20)
+    assert done.status == "canceled"
+    assert stopped(frozen), "taken over and canceled while the old worker is still frozen"
+
+    # The frozen attempts go on: their commits are refused, the rows they wrote roll back.
+    for key in ("taken", "canceled"):
+        (lease_spawner.workdir / f"release-{key}").touch()
+    frozen.signal(signal.SIGCONT)
+    for key in ("taken", "canceled"):
+        assert await printed(frozen, "FENCED", key) == stale_tokens[key]
+    assert not lines(frozen, "COMMITTED")
+    assert await bookings(pg_url, pg_schema) == [], "nothing committed yet"
+
+    (lease_spawner.workdir / "release2-taken").touch()  # the newer attempt commits
+    info = await finished(lease_engine, taken.run_id)
+    assert info.status == "completed", f"{info.status} {info.error}"
+    assert await lease_engine.result(taken.run_id) == f"receipt-{new_token}"
+    rows = await bookings(pg_url, pg_schema)
+    assert [(r["key"], r["token"], r["pid"]) for r in rows] == [
+        ("taken", new_token, rescuer.pid)
+    ], rows
+    ledger = await fetch(
+        pg_url, q("SELECT op_key, fencing_token FROM {schema}.op_ledger ORDER BY 1", pg_schema)
+    )
+    assert {r["op_key"]: r["fencing_token"] for r in ledger} == {
+        "book:canceled": stale_tokens["canceled"],
+        "book:taken": new_token,
+    }
+    assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+
+
+async def test_a_slow_commit_does_not_cost_the_workers_other_runs_their_leases(
+    lease_engine: Engine, lease_spawner: Spawner, pg_url: str, pg_schema: str
+) -> None:
+    holder = start(lease_spawner, group="holder", concurrency=4, lease=2.0)
+    await holder.wait_ready()
+    # The slow commit first, so that it heads the worker's heartbeat statement.
+    slow = await lease_engine.enqueue(fenced, Fenced(key="slow", slow_commit=5.0))
+    await eventually(
+        lambda: log_rows(pg_url, pg_schema, "slow"), timeout=30, what="the slow run's action"
+    )
+    others = [await lease_engine.enqueue(busy, Busy(key=f"other-{i}")) for i in range(2)]
+    for i in range(2):
+        await printed(holder, "BUSY_STARTED", f"other-{i}")
+    thief = start(lease_spawner, group="thief", concurrency=4, lease=2.0)
+    await thief.wait_ready()  # polls every 0.2 s: any lease that lapses is taken over
+
+    (lease_spawner.workdir / "go-slow").touch()  # the commit callback now takes 5 s
+    await printed(holder, "SLOW_COMMIT", "slow")
+    await printed(holder, "COMMITTED", "slow", timeout=60)
+    for i in range(2):
+        (lease_spawner.workdir / f"done-other-{i}").touch()
+    for handle in (slow, *others):
+        info = await finished(lease_engine, handle.run_id)
+        assert info.status == "completed", f"{handle.run_id}: {info.status} {info.error}"
+        assert info.lease_expirations == 0, f"{info.task_name} lost its lease"
+        assert [e.worker_id.split("-")[0] for e in info.executions] == ["holder"]
+    assert not lines(thief, "BUSY_STARTED"), thief.describe()
+    rows = await bookings(pg_url, pg_schema)
+    assert [(r["key"], r["pid"]) for r in rows] == [("slow", holder.pid)]
+
+
+async def _true(value: bool) -> bool:
+    return value
