@@ -6,7 +6,7 @@ import os
 
 from hypothesis import settings
 
-pytest_plugins = ["tests.fixtures.pg"]
+pytest_plugins = ["tests.fixtures.pg", "tests.fixtures.private_pg"]
 
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.register_profile("ci", max_examples=100, deadline=None)

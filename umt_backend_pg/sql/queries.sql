@@ -78,7 +78,7 @@ WITH pairs AS (
         status = CASE WHEN r.cancel_requested_at IS NULL THEN 'running' ELSE 'canceled' END,
         claims = r.claims + CASE WHEN r.cancel_requested_at IS NULL THEN 1 ELSE 0 END,
         fencing_token = CASE WHEN r.cancel_requested_at IS NULL
-                             THEN nextval('{schema}.fencing_tokens') ELSE r.fencing_token END,
+                             THEN {schema}.next_fencing_token() ELSE r.fencing_token END,
         lease_expirations = r.lease_expirations
             + CASE WHEN l.previous_status = 'running' THEN 1 ELSE 0 END,
         lease_owner = CASE WHEN r.cancel_requested_at IS NULL THEN %(worker_id)s END,
