@@ -30,6 +30,7 @@ from umt_sdk.exceptions import (
     RunNotFoundError,
     StepFailedError,
     UmtError,
+    UsageError,
 )
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "TaskDefinition",
     "TaskPair",
     "UmtError",
+    "UsageError",
     "Worker",
     "connect",
     "connect_sync",

@@ -6,6 +6,7 @@ import asyncio
 import builtins
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -38,6 +39,7 @@ from umt_sdk.exceptions import (
     RunFailedError,
     RunNotFoundError,
     TaskDefinitionError,
+    UsageError,
 )
 
 __all__ = ["Engine", "RunHandle", "connect", "new_run_id"]
@@ -50,8 +52,16 @@ _STATUSES: frozenset[str] = frozenset(
 )
 
 
+_last_run_id = 0
+_run_id_lock = threading.Lock()
+
+
 def new_run_id() -> UUID:
-    """A UUIDv7: time-ordered, so new runs land at the end of the primary-key index."""
+    """A UUIDv7: time-ordered, so new runs land at the end of the primary-key index.
+
+    Strictly increasing within a process (RFC 9562, method 3: when the clock has not moved on,
+    the previous id + 1), so runs enqueued in one millisecond still list in enqueue order."""
+    global _last_run_id
     millis = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big")
     value = (millis & ((1 << 48) - 1)) << 80
@@ -59,6 +69,12 @@ def new_run_id() -> UUID:
     value |= ((rand >> 62) & 0xFFF) << 64
     value |= 0b10 << 62
     value |= rand & ((1 << 62) - 1)
+    with _run_id_lock:
+        if value <= _last_run_id:
+            value = _last_run_id + 1
+            if (value >> 62) & 0b11 != 0b10:  # the low 62 bits wrapped into the variant bits
+                value = ((value >> 64) + 1) << 64 | 0b10 << 62
+        _last_run_id = value
     return UUID(int=value)
 
 
@@ -224,6 +240,12 @@ class Engine:
         """
         from umt_sdk._task import _check_name
 
+        if not isinstance(run_id, UUID):
+            raise UsageError(
+                f"signal({run_id!r}, {name!r}, ...): run_id must be a run's UUID, got "
+                f"{type(run_id).__name__}; to send a fact to every run use "
+                f"engine.broadcast({name!r}, payload)"
+            )
         _check_name("fact", name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         attributes = {"umt.run.id": str(run_id), "umt.fact.name": name}

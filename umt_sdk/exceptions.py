@@ -6,6 +6,7 @@ UmtError
 │   ├── UnknownTaskError     (also LookupError) no such (name, version) is registered
 │   └── NotInTaskError       a step or the context was used outside a running task
 ├── PayloadError             (also ValueError) an input/output/payload does not fit its type
+├── UsageError               (also ValueError) an API was called with an argument it cannot take
 ├── BackendError             the backend failed; the operation may be retried
 │   ├── BackendNotFoundError no installed backend plugin serves the URL
 │   ├── BackendUnavailableError  the database could not be reached (restart, lost connection)
@@ -49,6 +50,7 @@ __all__ = [
     "TaskDefinitionError",
     "UmtError",
     "UnknownTaskError",
+    "UsageError",
 ]
 
 
@@ -81,6 +83,10 @@ class PayloadError(UmtError, ValueError):
     def __init__(self, message: str | None = None, *, field: str = "") -> None:
         super().__init__(message)
         self.field = field
+
+
+class UsageError(UmtError, ValueError):
+    """An API was called with an argument it cannot take; the message names it and the fix."""
 
 
 class BackendError(UmtError):

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import attrs
 import pytest
@@ -39,7 +39,7 @@ from umt_sdk import (
     with_attempt_token,
 )
 from umt_sdk._spi import Lease, StepRecord
-from umt_sdk.exceptions import FencingError, NotInTaskError, RunNotFoundError
+from umt_sdk.exceptions import FencingError, NotInTaskError, RunNotFoundError, UsageError
 from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats, simulate_crash
 
 __all__ = ["BackendContract"]
@@ -506,6 +506,20 @@ class BackendContract:
             assert await engine.broadcast("go", {"all": True})
             for h in handles:
                 assert await h.result(timeout=15) == {"all": True}
+
+    async def test_signal_without_a_run_id_is_refused_not_broadcast(self, engine: Engine) -> None:
+        handle = await engine.enqueue(waiter_task, Job(key="go"))
+        for bad in (None, str(handle.run_id), 0):
+            with pytest.raises(UsageError, match="broadcast"):
+                await engine.signal(bad, "go", {"v": "leak"})  # type: ignore[arg-type]
+        async with engine.worker(concurrency=1):
+            await wait_until(engine, handle.run_id, lambda i: i.status == "waiting", what="parked")
+            assert await engine.signal(handle.run_id, "go", {"v": "mine"})
+            assert await handle.result(timeout=15) == {"v": "mine"}
+        assert engine.backend is not None
+        assert await engine.backend.get_fact(run_id=uuid4(), name="go") is None, (
+            "a refused signal stored no broadcast fact"
+        )
 
     async def test_fact_wait_times_out_durably(self, engine: Engine) -> None:
         handle = await engine.enqueue(wait_or_timeout_task, Job(key="t"))
