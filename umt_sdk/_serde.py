@@ -37,6 +37,7 @@ from umt_sdk.exceptions import PayloadError
 __all__ = [
     "MAX_BYTES",
     "MAX_DEPTH",
+    "check_text",
     "clean_text",
     "decode",
     "dumps",
@@ -155,6 +156,17 @@ def _text_problem(text: str) -> str | None:
     if not text.isascii() and _SURROGATE.search(text) is not None:
         return "holds a lone surrogate (U+D800..U+DFFF), which is not valid Unicode"
     return None
+
+
+def check_text(text: str, *, what: str) -> str:
+    """`text` (a key, a reason: stored as text, not JSON) if a backend can store it, else
+    PayloadError naming `what`."""
+    if not isinstance(text, str):
+        raise PayloadError(f"{what} must be a string, got {type(text).__name__}", field=what)
+    problem = _text_problem(text)
+    if problem is not None:
+        raise PayloadError(f"{what} cannot be stored: it {problem}", field=what)
+    return text
 
 
 def clean_text(text: str) -> str:
