@@ -726,7 +726,9 @@ class Execution:
             else:
                 output = await asyncio.to_thread(definition.fn, SyncTaskContext(self, value))
             output_json = _serde.encode(output, definition.output_type, what="task output")
-            if definition.output_type is not Any:  # what result() will decode: fail it now
+            if definition.output_type is not Any and not _serde.decodes_to_itself(
+                output, definition.output_type
+            ):  # what result() will decode: if that would fail, fail the run now
                 _serde.decode(output_json, definition.output_type, what="task output")
         except (_Stop, _Suspend, SimulatedCrash):
             raise

@@ -40,6 +40,7 @@ __all__ = [
     "check_text",
     "clean_text",
     "decode",
+    "decodes_to_itself",
     "dumps",
     "encode",
     "encode_output",
@@ -384,8 +385,11 @@ def _describe(exc: Exception, what: str) -> PayloadError:
     return PayloadError(f"invalid {what}: {exc}", field=what)
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _ENCODER.encode(value)  # json.dumps(value, **options) would build an encoder per call
 
 
 def _unsupported(exc: Exception, source: Any, what: str) -> PayloadError:
@@ -415,6 +419,12 @@ def encode(value: Any, type_: Any = Any, *, what: str = "payload") -> str:
     return _checked(text, raw, what)
 
 
+def decodes_to_itself(value: Any, type_: Any) -> bool:
+    """Whether decoding `value`'s JSON as `type_` surely gives `value` back without trying: a
+    str, int, float or bool (exactly) declared as such, the bulk of step outputs."""
+    return type(value) is type_ and type_ in _PLAIN_SCALARS
+
+
 def encode_output(value: Any, type_: Any, *, what: str) -> tuple[str, Any]:
     """Encode a step's output; return its JSON text and the value every replay will see.
 
@@ -425,6 +435,8 @@ def encode_output(value: Any, type_: Any, *, what: str) -> tuple[str, Any]:
     """
     if type_ is not Any:
         text = encode(value, type_, what=what)
+        if decodes_to_itself(value, type_):
+            return text, value
         return text, decode(text, type_, what=what)
     if not _plain_and_shallow(value):
         found = _find(value, what, plain=True)
