@@ -256,6 +256,8 @@ def _find(value: Any, root: str, *, plain: bool) -> tuple[str, str] | None:
         elif isinstance(node, float):
             if not math.isfinite(node):
                 return path, f"{node!r}, which JSON cannot hold"
+        elif isinstance(node, int) and node.bit_length() > 14_280:  # about 4300 digits
+            return path, "an integer of more than 4300 digits, which JSON text cannot hold"
         elif not isinstance(node, int) and node is not None:
             return path, f"{_a(kind.__qualname__)}, which cannot be stored as JSON"
     return None

@@ -568,6 +568,10 @@ def test_an_untyped_output_that_json_cannot_hold_at_all_says_so() -> None:
     with pytest.raises(PayloadError) as caught:
         _serde.encode_output([float("nan")], Any, what="out")
     assert caught.value.field == "out[0]"
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode({"n": 10**5000}, what="out")
+    assert caught.value.field == "out.n"
+    assert "4300 digits" in str(caught.value)
 
 
 def test_a_typed_output_that_does_not_fit_its_type_is_refused_at_once() -> None:
