@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import attrs
 from hypothesis import strategies as st
@@ -17,8 +18,12 @@ __all__ = [
     "crash_points",
     "fact_payloads",
     "flow_inputs",
+    "json_values",
     "pair_subsets",
+    "planted_bad_strings",
     "priorities",
+    "storable_text",
+    "unstorable_text",
 ]
 
 PAIRS: tuple[TaskPair, ...] = (
@@ -96,3 +101,57 @@ clock_steps = st.sampled_from(
 )
 fact_payloads = st.integers(min_value=-1000, max_value=1000)
 priorities = st.integers(min_value=-2, max_value=2)
+
+
+# -- payloads -------------------------------------------------------------------------------------
+
+storable_text = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"))
+"""Strings a backend can store: any character but NUL and the surrogates."""
+
+_BAD_CHARACTERS = st.one_of(
+    st.just("\x00"), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+)
+unstorable_text = st.builds(
+    lambda before, bad, after: before + bad + after,
+    storable_text,
+    _BAD_CHARACTERS,
+    storable_text,
+)
+"""Strings no backend can store: a NUL or a lone surrogate somewhere."""
+
+_KEYS = st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True)
+
+json_values: st.SearchStrategy[Any] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | storable_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(storable_text, inner, max_size=4),
+    max_leaves=20,
+)
+"""Values of JSON's own types that a backend can store (nesting stays far below the limit)."""
+
+
+@st.composite
+def planted_bad_strings(draw: st.DrawFn) -> tuple[Any, str, bool]:
+    """(value, path, as_key): a JSON value with one unstorable string (a value, or a key when
+    `as_key`) planted at `path` (".a[2].b" after the root), among storable siblings."""
+    as_key = draw(st.booleans())
+    bad = draw(unstorable_text)
+    value: Any = {bad: draw(json_values)} if as_key else bad
+    segments: list[str] = []
+    for _ in range(draw(st.integers(min_value=0, max_value=6))):
+        if draw(st.booleans()):
+            siblings = draw(st.lists(json_values, max_size=3))
+            index = draw(st.integers(min_value=0, max_value=len(siblings)))
+            value = [*siblings[:index], value, *siblings[index:]]
+            segments.append(f"[{index}]")
+        else:
+            key = draw(_KEYS)
+            others = draw(
+                st.dictionaries(_KEYS.filter(lambda k, key=key: k != key), json_values, max_size=3)
+            )
+            value = {**others, key: value}
+            segments.append(f".{key}")
+    return value, "".join(reversed(segments)), as_key

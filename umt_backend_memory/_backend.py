@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import json
+import re
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
@@ -44,12 +46,75 @@ from umt_sdk.backend import (
     StepRecord,
     TaskPair,
 )
-from umt_sdk.exceptions import FencingError, IdempotencyConflictError, RunNotFoundError
+from umt_sdk.exceptions import (
+    BackendError,
+    FencingError,
+    IdempotencyConflictError,
+    RunNotFoundError,
+)
 
 __all__ = ["CrashHook", "MemoryBackend"]
 
 CrashHook = Callable[[str, UUID, str], bool]
 """`hook(operation, run_id, phase)` -> True to crash there; phase is "before" or "after"."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text_problem(text: str) -> str | None:
+    if "\x00" in text:
+        return "22021: invalid byte sequence for encoding UTF8: 0x00"
+    if not text.isascii() and _SURROGATE.search(text) is not None:
+        return "22021: a lone surrogate has no UTF-8 encoding"
+    return None
+
+
+def _storable_text(text: str | None, what: str) -> None:
+    """Refuse text Postgres could not store, as Postgres would (the SDK refuses it first; this
+    keeps the memory backend from accepting what the real one cannot)."""
+    problem = None if text is None else _text_problem(text)
+    if problem is not None:
+        raise BackendError(f"database error {problem} ({what}; refused as Postgres would)")
+
+
+def _storable_json(text: str | None, what: str) -> None:
+    """Refuse JSON text jsonb could not hold: NUL and lone surrogates, raw or escaped."""
+    if text is None:
+        return
+    _storable_text(text, what)
+    if "\\u" not in text:  # no escapes: nothing hides in them
+        return
+    stack: list[Any] = [json.loads(text)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str):
+            if "\x00" in node:
+                raise BackendError(
+                    f"database error 22P05: unsupported Unicode escape sequence, \\u0000 "
+                    f"cannot be converted to text ({what}; refused as Postgres would)"
+                )
+            if _SURROGATE.search(node) is not None:
+                raise BackendError(
+                    f"database error 22P02: invalid input syntax for type json, a lone "
+                    f"Unicode surrogate ({what}; refused as Postgres would)"
+                )
+
+
+def _storable_error(error: ErrorInfo | None, what: str) -> None:
+    if error is not None:
+        for text in (error.type, error.message, error.traceback):
+            _storable_text(text, what)
+
+
+def _storable_step(step: StepRecord | None) -> None:
+    if step is not None:
+        _storable_json(step.output_json, f"output of step {step.name!r}")
+        _storable_error(step.error, f"error of step {step.name!r}")
 
 
 @define(eq=False)
@@ -381,6 +446,8 @@ class MemoryBackend:
     async def enqueue(self, new: NewRun, *, conn: Any = None) -> EnqueueResult:
         if conn is not None:
             raise TypeError("the memory backend has no transactions to join; enqueue without conn=")
+        _storable_json(new.input_json, "input")
+        _storable_text(new.idempotency_key, "idempotency key")
         with self._lock:
             if new.idempotency_key is not None:
                 existing_id = self._by_key.get((new.task_name, new.idempotency_key))
@@ -514,6 +581,7 @@ class MemoryBackend:
             return HeartbeatResult(lost=frozenset(lost), cancel_requested=cancels)
 
     async def record_step(self, lease: Lease, step: StepRecord) -> None:
+        _storable_step(step)
         self._crash("record_step", lease.run_id, "before")
         with self._lock:
             run = self._check(lease)
@@ -535,6 +603,7 @@ class MemoryBackend:
         wait_for: str | None,
         status: ParkStatus,
     ) -> bool:
+        _storable_step(step)
         self._crash("park", lease.run_id, "before")
         with self._lock:
             run = self._check(lease)
@@ -558,6 +627,7 @@ class MemoryBackend:
         return True
 
     async def complete(self, lease: Lease, *, output_json: str) -> None:
+        _storable_json(output_json, "task output")
         self._crash("complete", lease.run_id, "before")
         with self._lock:
             run = self._check(lease)
@@ -568,6 +638,7 @@ class MemoryBackend:
         self._crash("complete", lease.run_id, "after")
 
     async def fail(self, lease: Lease, *, error: ErrorInfo, retry_at: datetime | None) -> None:
+        _storable_error(error, "run error")
         self._crash("fail", lease.run_id, "before")
         with self._lock:
             run = self._check(lease)
@@ -587,6 +658,7 @@ class MemoryBackend:
         self._crash("fail", lease.run_id, "after")
 
     async def finish_canceled(self, lease: Lease, *, error: ErrorInfo | None) -> None:
+        _storable_error(error, "run error")
         self._crash("finish_canceled", lease.run_id, "before")
         with self._lock:
             run = self._check(lease)
@@ -608,6 +680,7 @@ class MemoryBackend:
             self._notify_run(run.run_id)
 
     async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
+        _storable_json(payload_json, f"payload of fact {name!r}")
         with self._lock:
             if run_id is not None and run_id not in self._runs:
                 raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
@@ -631,6 +704,7 @@ class MemoryBackend:
             return self._facts.get((run_id, name)) or self._facts.get((None, name))
 
     async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:
+        _storable_text(reason, "cancel reason")
         with self._lock:
             run = self._runs.get(run_id)
             if run is None:

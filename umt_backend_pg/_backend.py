@@ -55,6 +55,7 @@ from umt_sdk.backend import (
 )
 from umt_sdk.exceptions import (
     BackendError,
+    BackendUnavailableError,
     FencingError,
     IdempotencyConflictError,
     RunNotFoundError,
@@ -95,6 +96,21 @@ def _step(row: Mapping[str, Any], output_json: str | None) -> StepRecord:
         finished_at=_ts(row["finished_at"]),
         wake_at=_ts(row["wake_at"]),
     )
+
+
+def _checkpoint_failed(
+    item: tuple[Lease, StepRecord, asyncio.Future[bool]], exc: Exception
+) -> None:
+    """Hand a checkpoint's own failure to its writer (as a BackendError: text psycopg cannot
+    encode raises UnicodeEncodeError, which must not escape the backend)."""
+    _, step, future = item
+    if future.done():
+        return
+    if not isinstance(exc, BackendError):
+        error = BackendError(f"cannot store step {step.name!r}: {exc}")
+        error.__cause__ = exc
+        exc = error
+    future.set_exception(exc)
 
 
 def _ts(value: Any) -> datetime | None:
@@ -396,16 +412,40 @@ class PostgresBackend:
                 del self._checkpoints[:_CHECKPOINT_BATCH]
                 try:
                     accepted = await self._write_checkpoints(batch)
-                except Exception as exc:  # every caller sees the failure of its own write
+                except BackendUnavailableError as exc:  # the connection is gone: all stop
                     for _, _, future in batch:
                         if not future.done():
                             future.set_exception(exc)
+                    continue
+                except Exception as exc:
+                    if len(batch) == 1:
+                        _checkpoint_failed(batch[0], exc)
+                    else:
+                        # One member's data can fail the shared statement (a value Postgres
+                        # cannot store): write each alone, so that only its own writer gets the
+                        # error and no other run is failed or charged for it.
+                        await self._write_checkpoints_one_by_one(batch)
                     continue
                 for lease, step, future in batch:
                     if not future.done():
                         future.set_result((lease.run_id, step.name, step.attempt) in accepted)
         finally:
             self._flushing = False
+
+    async def _write_checkpoints_one_by_one(
+        self, batch: Sequence[tuple[Lease, StepRecord, asyncio.Future[bool]]]
+    ) -> None:
+        for item in batch:
+            lease, step, future = item
+            if future.done():  # its writer is gone (canceled)
+                continue
+            try:
+                accepted = await self._write_checkpoints([item])
+            except Exception as exc:
+                _checkpoint_failed(item, exc)
+                continue
+            if not future.done():
+                future.set_result((lease.run_id, step.name, step.attempt) in accepted)
 
     async def _write_checkpoints(
         self, batch: Sequence[tuple[Lease, StepRecord, asyncio.Future[bool]]]

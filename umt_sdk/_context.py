@@ -46,6 +46,7 @@ class StepApi:
         /,
         *args: Any,
         retry: RetryPolicy | None = None,
+        output_type: Any = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -56,6 +57,7 @@ class StepApi:
         /,
         *args: Any,
         retry: RetryPolicy | None = None,
+        output_type: Any = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def run(
@@ -65,16 +67,22 @@ class StepApi:
         /,
         *args: Any,
         retry: RetryPolicy | None = None,
+        output_type: Any = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
 
-        The keyword `retry` is taken by umt; pass a lambda if `fn` has a parameter of that name.
+        The step returns what its record decodes to, the same on every execution: the output
+        type is `fn`'s return annotation, or `output_type` (for a lambda); without either, only
+        JSON's own types (str, int, float, bool, None, list, dict) may be returned.
+        The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
+        parameter of either name.
         """
         from umt_sdk._task import _check_name, output_type_of
 
         _check_name("step", name)
-        output_type = output_type_of(fn)
+        if output_type is None:
+            output_type = output_type_of(fn)
         return self._execution.run_step(name, fn, args, kwargs, retry, output_type)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
@@ -118,13 +126,16 @@ class SyncStepApi:
         /,
         *args: Any,
         retry: RetryPolicy | None = None,
+        output_type: Any = None,
         **kwargs: Any,
     ) -> R:
-        """Run `fn(*args, **kwargs)` as the step `name` and return its result."""
+        """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
+        `StepApi.run`, also for `output_type`)."""
         from umt_sdk._task import _check_name, output_type_of
 
         _check_name("step", name)
-        output_type = output_type_of(fn)
+        if output_type is None:
+            output_type = output_type_of(fn)
         value: R = self._execution.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
         return value
 

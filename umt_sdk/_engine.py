@@ -191,6 +191,8 @@ class Engine:
                 "idempotency_key must be a non-empty string of at most 512 characters, "
                 f"got {idempotency_key!r}"
             )
+        if idempotency_key is not None:
+            _serde.check_text(idempotency_key, what="idempotency_key")
         if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
             raise TaskDefinitionError(f"delay must be a timedelta >= 0, got {delay!r}")
         input_json = _serde.validate(input, definition.input_type, what="input")
@@ -268,6 +270,7 @@ class Engine:
     async def cancel(self, run_id: UUID, *, reason: str = "") -> CancelOutcome:
         """Cancel a run: waiting and pending runs end at once; a running one gets its abort
         signal and starts no further step. Returns what happened."""
+        _serde.check_text(reason, what="reason")
         attributes = {"umt.run.id": str(run_id), "umt.cancel.reason": reason}
         with self.telemetry.client_span("umt.cancel", attributes) as span:
             outcome = await self.backend.cancel(run_id, reason=reason)

@@ -72,7 +72,11 @@ AbortKind = Literal["cancel", "lease_lost", "shutdown", "crash"]
 
 
 def error_info(exc: BaseException) -> ErrorInfo:
-    """How an exception is recorded: qualified type, message, formatted traceback."""
+    """How an exception is recorded: qualified type, message, formatted traceback.
+
+    Ours to store, so never refused: NUL and lone surrogates (which Postgres cannot hold) are
+    replaced by visible escapes, and a step whose error message holds them fails normally.
+    """
     kind = type(exc)
     name = (
         kind.__qualname__
@@ -83,9 +87,9 @@ def error_info(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, StepFailedError) and exc.error_type:
         message = f"{exc.step_name}: {exc.error_type}: {exc.error_message}"
     return ErrorInfo(
-        type=name,
-        message=message,
-        traceback="".join(traceback.format_exception(exc))[-8000:],
+        type=_serde.clean_text(name),
+        message=_serde.clean_text(message),
+        traceback=_serde.clean_text("".join(traceback.format_exception(exc))[-8000:]),
     )
 
 
@@ -363,7 +367,9 @@ class Execution:
         if last is not None:
             if last.status == "completed":
                 self._replayed(last)
-                return _serde.decode(last.output_json or "null", output_type, what=f"step {full!r}")
+                return _serde.decode(
+                    last.output_json or "null", output_type, what=f"output of step {full!r}"
+                )
             if last.status == "failed":
                 self._replayed(last)
                 raise _step_failed(full, last.error)
@@ -478,7 +484,26 @@ class Execution:
             raise _step_failed(full, info) from exc
         finally:
             self.current_step = self.current_step_started_at = None
-        output_json = _serde.encode(value, output_type, what=f"output of step {full!r}")
+        try:
+            # The value every replay decodes is the one this execution returns too.
+            output_json, value = _serde.encode_output(
+                value, output_type, what=f"output of step {full!r}"
+            )
+        except PayloadError as exc:
+            # Deterministic: the same body would return the same value, so no retry.
+            info = error_info(exc)
+            await self._record(
+                self._step_record(
+                    full,
+                    "step",
+                    status="failed",
+                    attempt=attempt,
+                    error=info,
+                    started_at=started,
+                    finished_at=self.now(),
+                )
+            )
+            raise _step_failed(full, info) from exc
         await self._record(
             self._step_record(
                 full,
@@ -578,7 +603,8 @@ class Execution:
                     if inspect.isawaitable(value):
                         value = await value
                 if value is not None:
-                    raw = _serde.to_raw(value, payload_type)
+                    text = _serde.encode(value, payload_type, what=f"fact {name!r} from check()")
+                    output = '{"fact":' + text + ',"source":"check"}'
                     await self._record(
                         self._step_record(
                             full,
@@ -586,13 +612,13 @@ class Execution:
                             status="completed",
                             started_at=started,
                             finished_at=now,
-                            output_json=_serde.dumps({"fact": raw, "source": "check"}),
+                            output_json=output,
                         )
                     )
                     self.event(
                         "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "check"}
                     )
-                    return value
+                    return _fact_outcome(full, name, output, payload_type)  # as a replay sees it
             fact = await self._guard(self.backend.get_fact(run_id=self.claimed.run_id, name=name))
             if fact is not None:
                 output = '{"fact":' + fact.payload_json + ',"source":"signal"}'
@@ -705,6 +731,10 @@ class Execution:
             else:
                 output = await asyncio.to_thread(definition.fn, SyncTaskContext(self, value))
             output_json = _serde.encode(output, definition.output_type, what="task output")
+            if definition.output_type is not Any and not _serde.decodes_to_itself(
+                output, definition.output_type
+            ):  # what result() will decode: if that would fail, fail the run now
+                _serde.decode(output_json, definition.output_type, what="task output")
         except (_Stop, _Suspend, SimulatedCrash):
             raise
         except _Release:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import json
 from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
@@ -125,7 +126,7 @@ def test_validate_accepts_the_instance_or_its_json_form_alike() -> None:
 
 def test_validate_with_any_only_requires_json() -> None:
     assert _serde.validate({"a": [1, None]}, Any) == '{"a":[1,null]}'
-    assert _payload_error({"a": object()}, Any).field == "input"
+    assert _payload_error({"a": object()}, Any).field == "input.a", "the path of the bad value"
 
 
 # -- strictness -------------------------------------------------------------------------------
@@ -350,3 +351,247 @@ def test_the_pickle_scan_finds_uses(source: str) -> None:
 
 def test_the_pickle_scan_ignores_docs() -> None:
     assert pickle_uses('"""No pickle anywhere."""\ndef f():\n    """Not pickle."""\n') == []
+
+
+# -- what a backend cannot store --------------------------------------------------------------
+
+NUL = "\x00"
+SURROGATE = "\ud800"
+
+
+def _deep_list(levels: int) -> Any:
+    """`levels` nested lists: `[[...]]`, built without recursion."""
+    value: list[Any] = []
+    inner = value
+    for _ in range(levels - 1):
+        inner.append([])
+        inner = inner[0]
+    return value
+
+
+@pytest.mark.parametrize("bad", [NUL, SURROGATE, "\udfff", "a\ud83d"])
+def test_nul_and_lone_surrogates_are_refused_with_the_path(bad: str) -> None:
+    order = {"plan_id": "p", "items": [{"size": 1}, {"size": 2, "label": f"x{bad}y"}]}
+    assert _payload_error(order, Order).field == "input.items[1].label"
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode({"a": {"b": ["ok", bad]}}, what="payload of fact 'f'")
+    assert caught.value.field == "payload of fact 'f'.a.b[1]"
+    assert "payload of fact 'f'.a.b[1]" in str(caught.value)
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode({f"k{bad}": 1}, what="task output")
+    assert caught.value.field.startswith("task output['k")
+    assert "key" in str(caught.value)
+    # Look-alikes are stored: a surrogate pair is one real character, and a backslash
+    # followed by "u0000" or "x00" is text.
+    for text in ("😀", "\\u0000", "\\\\u0000", "tab\tand\nnewline", "\\ud800"):
+        assert _serde.decode(_serde.encode({text: text})) == {text: text}
+        assert _serde.decode(_serde.validate({"plan_id": text}, Order), Order).plan_id == text
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda v: _serde.encode(v, what="input"),
+        lambda v: _serde.validate(v, Any, what="input"),
+        lambda v: _serde.validate(v, list[Any], what="input"),
+        lambda v: _serde.encode_output(v, Any, what="input"),
+        lambda v: _serde.encode_output(v, list[Any], what="input"),
+    ],
+)
+def test_the_depth_limit_is_exact_and_never_a_recursion_error(encode: Any) -> None:
+    assert _serde.MAX_DEPTH == 64
+    encode(_deep_list(64))  # at the limit: accepted
+    for levels in (65, 1_000, 10_000, 100_000):
+        with pytest.raises(PayloadError) as caught:
+            encode(_deep_list(levels))
+        assert "nested deeper than 64 levels" in str(caught.value)
+        assert caught.value.field == "input" + "[0]" * 64
+
+
+def test_depth_counts_objects_and_attrs_values_too() -> None:
+    value: Any = {"leaf": 1}
+    for _ in range(63):
+        value = {"a": value}
+    _serde.encode(value)
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode({"a": value}, what="input")
+    assert caught.value.field == "input" + ".a" * 64
+    # A thousand levels of attrs instances: cattrs alone would recurse past Python's limit.
+    node = Node()
+    for _ in range(1_000):
+        node = Node(child=node)
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode(node, Node, what="task output")
+    assert caught.value.field == "task output" + ".child" * 64
+    shallow = Node(child=Node(child=Node()))
+    assert _serde.decode(_serde.encode(shallow, Node), Node) == shallow
+
+
+@attrs.frozen
+class Node:
+    child: Node | None = None
+
+
+def test_brackets_inside_strings_do_not_count_as_depth() -> None:
+    text = "[" * 1000 + "{" * 1000
+    assert _serde.decode(_serde.encode({"s": text})) == {"s": text}
+    assert _serde.parse_json(json.dumps({"s": text})) == {"s": text}
+    many = [[i] for i in range(500)]  # many containers, two levels
+    assert _serde.decode(_serde.encode(many)) == many
+
+
+def test_the_size_limit_is_in_utf8_bytes() -> None:
+    assert _serde.MAX_BYTES == 16 * 1024 * 1024
+    _serde.encode("a" * (_serde.MAX_BYTES - 2))  # with its quotes: exactly the limit
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode("a" * (_serde.MAX_BYTES - 1), what="output of step 'big'")
+    assert caught.value.field == "output of step 'big'"
+    assert "16 MiB" in str(caught.value)
+    with pytest.raises(PayloadError):  # 8 Mi characters, 16 MiB + 2 bytes
+        _serde.encode("é" * (_serde.MAX_BYTES // 2))
+    with pytest.raises(PayloadError):
+        _serde.parse_json('"' + "a" * _serde.MAX_BYTES + '"')
+
+
+def test_parse_json_refuses_deep_text_before_parsing_it() -> None:
+    for text in ("[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
+        with pytest.raises(PayloadError) as caught:
+            _serde.parse_json(text, what="--input")
+        assert "nested deeper than 64 levels" in str(caught.value)
+        assert "line 1 column" in str(caught.value)
+        assert caught.value.field == "--input"
+    truncated = "[" * 100_000  # not even valid JSON: still refused for its depth, not a crash
+    with pytest.raises(PayloadError):
+        _serde.parse_json(truncated)
+    assert _serde.parse_json("[" * 64 + "]" * 64) == _deep_list(64)
+
+
+@pytest.mark.parametrize(
+    ("text", "message", "field"),
+    [
+        ('{"a": "x\\u0000"}', "NUL", "--input.a"),
+        ('["\\ud800"]', "surrogate", "--input[0]"),
+        ('{"k\\u0000": 1}', "key", "--input['k\\x00']"),
+        ('{"a": NaN}', "nan, which JSON cannot hold", "--input.a"),
+        ("[1, 2", "not valid JSON", "--input"),
+        ("1" * 5000, "not valid JSON", "--input"),
+        (b'{"a": "\xff"}', "not valid UTF-8", "--input"),
+    ],
+)
+def test_parse_json_names_what_is_wrong(text: str | bytes, message: str, field: str) -> None:
+    with pytest.raises(PayloadError) as caught:
+        _serde.parse_json(text, what="--input")
+    assert message in str(caught.value)
+    assert caught.value.field == field
+
+
+def test_parse_json_returns_plain_json() -> None:
+    assert _serde.parse_json(b'{"a": [1, 2.5, "\\u00e9", null, true]}') == {
+        "a": [1, 2.5, "é", None, True]
+    }
+    with pytest.raises(PayloadError) as caught:
+        _serde.parse_json("[1, 2\n, }", what="--input")
+    assert "line 2 column 3" in str(caught.value)
+
+
+# -- the value a step returns is the value its replays decode ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "type_", "seen"),
+    [
+        (3, float, 3.0),
+        ((1, 2), list[int], [1, 2]),
+        ([1, "a"], tuple[int, str], (1, "a")),
+        (
+            {"when": datetime(2030, 1, 1, tzinfo=UTC)},
+            dict[str, Any],
+            {"when": "2030-01-01T00:00:00+00:00"},
+        ),
+        (Order(plan_id="p", items=[Item(size=1)]), Order, Order(plan_id="p", items=[Item(size=1)])),
+        (SHIPMENT, Shipment, SHIPMENT),
+        (None, Any, None),
+        ({"a": [1, 2.5, None, True, "s"]}, Any, {"a": [1, 2.5, None, True, "s"]}),
+    ],
+)
+def test_encode_output_returns_what_a_replay_decodes(value: Any, type_: Any, seen: Any) -> None:
+    text, returned = _serde.encode_output(value, type_, what="output of step 's'")
+    replayed = _serde.decode(text, type_, what="output of step 's'")
+    assert returned == replayed == seen
+    assert type(returned) is type(replayed) is type(seen)
+
+
+def test_encode_output_hands_back_a_copy_of_a_container() -> None:
+    value = {"a": [1]}
+    _, returned = _serde.encode_output(value, Any, what="s")
+    assert returned == value
+    assert returned is not value, "as on a replay, mutating it changes no one else's value"
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+@pytest.mark.parametrize(
+    ("value", "path", "back"),
+    [
+        (datetime(2030, 1, 1, tzinfo=UTC), "out", "a str"),
+        (date(2030, 1, 1), "out", "a str"),
+        (IDENT, "out", "a str"),
+        (Decimal("1.5"), "out", "a str"),
+        (timedelta(seconds=1), "out", "a float"),
+        ((1, 2), "out", "a list"),
+        (Item(size=1), "out", "a dict"),
+        (SHIPMENT, "out", "a dict"),
+        (Colour.RED, "out", "a str"),
+        ({"a": [1, (2,)]}, "out.a[1]", "a list"),
+        ({1: "a"}, "out", "a str"),
+    ],
+)
+def test_an_untyped_output_must_be_json_and_the_error_says_how_to_fix_it(
+    value: Any, path: str, back: str
+) -> None:
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode_output(value, Any, what="out")
+    assert caught.value.field == path
+    assert f"get back as {back}" in str(caught.value)
+    if not isinstance(value, dict) or path != "out":
+        assert "output_type=" in str(caught.value)
+        assert "annotate" in str(caught.value)
+
+
+def test_an_untyped_output_that_json_cannot_hold_at_all_says_so() -> None:
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode_output({"a": object()}, Any, what="out")
+    assert caught.value.field == "out.a"
+    assert "cannot be stored as JSON" in str(caught.value)
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode_output([float("nan")], Any, what="out")
+    assert caught.value.field == "out[0]"
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode({"n": 10**5000}, what="out")
+    assert caught.value.field == "out.n"
+    assert "4300 digits" in str(caught.value)
+
+
+def test_a_typed_output_that_does_not_fit_its_type_is_refused_at_once() -> None:
+    with pytest.raises(PayloadError) as caught:
+        _serde.encode_output("five", int, what="output of step 's'")
+    assert caught.value.field == "output of step 's'"
+
+
+# -- text umt stores itself -------------------------------------------------------------------
+
+
+def test_clean_text_escapes_what_cannot_be_stored_and_keeps_the_rest() -> None:
+    assert _serde.clean_text("a\x00b\ud800c\udfff") == "a\\x00b\\ud800c\\udfff"
+    for text in ("plain", "é😀", "\\x00 already text", ""):
+        assert _serde.clean_text(text) is text
+
+
+def test_check_text_names_the_field() -> None:
+    assert _serde.check_text("fine", what="reason") == "fine"
+    for bad in ("a\x00", "\ud800"):
+        with pytest.raises(PayloadError) as caught:
+            _serde.check_text(bad, what="idempotency_key")
+        assert caught.value.field == "idempotency_key"
