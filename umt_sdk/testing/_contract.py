@@ -693,13 +693,14 @@ class BackendContract:
             await engine.enqueue(echo_task, Job(key=f"a{i}"), priority=-5, version=1)
             for i in range(4)
         ]
+        runs: list[Any] = [*others, *echoes]
         async with engine.worker(versions=["contract.echo@1", "contract.other@1"], concurrency=1):
-            for handle in [*others, *echoes]:
-                await handle.result(timeout=15)
+            for run in runs:
+                await run.result(timeout=15)
         assert ORDER == ["other:b0", "other:b1", "other:b2", "other:b3", "a0", "a1", "a2", "a3"]
 
     async def test_one_slot_is_fifo_across_pairs_at_equal_priority(self, engine: Engine) -> None:
-        handles = []
+        handles: list[Any] = []
         for i in range(3):
             handles.append(await engine.enqueue(other_task, Job(key=f"b{i}")))
             handles.append(await engine.enqueue(echo_task, Job(key=f"a{i}"), version=1))
