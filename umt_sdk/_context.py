@@ -71,10 +71,10 @@ class StepApi:
 
         The keyword `retry` is taken by umt; pass a lambda if `fn` has a parameter of that name.
         """
-        from umt_sdk._task import _check_name, output_type_of
+        from umt_sdk._task import _check_name, inline_target
 
         _check_name("step", name)
-        output_type = output_type_of(fn)
+        fn, output_type, retry = inline_target(fn, retry)
         return self._execution.run_step(name, fn, args, kwargs, retry, output_type)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
@@ -121,10 +121,10 @@ class SyncStepApi:
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result."""
-        from umt_sdk._task import _check_name, output_type_of
+        from umt_sdk._task import _check_name, inline_target
 
         _check_name("step", name)
-        output_type = output_type_of(fn)
+        fn, output_type, retry = inline_target(fn, retry)
         value: R = self._execution.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
         return value
 
