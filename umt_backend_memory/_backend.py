@@ -492,14 +492,24 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
-            open_pairs = list(pairs)
+            open_pairs = list(dict.fromkeys(pairs))
             while len(claimed) < limit and open_pairs:
-                for pair in list(open_pairs):  # round-robin: one busy pair cannot starve another
+                # One turn (the Postgres claim's rule): every pair offers its next run, so one
+                # busy pair cannot starve another; within the turn the higher priority goes
+                # first, then the earlier ready, then the earlier enqueued.
+                heads: list[tuple[tuple[int, datetime, int], TaskPair]] = []
+                for pair in list(open_pairs):
+                    if self._ready_head(pair, now) is None:
+                        open_pairs.remove(pair)
+                        continue
+                    neg_priority, ready_at, seq, *_ = self._ready[pair][0]
+                    heads.append(((neg_priority, ready_at, seq), pair))
+                heads.sort(key=lambda head: head[0])
+                for _, pair in heads:
                     if len(claimed) >= limit:
                         break
                     run = self._pop_ready(pair, now)
                     if run is None:
-                        open_pairs.remove(pair)
                         continue
                     taken = self._take(run, worker_id, lease, now)
                     if taken is not None:

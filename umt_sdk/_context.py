@@ -78,11 +78,12 @@ class StepApi:
         The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
         parameter of either name.
         """
-        from umt_sdk._task import _check_name, output_type_of
+        from umt_sdk._task import _check_name, inline_target
 
         _check_name("step", name)
+        fn, declared, retry = inline_target(fn, retry)
         if output_type is None:
-            output_type = output_type_of(fn)
+            output_type = declared
         return self._execution.run_step(name, fn, args, kwargs, retry, output_type)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
@@ -131,11 +132,12 @@ class SyncStepApi:
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
-        from umt_sdk._task import _check_name, output_type_of
+        from umt_sdk._task import _check_name, inline_target
 
         _check_name("step", name)
+        fn, declared, retry = inline_target(fn, retry)
         if output_type is None:
-            output_type = output_type_of(fn)
+            output_type = declared
         value: R = self._execution.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
         return value
 

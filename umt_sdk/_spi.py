@@ -346,8 +346,16 @@ class Backend(Protocol):
         limit: int,
         lease: timedelta,
     ) -> Sequence[ClaimedRun]:
-        """Lease up to `limit` available runs of `pairs`: highest priority first, FIFO among
-        equals, slots shared fairly across pairs, each with a new, larger fencing token.
+        """Lease up to `limit` available runs of `pairs`, each with a new, larger fencing token.
+
+        The order is one rule on every backend (the contract suite checks it). Within a pair,
+        runs go highest priority first, then the earliest ready (`available_at`; for an expired
+        lease, its expiry), FIFO among equals. Across pairs, runs are taken in turns: turn k
+        holds the k-th run of every pair, so a batch of N over m busy pairs gives each about
+        N/m and no pair starves another; within a turn, the higher priority goes first, then
+        the earlier ready, whatever pair it belongs to. So a single slot (`limit=1`) goes to
+        the highest-priority ready run of all the pairs, the earliest ready among equals; the
+        order in which `pairs` (or a registry) lists them never matters.
         Runs whose lease expired are available. Never returns a run whose cancel was requested
         (such a run is finished as canceled instead).
 

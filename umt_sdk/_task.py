@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
+import cattrs
 from attrs import frozen
 
 from umt_sdk._retry import RetryPolicy
@@ -59,6 +60,34 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
         ) from exc
 
 
+def _check_storable(type_: Any, what: str) -> None:
+    """Refuse, when decorated, a type that the payload converter cannot decode (`object`, a
+    plain class, `list[object]`...): otherwise the run completes and only `result()` or a
+    replay fails. `Any` (JSON as it is) is allowed."""
+    if type_ is Any:
+        return
+    from umt_sdk._serde import _converter
+
+    try:
+        _converter.get_structure_hook(type_)
+    except cattrs.errors.StructureHandlerNotFoundError as exc:
+        raise TaskDefinitionError(
+            f"{what} is {_type_name(type_)}, which umt cannot store and read back ({exc}); "
+            "use attrs classes, dataclasses, primitives, datetimes, UUIDs, lists and dicts of "
+            "those, or Any for plain JSON"
+        ) from exc
+    except Exception:  # not decidable yet (a forward reference): decoding will say
+        return
+
+
+def _type_name(type_: Any) -> str:
+    return (
+        type_.__qualname__
+        if isinstance(type_, type) and not typing.get_args(type_)
+        else repr(type_)
+    )
+
+
 _OUTPUT_TYPES: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
 
 
@@ -71,6 +100,7 @@ def output_type_of(fn: Callable[..., Any]) -> Any:
         pass
     if getattr(fn, "__annotations__", None):
         found = _unwrap_awaitable(_hints(fn).get("return", Any))
+        _check_storable(found, f"the return type of step function {fn.__qualname__}")
     else:
         found = Any
     with contextlib.suppress(TypeError):  # not weak-referenceable (a builtin): not cached
@@ -190,6 +220,8 @@ def task(
         args = typing.get_args(ctx_hint)
         input_type = args[0] if args else Any
         output_type = hints.get("return", Any)
+        _check_storable(input_type, f"task {name!r}: the input type of {fn.__qualname__}")
+        _check_storable(output_type, f"task {name!r}: the output type of {fn.__qualname__}")
         return TaskDefinition(
             name=name,
             version=version,
@@ -210,10 +242,22 @@ class _StepBase(Generic[P, R]):
         self.fn = fn
         self.retry = retry
         self.output_type = _unwrap_awaitable(_hints(fn).get("return", Any))
+        _check_storable(self.output_type, f"step {name!r}: the return type of {fn.__qualname__}")
         functools.update_wrapper(typing.cast(Any, self), fn)
 
     def __repr__(self) -> str:
         return f"<step {self.name!r} ({self.fn.__qualname__})>"
+
+
+def inline_target(
+    fn: Callable[..., Any], retry: RetryPolicy | None
+) -> tuple[Callable[..., Any], Any, RetryPolicy | None]:
+    """What `ctx.step.run(name, fn, ...)` runs: a decorated step passes its plain function, its
+    output type and (unless `retry` overrides it) its retry policy; other callables run as
+    they are. Calling the decorated step itself there would start a step inside the step."""
+    if isinstance(fn, _StepBase):
+        return fn.fn, fn.output_type, retry if retry is not None else fn.retry
+    return fn, output_type_of(fn), retry
 
 
 def _current_or_raise(step_name: str) -> Any:

@@ -910,6 +910,7 @@ class BackendContract:
         info = await engine.get(handle.run_id)
         assert info.lease_expirations == 3, "each execution made progress before it died"
         assert info.failures == 0
+
     # -- payloads a backend cannot store --------------------------------------------------------
 
     @pytest.mark.parametrize(
@@ -1066,6 +1067,44 @@ class BackendContract:
         assert info.error is not None
         assert "\x00" not in info.error.traceback
 
+    # -- claim order across pairs (appended) ------------------------------------------------------
+
+    async def test_one_slot_goes_by_priority_across_pairs(self, engine: Engine) -> None:
+        # contract.echo@1 is served (and listed) before contract.other@1; its runs are newer
+        # and of lower priority, so with one slot every run of the other pair goes first.
+        others = [await engine.enqueue(other_task, Job(key=f"b{i}"), priority=0) for i in range(4)]
+        echoes = [
+            await engine.enqueue(echo_task, Job(key=f"a{i}"), priority=-5, version=1)
+            for i in range(4)
+        ]
+        runs: list[Any] = [*others, *echoes]
+        async with engine.worker(versions=["contract.echo@1", "contract.other@1"], concurrency=1):
+            for run in runs:
+                await run.result(timeout=15)
+        assert ORDER == ["other:b0", "other:b1", "other:b2", "other:b3", "a0", "a1", "a2", "a3"]
+
+    async def test_one_slot_is_fifo_across_pairs_at_equal_priority(self, engine: Engine) -> None:
+        handles: list[Any] = []
+        for i in range(3):
+            handles.append(await engine.enqueue(other_task, Job(key=f"b{i}")))
+            handles.append(await engine.enqueue(echo_task, Job(key=f"a{i}"), version=1))
+        async with engine.worker(versions=["contract.echo@1", "contract.other@1"], concurrency=1):
+            for handle in handles:
+                await handle.result(timeout=15)
+        assert ORDER == ["other:b0", "a0", "other:b1", "a1", "other:b2", "a2"]
+
+    async def test_a_batch_shares_slots_across_pairs_by_turns(self, engine: Engine) -> None:
+        # Turn 1 holds each pair's best run, turn 2 each pair's second best, ...: a busy pair
+        # with higher priorities does not take the whole batch; within a turn priority leads.
+        busy = [await engine.enqueue(other_task, Job(key=f"b{i}"), priority=9) for i in range(6)]
+        quiet = [await engine.enqueue(echo_task, Job(key=f"a{i}"), version=1) for i in range(2)]
+        worker = engine.worker(versions=["contract.echo@1", "contract.other@1"], concurrency=3)
+        claimed = await worker.backend.claim(
+            worker_id="probe", pairs=worker.pairs, limit=3, lease=timedelta(seconds=30)
+        )
+        taken = {c.run_id for c in claimed}
+        assert taken == {busy[0].run_id, busy[1].run_id, quiet[0].run_id}, claimed
+
 
 async def _true(value: bool) -> bool:
     return value
@@ -1112,6 +1151,8 @@ async def _assert_ledger_refuses(
             await ledger.begin(op_key=op_key, lease=stale_lease)
     finally:
         await harness.business_release(conn)
+
+
 # -- payloads (tasks registered by the tests that use them) ------------------------------------
 
 PAYLOAD_BAD_VALUES: dict[str, Any] = {
