@@ -886,7 +886,7 @@ class BackendContract:
         async with dying.worker(concurrency=1, lease=harness.lease):
             with pytest.raises(RunFailedError) as caught:
                 await handle.result(timeout=20)
-        assert caught.value.error_type == "umt_sdk.exceptions.LeaseLostTooOftenError"
+        assert caught.value.error_type == "umt_sdk.LeaseLostTooOftenError"
         message = caught.value.error_message
         assert "lost its lease 3 times without recording a step" in message, message
         assert "'doomed'" in message, message
