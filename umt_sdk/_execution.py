@@ -775,7 +775,7 @@ class Execution:
             max_lost_leases=limit,
             step_name=step_name,
         )
-        _log.error("%s", exc)
+        _log.warning("%s", exc)
         await self._guard(
             self.backend.fail(self.lease, error=error_info(exc), retry_at=None), final=True
         )

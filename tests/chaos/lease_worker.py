@@ -20,7 +20,8 @@ tests' switches (`touch` one to let a body go on).
   attempt prints `IN_ACT` inside its action (the op is begun) and waits for `release2-<key>`.
   With `slow_commit` seconds, the callback waits for `go-<key>`, prints `SLOW_COMMIT`, then
   takes that long (an async sleep: the process stays alive and heartbeats) before it returns.
-  Prints `FENCED` when the ledger refuses the attempt, `COMMITTED` when it committed.
+  Prints `FENCED` when the ledger refuses the attempt, `STOPPED` when its execution was
+  stopped in there (its heartbeat found the lease lost), `COMMITTED` when it committed.
 - `lease.kills_itself`: records a step, then its second step SIGKILLs its own process (think of
   an OOM kill on one input), every time. `max_lost_leases=3`.
 """
@@ -203,6 +204,9 @@ async def fenced(ctx: TaskContext[Fenced]) -> str:
                 receipt = await with_attempt_token(conn, f"book:{key}", act, commit=commit)
             except FencingError:
                 say("FENCED", key, token)
+                raise
+            except BaseException:  # stopped by its lost lease (the heartbeat found it gone)
+                say("STOPPED", key, token)
                 raise
         say("COMMITTED", key, token)
         return receipt

@@ -34,7 +34,7 @@ async def test_a_run_that_kills_its_worker_every_time_fails_after_the_bound(
 
     with pytest.raises(RunFailedError) as caught:
         await lease_engine.result(handle.run_id)
-    assert caught.value.error_type == "umt_sdk.exceptions.LeaseLostTooOftenError"
+    assert caught.value.error_type == "umt_sdk.LeaseLostTooOftenError"
     message = caught.value.error_message
     assert f"lost its lease {KILLS_ITSELF_MAX_LOST_LEASES} times" in message, message
     assert "'oom'" in message, message

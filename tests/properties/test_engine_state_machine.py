@@ -918,6 +918,20 @@ class EngineMachine(RuleBasedStateMachine):
         model = self.models[run.run_id]
         spec = model.spec
         what = (run.run_id, spec, run.status, run.error)
+        if run.error is not None and run.error.type == "umt_sdk.LeaseLostTooOftenError":
+            # The rules took it over again and again without letting it record a step: the
+            # lost-lease bound ends it, and only then.
+            assert run.status == "failed", what
+            newest = max((s.fencing_token for s in run.steps), default=0)
+            lost = [
+                e
+                for e in run.executions
+                if e.outcome == "interrupted" and e.fencing_token >= newest
+            ]
+            limit = REGISTRY.get(run.task_name, run.task_version).max_lost_leases
+            assert len(lost) == limit, (what, run.executions)
+            assert run.executions[-1].outcome == "failed", (what, run.executions)
+            return
         if model.canceled_at_once:
             assert run.status == "canceled", what
         elif model.cancel_requested:

@@ -265,6 +265,10 @@ async def fenced_task(ctx: TaskContext[Job]) -> str:
 
         async def commit(tx: Any, receipt: str) -> None:
             BUSINESS.setdefault("commits", []).append(ctx.attempt_token)
+            BODY_RUNS[(ctx.input.key, "precommit")] += 1
+            gate = GATES.get(f"{ctx.input.key}:precommit{ctx.attempt}")
+            if gate is not None:  # frozen inside the commit, before its business write
+                await gate.wait()
             await harness.business_insert(tx, ctx.input.key, receipt)
             BODY_RUNS[(ctx.input.key, "commit")] += 1
             gate = GATES.get(f"{ctx.input.key}:commit{ctx.attempt}")
@@ -842,6 +846,26 @@ class BackendContract:
         assert await harness.business_rows() == {"op5": receipt}
         assert receipt == f"receipt-{fresh_token}"
 
+    async def test_a_stale_callback_that_fails_on_the_newer_commit_raises_fencing_error(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("op6:precommit1")  # fenced in, then frozen before its insert
+        handle = await engine.enqueue(fenced_task, Job(key="op6"))
+        stale = engine.worker(concurrency=1, lease=harness.lease)
+        await stale.start()
+        await _eventually(lambda: _true(BODY_RUNS[("op6", "precommit")] == 1))
+        freeze_heartbeats(stale)
+        await harness.advance(harness.lease * 2)
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            receipt = await handle.result(timeout=20)  # the newer attempt's row is committed
+            GATES["op6:precommit1"].set()  # the stale insert hits its unique key
+            await _eventually(lambda: _true(not stale.running_runs))
+        await stale.stop()
+        info = await engine.get(handle.run_id)
+        stale_token = info.executions[0].fencing_token
+        assert BUSINESS["fenced"] == [stale_token], "FencingError, not the duplicate-key error"
+        assert await harness.business_rows() == {"op6": receipt}
+
     async def test_cancel_is_not_held_up_by_a_frozen_commit_which_then_writes_nothing(
         self, engine: Engine, harness: BackendHarness
     ) -> None:
@@ -878,7 +902,7 @@ class BackendContract:
         async with dying.worker(concurrency=1, lease=harness.lease):
             with pytest.raises(RunFailedError) as caught:
                 await handle.result(timeout=20)
-        assert caught.value.error_type == "umt_sdk.exceptions.LeaseLostTooOftenError"
+        assert caught.value.error_type == "umt_sdk.LeaseLostTooOftenError"
         message = caught.value.error_message
         assert "lost its lease 3 times without recording a step" in message, message
         assert "'doomed'" in message, message
