@@ -290,7 +290,7 @@ class PostgresBackend:
     ) -> EnqueueResult:
         cur = await conn.execute(self._q["insert_run"], params)
         if await cur.fetchone() is not None:
-            return EnqueueResult(run_id=new.run_id, created=True)
+            return EnqueueResult(run_id=new.run_id, created=True, task_version=new.task_version)
         cur = await conn.execute(self._q["find_idempotent_run"], params)
         row = await cur.fetchone()
         if row is None:  # pragma: no cover - the conflicting insert was rolled back meanwhile
@@ -298,7 +298,7 @@ class PostgresBackend:
                 f"idempotency key {new.idempotency_key!r} is being used concurrently; retry",
                 idempotency_key=new.idempotency_key or "",
             )
-        existing_id, existing_hash = row
+        existing_id, existing_hash, existing_version = row
         if existing_hash != new.input_hash:
             raise IdempotencyConflictError(
                 f"idempotency key {new.idempotency_key!r} of task {new.task_name!r} already "
@@ -307,7 +307,7 @@ class PostgresBackend:
                 idempotency_key=new.idempotency_key or "",
                 run_id=existing_id,
             )
-        return EnqueueResult(run_id=existing_id, created=False)
+        return EnqueueResult(run_id=existing_id, created=False, task_version=existing_version)
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta

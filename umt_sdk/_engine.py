@@ -23,6 +23,7 @@ from umt_sdk._spi import (
     Backend,
     CancelOutcome,
     Clock,
+    EnqueueResult,
     NewRun,
     RunQuery,
     RunStatus,
@@ -33,11 +34,13 @@ from umt_sdk._telemetry import Telemetry
 from umt_sdk._views import RunInfo, RunPage, build_run_info
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
+    IdempotencyConflictError,
     ResultTimeoutError,
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
     TaskDefinitionError,
+    UsageError,
 )
 
 __all__ = ["Engine", "RunHandle", "connect", "new_run_id"]
@@ -60,6 +63,21 @@ def new_run_id() -> UUID:
     value |= 0b10 << 62
     value |= rand & ((1 << 62) - 1)
     return UUID(int=value)
+
+
+def _check_run_id(run_id: object, call: str) -> UUID:
+    """A run id must be a UUID: None (a failed lookup, say) never means "every run"."""
+    if isinstance(run_id, UUID):
+        return run_id
+    hint = ""
+    if run_id is None and call == "signal":
+        hint = "; to send a fact to every run that waits for it, use engine.broadcast(name, ...)"
+    elif isinstance(run_id, str):
+        hint = "; convert text with uuid.UUID(text)"
+    raise UsageError(
+        f"{call}() needs a run id (a uuid.UUID such as handle.run_id), got {run_id!r}{hint}",
+        argument="run_id",
+    )
 
 
 @frozen(kw_only=True)
@@ -153,7 +171,9 @@ class Engine:
                 checked before anything is stored; a field that does not fit raises
                 `PayloadError` naming it.
             idempotency_key: the same key with the same input returns the existing run; with a
-                different input raises `IdempotencyConflictError`. Keys never expire silently.
+                different input, or for another version of the task than the run it names,
+                raises `IdempotencyConflictError` (the handle would misstate the run's version
+                and output type). Keys are per task name and never expire silently.
             priority: higher runs first (-32768..32767); FIFO among equals.
             delay: do not start before this much time has passed.
             conn: the caller's open database transaction: the run exists if and only if it
@@ -203,6 +223,8 @@ class Engine:
             span.set_attribute("umt.run.id", str(result.run_id))
             span.set_attribute("messaging.message.id", str(result.run_id))
             span.set_attribute("umt.run.created", result.created)
+            if not result.created:
+                await self._check_key_version(result, definition, idempotency_key)
         if result.created:
             self.telemetry.runs_enqueued.add(
                 1, Telemetry.task_attributes(definition.name, definition.version)
@@ -216,14 +238,37 @@ class Engine:
             output_type=definition.output_type,
         )
 
+    async def _check_key_version(
+        self, result: EnqueueResult, definition: TaskDefinition[Any, Any], key: str | None
+    ) -> None:
+        """An idempotency hit must name a run of the version asked for, or the handle lies."""
+        existing = result.task_version
+        if existing is None:  # the backend does not say: read the run
+            record = await self.backend.get_run(result.run_id)
+            if record is None:
+                return  # not visible here (inside the caller's transaction, say)
+            existing = record.task_version
+        if existing != definition.version:
+            raise IdempotencyConflictError(
+                f"idempotency key {key!r} of task {definition.name!r} already names run "
+                f"{result.run_id} of version {existing}, not version {definition.version}; "
+                "a key names one run of one version: use a new key for the other version",
+                idempotency_key=key or "",
+                run_id=result.run_id,
+                existing_version=existing,
+                requested_version=definition.version,
+            )
+
     async def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
         """Store the fact `name` for the run (first write wins), then wake it if it waits.
 
         A fact sent before its waiter reaches `wait_for_fact` is kept, not lost. Returns False
-        when the run already had a fact of that name (the first payload stays).
+        when the run already had a fact of that name (the first payload stays). `run_id` must
+        be a run's UUID (`UsageError` otherwise, None included); `broadcast` sends to all.
         """
         from umt_sdk._task import _check_name
 
+        run_id = _check_run_id(run_id, "signal")
         _check_name("fact", name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         attributes = {"umt.run.id": str(run_id), "umt.fact.name": name}
@@ -246,6 +291,7 @@ class Engine:
     async def cancel(self, run_id: UUID, *, reason: str = "") -> CancelOutcome:
         """Cancel a run: waiting and pending runs end at once; a running one gets its abort
         signal and starts no further step. Returns what happened."""
+        run_id = _check_run_id(run_id, "cancel")
         attributes = {"umt.run.id": str(run_id), "umt.cancel.reason": reason}
         with self.telemetry.client_span("umt.cancel", attributes) as span:
             outcome = await self.backend.cancel(run_id, reason=reason)
@@ -256,6 +302,7 @@ class Engine:
 
     async def get(self, run_id: UUID) -> RunInfo:
         """The run's status, attempts, last error and step timeline."""
+        run_id = _check_run_id(run_id, "get")
         record = await self.backend.get_run(run_id)
         if record is None:
             raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
@@ -298,6 +345,7 @@ class Engine:
         Raises `RunFailedError` / `RunCanceledError` for runs that did not complete, and
         `ResultTimeoutError` after `timeout` seconds.
         """
+        run_id = _check_run_id(run_id, "result")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             record = await self.backend.get_run(run_id)

@@ -20,7 +20,7 @@ WITH inserted AS (
 SELECT i.id, pg_notify(%(channel)s, %(pair)s) FROM inserted i;
 
 -- name: find_idempotent_run
-SELECT id, input_hash FROM {schema}.runs
+SELECT id, input_hash, task_version FROM {schema}.runs
 WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
 
 -- name: notify
