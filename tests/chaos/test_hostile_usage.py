@@ -83,3 +83,12 @@ async def test_a_key_of_another_version_is_refused_when_the_backend_does_not_say
         assert (again.run_id, again.created, again.task_version) == (one.run_id, False, 1)
     finally:
         await engine.close()
+
+
+def test_run_ids_drawn_back_to_back_are_strictly_increasing() -> None:
+    # Runs list newest first by id: ids drawn within one millisecond must still be ordered.
+    from umt_sdk._engine import new_run_id
+
+    ids = [new_run_id() for _ in range(20_000)]
+    assert ids == sorted(set(ids))
+    assert {i.version for i in ids} == {7}
