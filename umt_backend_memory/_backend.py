@@ -461,7 +461,9 @@ class MemoryBackend:
                             idempotency_key=new.idempotency_key,
                             run_id=existing_id,
                         )
-                    return EnqueueResult(run_id=existing_id, created=False)
+                    return EnqueueResult(
+                        run_id=existing_id, created=False, task_version=existing.task_version
+                    )
             now = self.clock.now()
             run = _Run(
                 run_id=new.run_id,
@@ -482,7 +484,7 @@ class MemoryBackend:
             if new.idempotency_key is not None:
                 self._by_key[(new.task_name, new.idempotency_key)] = run.run_id
             self._schedule(run)
-            return EnqueueResult(run_id=run.run_id, created=True)
+            return EnqueueResult(run_id=run.run_id, created=True, task_version=run.task_version)
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta

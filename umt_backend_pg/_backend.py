@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -65,6 +66,9 @@ __all__ = ["PostgresBackend", "PostgresLedger"]
 
 _log = logging.getLogger("umt.pg")
 _CHECKPOINT_BATCH = 256
+_LISTEN_CHECK = 10.0
+"""Seconds without a notification after which the LISTEN connection is pinged."""
+_KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5}
 
 
 def _error_json(error: ErrorInfo | None) -> str | None:
@@ -138,6 +142,7 @@ class PostgresBackend:
         self._work_waiters: list[tuple[frozenset[str], asyncio.Future[None]]] = []
         self._notified: dict[str, int] = {}
         self._seen: dict[frozenset[str], int] = {}
+        self._wanted: frozenset[str] | None = None
         self._cancel_listeners: list[Callable[[UUID, str], None]] = []
         self._same_database: dict[tuple[str, int, str], bool] = {}
         self._closed = False
@@ -177,31 +182,70 @@ class PostgresBackend:
 
     # -- notifications ----------------------------------------------------------------------------
 
+    # Notifications are hints to look, never facts: any role that can connect to the database
+    # can NOTIFY on our channels (no privilege is needed), and a payload can be anything up to
+    # 8000 bytes. A work hint wakes a claim (which reads the runs table); a cancel hint makes
+    # the worker heartbeat now (which reads the run's stored cancel state). Nothing a payload
+    # says is acted on by itself, and a malformed one is dropped.
+
     async def _listen_loop(self) -> None:
         delay = 0.1
+        lost_at: float | None = None
         while not self._closed:
             try:
-                async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+                async with await psycopg.AsyncConnection.connect(
+                    self.url, autocommit=True, connect_timeout=10, **_KEEPALIVES
+                ) as conn:
                     for channel in (self.work_channel, self.cancel_channel):
                         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     delay = 0.1
+                    if lost_at is not None:
+                        _log.warning(
+                            "LISTEN connection back after %.1f s", time.monotonic() - lost_at
+                        )
+                        lost_at = None
                     self._wake_all()  # anything sent while we were away
-                    async for note in conn.notifies():
-                        if note.channel == self.work_channel:
-                            self._on_work(note.payload)
-                        elif note.channel == self.cancel_channel:
-                            self._on_cancel(note.payload)
+                    while not self._closed:
+                        async for note in conn.notifies(timeout=_LISTEN_CHECK):
+                            self._on_note(note.channel, note.payload)
+                        # Quiet for a while: make sure the connection is still there (a cut
+                        # that sent no reset would otherwise leave us deaf for good).
+                        await asyncio.wait_for(conn.execute(self._q["ping"]), _LISTEN_CHECK)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the database went away: reconnect with backoff
                 if self._closed:
                     return
-                _log.warning("LISTEN connection lost (%s); reconnecting in %.1f s", exc, delay)
+                if lost_at is None:
+                    lost_at = time.monotonic()
+                    _log.warning(
+                        "LISTEN connection lost (%s: %s); workers poll until it is back "
+                        "(reconnecting with backoff up to 5 s)",
+                        type(exc).__name__,
+                        exc,
+                    )
+                else:
+                    _log.debug("LISTEN reconnect failed (%s); again in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    def _on_note(self, channel: str, payload: str) -> None:
+        try:
+            if channel == self.work_channel:
+                self._on_work(payload)
+            elif channel == self.cancel_channel:
+                self._on_cancel(payload)
+        except Exception:  # a bad hint (or a listener's bug) must not cost us the LISTEN
+            _log.exception("ignoring a notification on %s that could not be handled", channel)
+
     def _on_work(self, payload: str) -> None:
-        pairs = set(payload.split(",")) if payload else set()
+        # Only pairs some claim here asked for count: a payload full of made-up names must not
+        # grow `_notified` without bound. An empty payload means "look, whatever the pair".
+        wanted_pairs = self._wanted_pairs()
+        named = payload.split(",") if payload else []
+        pairs = {p for p in named if p in wanted_pairs}
+        if named and not pairs:
+            return  # about pairs nobody here serves
         for pair in pairs or {"*"}:
             self._notified[pair] = self._notified.get(pair, 0) + 1
         remaining = []
@@ -213,6 +257,11 @@ class PostgresBackend:
                 remaining.append((wanted, future))
         self._work_waiters = remaining
 
+    def _wanted_pairs(self) -> frozenset[str]:
+        if self._wanted is None:
+            self._wanted = frozenset().union(*self._seen, *(k for k, _ in self._work_waiters))
+        return self._wanted
+
     def _wake_all(self) -> None:
         for _, future in self._work_waiters:
             if not future.done():
@@ -220,13 +269,19 @@ class PostgresBackend:
         self._work_waiters = []
 
     def _on_cancel(self, payload: str) -> None:
+        """`<run id>:<reason>`: a hint that the run's cancel may have been requested."""
         run_id_text, _, reason = payload.partition(":")
+        if len(run_id_text) != 36:  # the canonical text form; UUID() accepts more shapes
+            return
         try:
             run_id = UUID(run_id_text)
         except ValueError:
             return
         for listener in list(self._cancel_listeners):
-            listener(run_id, reason)
+            try:
+                listener(run_id, reason)
+            except Exception:
+                _log.exception("a cancel listener failed on run %s", run_id)
 
     def _generation(self, pairs: frozenset[str]) -> int:
         return sum(self._notified.get(p, 0) for p in pairs) + self._notified.get("*", 0)
@@ -306,7 +361,7 @@ class PostgresBackend:
     ) -> EnqueueResult:
         cur = await conn.execute(self._q["insert_run"], params)
         if await cur.fetchone() is not None:
-            return EnqueueResult(run_id=new.run_id, created=True)
+            return EnqueueResult(run_id=new.run_id, created=True, task_version=new.task_version)
         cur = await conn.execute(self._q["find_idempotent_run"], params)
         row = await cur.fetchone()
         if row is None:  # pragma: no cover - the conflicting insert was rolled back meanwhile
@@ -314,7 +369,7 @@ class PostgresBackend:
                 f"idempotency key {new.idempotency_key!r} is being used concurrently; retry",
                 idempotency_key=new.idempotency_key or "",
             )
-        existing_id, existing_hash = row
+        existing_id, existing_hash, existing_version = row
         if existing_hash != new.input_hash:
             raise IdempotencyConflictError(
                 f"idempotency key {new.idempotency_key!r} of task {new.task_name!r} already "
@@ -323,12 +378,14 @@ class PostgresBackend:
                 idempotency_key=new.idempotency_key or "",
                 run_id=existing_id,
             )
-        return EnqueueResult(run_id=existing_id, created=False)
+        return EnqueueResult(run_id=existing_id, created=False, task_version=existing_version)
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
     ) -> Sequence[ClaimedRun]:
         keys = frozenset(str(p) for p in pairs)
+        if keys not in self._seen:
+            self._wanted = None
         self._seen[keys] = self._generation(keys)
         rows = await self._all_async_commit(
             "claim_runs",
@@ -713,6 +770,8 @@ class PostgresBackend:
         if self._generation(keys) != self._seen.get(keys, -1):
             return  # a notification came since the last claim: claim again now
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not keys <= self._wanted_pairs():
+            self._wanted = None
         self._work_waiters.append((keys, future))
         try:
             await asyncio.wait_for(future, timeout)

@@ -24,6 +24,7 @@ from umt_sdk._spi import (
     Backend,
     CancelOutcome,
     Clock,
+    EnqueueResult,
     NewRun,
     RunQuery,
     RunStatus,
@@ -34,6 +35,7 @@ from umt_sdk._telemetry import Telemetry
 from umt_sdk._views import RunInfo, RunPage, build_run_info
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
+    IdempotencyConflictError,
     ResultTimeoutError,
     RunCanceledError,
     RunFailedError,
@@ -59,8 +61,10 @@ _run_id_lock = threading.Lock()
 def new_run_id() -> UUID:
     """A UUIDv7: time-ordered, so new runs land at the end of the primary-key index.
 
-    Strictly increasing within a process (RFC 9562, method 3: when the clock has not moved on,
-    the previous id + 1), so runs enqueued in one millisecond still list in enqueue order."""
+    Monotonic within the process (RFC 9562, method 3): an id drawn in the same millisecond as
+    the previous one, or with the clock set back, is the previous one plus one, so runs
+    enqueued one after the other list in that order.
+    """
     global _last_run_id
     millis = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big")
@@ -71,11 +75,38 @@ def new_run_id() -> UUID:
     value |= rand & ((1 << 62) - 1)
     with _run_id_lock:
         if value <= _last_run_id:
-            value = _last_run_id + 1
-            if (value >> 62) & 0b11 != 0b10:  # the low 62 bits wrapped into the variant bits
-                value = ((value >> 64) + 1) << 64 | 0b10 << 62
+            value = _next_after(_last_run_id)
         _last_run_id = value
     return UUID(int=value)
+
+
+def _next_after(previous: int) -> int:
+    """The next UUIDv7 value: +1 in the random bits, carrying into rand_a and the time."""
+    rand_b = (previous & ((1 << 62) - 1)) + 1
+    rand_a = (previous >> 64) & 0xFFF
+    millis = previous >> 80
+    if rand_b >> 62:
+        rand_b = 0
+        rand_a += 1
+        if rand_a >> 12:
+            rand_a = 0
+            millis += 1
+    return ((millis & ((1 << 48) - 1)) << 80) | (0x7 << 76) | (rand_a << 64) | (0b10 << 62) | rand_b
+
+
+def _check_run_id(run_id: object, call: str) -> UUID:
+    """A run id must be a UUID: None (a failed lookup, say) never means "every run"."""
+    if isinstance(run_id, UUID):
+        return run_id
+    hint = ""
+    if run_id is None and call == "signal":
+        hint = "; to send a fact to every run that waits for it, use engine.broadcast(name, ...)"
+    elif isinstance(run_id, str):
+        hint = "; convert text with uuid.UUID(text)"
+    raise UsageError(
+        f"{call}() needs a run id (a uuid.UUID such as handle.run_id), got {run_id!r}{hint}",
+        argument="run_id",
+    )
 
 
 @frozen(kw_only=True)
@@ -169,7 +200,9 @@ class Engine:
                 checked before anything is stored; a field that does not fit raises
                 `PayloadError` naming it.
             idempotency_key: the same key with the same input returns the existing run; with a
-                different input raises `IdempotencyConflictError`. Keys never expire silently.
+                different input, or for another version of the task than the run it names,
+                raises `IdempotencyConflictError` (the handle would misstate the run's version
+                and output type). Keys are per task name and never expire silently.
             priority: higher runs first (-32768..32767); FIFO among equals.
             delay: do not start before this much time has passed.
             conn: the caller's open database transaction: the run exists if and only if it
@@ -221,6 +254,8 @@ class Engine:
             span.set_attribute("umt.run.id", str(result.run_id))
             span.set_attribute("messaging.message.id", str(result.run_id))
             span.set_attribute("umt.run.created", result.created)
+            if not result.created:
+                await self._check_key_version(result, definition, idempotency_key)
         if result.created:
             self.telemetry.runs_enqueued.add(
                 1, Telemetry.task_attributes(definition.name, definition.version)
@@ -234,20 +269,37 @@ class Engine:
             output_type=definition.output_type,
         )
 
+    async def _check_key_version(
+        self, result: EnqueueResult, definition: TaskDefinition[Any, Any], key: str | None
+    ) -> None:
+        """An idempotency hit must name a run of the version asked for, or the handle lies."""
+        existing = result.task_version
+        if existing is None:  # the backend does not say: read the run
+            record = await self.backend.get_run(result.run_id)
+            if record is None:
+                return  # not visible here (inside the caller's transaction, say)
+            existing = record.task_version
+        if existing != definition.version:
+            raise IdempotencyConflictError(
+                f"idempotency key {key!r} of task {definition.name!r} already names run "
+                f"{result.run_id} of version {existing}, not version {definition.version}; "
+                "a key names one run of one version: use a new key for the other version",
+                idempotency_key=key or "",
+                run_id=result.run_id,
+                existing_version=existing,
+                requested_version=definition.version,
+            )
+
     async def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
         """Store the fact `name` for the run (first write wins), then wake it if it waits.
 
         A fact sent before its waiter reaches `wait_for_fact` is kept, not lost. Returns False
-        when the run already had a fact of that name (the first payload stays).
+        when the run already had a fact of that name (the first payload stays). `run_id` must
+        be a run's UUID (`UsageError` otherwise, None included); `broadcast` sends to all.
         """
         from umt_sdk._task import _check_name
 
-        if not isinstance(run_id, UUID):
-            raise UsageError(
-                f"signal({run_id!r}, {name!r}, ...): run_id must be a run's UUID, got "
-                f"{type(run_id).__name__}; to send a fact to every run use "
-                f"engine.broadcast({name!r}, payload)"
-            )
+        run_id = _check_run_id(run_id, "signal")
         _check_name("fact", name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         attributes = {"umt.run.id": str(run_id), "umt.fact.name": name}
@@ -270,6 +322,7 @@ class Engine:
     async def cancel(self, run_id: UUID, *, reason: str = "") -> CancelOutcome:
         """Cancel a run: waiting and pending runs end at once; a running one gets its abort
         signal and starts no further step. Returns what happened."""
+        run_id = _check_run_id(run_id, "cancel")
         _serde.check_text(reason, what="reason")
         attributes = {"umt.run.id": str(run_id), "umt.cancel.reason": reason}
         with self.telemetry.client_span("umt.cancel", attributes) as span:
@@ -281,6 +334,7 @@ class Engine:
 
     async def get(self, run_id: UUID) -> RunInfo:
         """The run's status, attempts, last error and step timeline."""
+        run_id = _check_run_id(run_id, "get")
         record = await self.backend.get_run(run_id)
         if record is None:
             raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
@@ -323,6 +377,7 @@ class Engine:
         Raises `RunFailedError` / `RunCanceledError` for runs that did not complete, and
         `ResultTimeoutError` after `timeout` seconds.
         """
+        run_id = _check_run_id(run_id, "result")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             record = await self.backend.get_run(run_id)

@@ -136,6 +136,9 @@ class EnqueueResult:
 
     run_id: UUID
     created: bool
+    task_version: int | None = None
+    """The version of the run (the existing one's when not `created`). None: the backend does
+    not say, and the engine reads the run to check that the key names the version asked for."""
 
 
 @frozen(kw_only=True)
@@ -333,8 +336,9 @@ class Backend(Protocol):
     async def enqueue(self, new: NewRun, *, conn: Any = None) -> EnqueueResult:
         """Store a run (inside the caller's transaction `conn` when given).
 
-        Same idempotency key: same input hash returns the existing run (`created=False`),
-        a different hash raises `IdempotencyConflictError`. Keys never expire silently.
+        Same idempotency key: same input hash returns the existing run (`created=False`,
+        with its `task_version`), a different hash raises `IdempotencyConflictError`. Keys
+        never expire silently. The engine refuses a key that names another version.
         """
         ...
 
@@ -409,7 +413,8 @@ class Backend(Protocol):
 
     async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
         """Store a fact (run-scoped, or broadcast when `run_id` is None) and wake its waiters.
-        First write wins: returns False when the fact already existed."""
+        First write wins: returns False when the fact already existed. The engine passes None
+        only from `broadcast`; `signal` refuses a missing run id before it gets here."""
         ...
 
     async def get_fact(self, *, run_id: UUID, name: str) -> Fact | None:
@@ -441,8 +446,12 @@ class Backend(Protocol):
         ...
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
-        """Call `listener(run_id, reason)` as soon as a cancel is requested, where the backend
-        can (the heartbeat reports it otherwise). Returns a function that removes it."""
+        """Call `listener(run_id, reason)` as soon as a cancel may have been requested, where
+        the backend can (the heartbeat reports it otherwise). Returns a function that removes it.
+
+        A call is only a hint to look: the worker acts on the heartbeat's answer (what is
+        stored), never on the call itself, so a backend whose hints can be forged (Postgres
+        NOTIFY) cannot be used to cancel a run."""
         ...
 
     def ledger(self, conn: Any) -> Ledger:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
@@ -23,6 +25,49 @@ if TYPE_CHECKING:
 __all__ = ["Worker"]
 
 _log = logging.getLogger("umt.worker")
+
+# The shortest time between two heartbeats that cancel hints asked for: a flood of hints (a
+# forged NOTIFY storm, say) costs the database at most this rate of heartbeat statements.
+_MIN_LOOK_INTERVAL = 0.05
+
+
+class _Outage:
+    """Log a loop's failures once per outage (not once per retry), and its recovery."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+        self.failures = 0
+
+    def failed(self, exc: BaseException, retry_in: float) -> None:
+        self.failures += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            unexpected = not isinstance(exc, BackendError)
+            _log.log(
+                logging.ERROR if unexpected else logging.WARNING,
+                "%s failed (%s: %s); retrying with backoff (up to 5 s) until it works",
+                self.what,
+                type(exc).__name__,
+                exc,
+                exc_info=exc if unexpected else None,
+            )
+        else:
+            _log.debug("%s failed again (%s); retrying in %.1f s", self.what, exc, retry_in)
+
+    def succeeded(self) -> None:
+        if self.since is not None:
+            _log.info(
+                "%s works again after %.1f s (%d failed attempts)",
+                self.what,
+                time.monotonic() - self.since,
+                self.failures,
+            )
+        self.since = None
+        self.failures = 0
+
+    def backoff(self) -> float:
+        return float(min(0.1 * 2**self.failures, 5.0))
 
 
 def _default_worker_id() -> str:
@@ -70,6 +115,8 @@ class Worker:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeats_paused = False
+        self._look_now = asyncio.Event()
+        """Set by a cancel hint: heartbeat now (the heartbeat reads the runs' cancel state)."""
         self._remove_listener: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.crashed = False
@@ -141,8 +188,12 @@ class Worker:
 
     # -- loops ----------------------------------------------------------------------------------
 
+    # Each loop survives any failure of the backend (a restart, a cut connection, an error of
+    # its own): it logs once per outage, backs off (capped) and resumes. Only `_stopping` or a
+    # cancellation ends it.
+
     async def _claim_loop(self) -> None:
-        failures = 0
+        outage = _Outage("claiming runs")
         while not self._stopping:
             free = self.concurrency - len(self._executions)
             if free <= 0:
@@ -153,11 +204,12 @@ class Worker:
                 claimed = await self.backend.claim(
                     worker_id=self.worker_id, pairs=self.pairs, limit=free, lease=self.lease
                 )
-                failures = 0
-            except BackendError as exc:
-                failures += 1
-                delay = min(0.1 * 2**failures, 5.0)
-                _log.warning("claim failed (%s); retrying in %.1f s", exc, delay)
+                outage.succeeded()
+            except Exception as exc:
+                if self._stopping:
+                    return
+                delay = outage.backoff()
+                outage.failed(exc, delay)
                 await asyncio.sleep(delay)
                 continue
             if self._stopping:
@@ -170,9 +222,13 @@ class Worker:
             # A short batch may only mean that a concurrent claim took some candidates: ask
             # again at once, and wait only when a claim finds nothing.
             if not claimed:
-                await self.backend.wait_for_work(
-                    pairs=self.pairs, timeout=self.poll_interval.total_seconds()
-                )
+                try:
+                    await self.backend.wait_for_work(
+                        pairs=self.pairs, timeout=self.poll_interval.total_seconds()
+                    )
+                except Exception as exc:  # a backend's wait is a hint too: poll instead
+                    _log.debug("waiting for work failed (%s); polling", exc)
+                    await asyncio.sleep(self.poll_interval.total_seconds())
 
     def _spawn(self, claimed: ClaimedRun) -> None:
         assert self._loop is not None
@@ -203,10 +259,25 @@ class Worker:
 
         task.add_done_callback(done)
 
+    async def _next_beat(self, interval: float, last: float) -> None:
+        """Wait for the next heartbeat: `interval` after the last one, or sooner when a cancel
+        hint asks to look (but never within `_MIN_LOOK_INTERVAL` of the last one)."""
+        remaining = interval - (time.monotonic() - last)
+        if remaining > 0 and not self._look_now.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._look_now.wait(), remaining)
+        early = _MIN_LOOK_INTERVAL - (time.monotonic() - last)
+        if early > 0:
+            await asyncio.sleep(early)
+        self._look_now.clear()
+
     async def _heartbeat_loop(self) -> None:
         interval = self.heartbeat_interval.total_seconds()
+        outage = _Outage("heartbeat")
+        last = time.monotonic()
         while not self._stopping:
-            await asyncio.sleep(interval)
+            await self._next_beat(interval, last)
+            last = time.monotonic()
             if self._heartbeats_paused:
                 continue
             live = [e for e in self._executions.values() if not e.stopped and not e.letting_go]
@@ -225,8 +296,11 @@ class Worker:
                 result = await self.backend.heartbeat(
                     worker_id=self.worker_id, beats=beats, lease=self.lease
                 )
-            except BackendError as exc:
-                _log.warning("heartbeat failed (%s); leases may expire", exc)
+                outage.succeeded()
+            except Exception as exc:  # leases may expire meanwhile; fencing keeps that safe
+                if self._stopping:
+                    return
+                outage.failed(exc, interval)
                 continue
             for execution in live:
                 run_id = execution.claimed.run_id
@@ -237,6 +311,8 @@ class Worker:
                     self.telemetry.lease_expirations.add(1, execution.attributes)
                     execution.abort("lease_lost", "lease lost: another attempt holds the run")
                 elif run_id in result.cancel_requested:
+                    # The one place a cancel takes effect: the backend read it from what is
+                    # stored, for a run this execution still holds under its token.
                     execution.abort("cancel", result.cancel_requested[run_id] or "canceled")
 
     async def _depth_loop(self) -> None:
@@ -244,11 +320,15 @@ class Worker:
         while not self._stopping:
             try:
                 self.telemetry.set_depths(await self.backend.queue_depths(self.pairs))
-            except BackendError as exc:
+            except Exception as exc:
                 _log.debug("queue depth refresh failed: %s", exc)
             await asyncio.sleep(10)
 
     def _on_cancel(self, run_id: UUID, reason: str) -> None:
-        execution = self._executions.get(run_id)
-        if execution is not None:
-            execution.abort("cancel", reason or "canceled")
+        """A backend's hint that a cancel may have been requested: look now. Never acted on
+        by itself (a NOTIFY can be forged or replayed by any role of the database): the
+        heartbeat it triggers reads each run's stored cancel state, and only that aborts."""
+        del reason  # the stored reason is the one that counts
+        loop = self._loop
+        if run_id in self._executions and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._look_now.set)

@@ -4,14 +4,14 @@
 UmtError
 ├── TaskDefinitionError      a task or step is declared or used wrongly (fix the code)
 │   ├── UnknownTaskError     (also LookupError) no such (name, version) is registered
-│   └── NotInTaskError       a step or the context was used outside a running task
+│   ├── NotInTaskError       a step or the context was used outside a running task
+│   └── UsageError           (also ValueError) an API was called with an argument it refuses
 ├── PayloadError             (also ValueError) an input/output/payload does not fit its type
-├── UsageError               (also ValueError) an API was called with an argument it cannot take
 ├── BackendError             the backend failed; the operation may be retried
 │   ├── BackendNotFoundError no installed backend plugin serves the URL
 │   ├── BackendUnavailableError  the database could not be reached (restart, lost connection)
 │   └── FencingError         the caller's attempt no longer holds the run (lease lost)
-├── IdempotencyConflictError same idempotency key, different input
+├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
 ├── NonDeterminismError      the code no longer matches the run's recorded history
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
@@ -77,16 +77,21 @@ class NotInTaskError(TaskDefinitionError):
     """This can only be used while a task is running: call it from inside a @task handler."""
 
 
+class UsageError(TaskDefinitionError, ValueError):
+    """An engine API was called with an argument it cannot accept: fix the call (the message
+    names the argument and what it takes). Nothing was stored."""
+
+    def __init__(self, message: str | None = None, *, argument: str = "") -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
 class PayloadError(UmtError, ValueError):
     """A payload does not fit its declared type."""
 
     def __init__(self, message: str | None = None, *, field: str = "") -> None:
         super().__init__(message)
         self.field = field
-
-
-class UsageError(UmtError, ValueError):
-    """An API was called with an argument it cannot take; the message names it and the fix."""
 
 
 class BackendError(UmtError):
@@ -119,14 +124,25 @@ class FencingError(BackendError):
 
 
 class IdempotencyConflictError(UmtError):
-    """A run with this idempotency key exists with a different input."""
+    """A run with this idempotency key exists with a different input, or of another version
+    of the task."""
 
     def __init__(
-        self, message: str | None = None, *, idempotency_key: str = "", run_id: UUID | None = None
+        self,
+        message: str | None = None,
+        *,
+        idempotency_key: str = "",
+        run_id: UUID | None = None,
+        existing_version: int | None = None,
+        requested_version: int | None = None,
     ) -> None:
         super().__init__(message)
         self.idempotency_key = idempotency_key
         self.run_id = run_id
+        self.existing_version = existing_version
+        """With a version conflict: the version of the run the key already names."""
+        self.requested_version = requested_version
+        """With a version conflict: the version this enqueue asked for."""
 
 
 class RunNotFoundError(UmtError, LookupError):

@@ -171,23 +171,17 @@ async def _flow(ctx: TaskContext[FlowInput], *, audit: bool) -> FlowOutput:
     )
 
 
-# The machine crashes and freezes workers far more often than a run ever sees, so a run may lose
-# ten leases in a row here legitimately; the bound (`max_lost_leases`) has contract and chaos
-# tests of its own, and the machine checks every other rule under those crash sequences.
-NO_LOST_LEASE_BOUND = 1_000_000
-
-
-@task("prop.flow", version=1, retry=RetryPolicy.none(), max_lost_leases=NO_LOST_LEASE_BOUND)
+@task("prop.flow", version=1, retry=RetryPolicy.none())
 async def flow_v1(ctx: TaskContext[FlowInput]) -> FlowOutput:
     return await _flow(ctx, audit=False)
 
 
-@task("prop.flow", version=2, retry=RetryPolicy.none(), max_lost_leases=NO_LOST_LEASE_BOUND)
+@task("prop.flow", version=2, retry=RetryPolicy.none())
 async def flow_v2(ctx: TaskContext[FlowInput]) -> FlowOutput:
     return await _flow(ctx, audit=True)
 
 
-@task("prop.other", version=1, retry=RetryPolicy.none(), max_lost_leases=NO_LOST_LEASE_BOUND)
+@task("prop.other", version=1, retry=RetryPolicy.none())
 async def other_v1(ctx: TaskContext[FlowInput]) -> FlowOutput:
     return await _flow(ctx, audit=False)
 

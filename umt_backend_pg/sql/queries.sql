@@ -20,11 +20,15 @@ WITH inserted AS (
 SELECT i.id, pg_notify(%(channel)s, %(pair)s) FROM inserted i;
 
 -- name: find_idempotent_run
-SELECT id, input_hash FROM {schema}.runs
+SELECT id, input_hash, task_version FROM {schema}.runs
 WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
 
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s);
+
+-- name: ping
+-- Is the connection still there (the LISTEN connection, after a quiet while)?
+SELECT 1;
 
 -- name: async_commit
 -- This transaction's commit need not wait for its WAL to reach disk (see _all_async_commit).

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
-from uuid import UUID, uuid4
+from uuid import UUID
 
 import attrs
 import pytest
@@ -514,18 +514,25 @@ class BackendContract:
                 assert await h.result(timeout=15) == {"all": True}
 
     async def test_signal_without_a_run_id_is_refused_not_broadcast(self, engine: Engine) -> None:
-        handle = await engine.enqueue(waiter_task, Job(key="go"))
-        for bad in (None, str(handle.run_id), 0):
-            with pytest.raises(UsageError, match="broadcast"):
-                await engine.signal(bad, "go", {"v": "leak"})  # type: ignore[arg-type]
-        async with engine.worker(concurrency=1):
-            await wait_until(engine, handle.run_id, lambda i: i.status == "waiting", what="parked")
-            assert await engine.signal(handle.run_id, "go", {"v": "mine"})
-            assert await handle.result(timeout=15) == {"v": "mine"}
-        assert engine.backend is not None
-        assert await engine.backend.get_fact(run_id=uuid4(), name="go") is None, (
-            "a refused signal stored no broadcast fact"
-        )
+        # A run id of None (a failed lookup, say) must never reach every waiting run.
+        handle = await engine.enqueue(waiter_task, Job(key="only-mine"))
+        for bad in (None, str(handle.run_id), 7):
+            with pytest.raises(UsageError, match="run id") as caught:
+                await engine.signal(bad, "only-mine", {"leaked": True})  # type: ignore[arg-type]
+            assert caught.value.argument == "run_id"
+            assert isinstance(caught.value, ValueError)
+        with pytest.raises(UsageError, match=r"engine\.broadcast"):
+            await engine.signal(None, "only-mine", {"leaked": True})  # type: ignore[arg-type]
+        assert await engine.backend.get_fact(run_id=handle.run_id, name="only-mine") is None
+        with pytest.raises(UsageError, match="run id"):
+            await engine.cancel(None)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="run id"):
+            await engine.get(None)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="run id"):
+            await engine.result(None)  # type: ignore[arg-type]
+        assert await engine.signal(handle.run_id, "only-mine", {"mine": True})
+        async with engine.worker():
+            assert await handle.result(timeout=15) == {"mine": True}
 
     async def test_fact_wait_times_out_durably(self, engine: Engine) -> None:
         handle = await engine.enqueue(wait_or_timeout_task, Job(key="t"))
@@ -592,6 +599,29 @@ class BackendContract:
             await engine.enqueue(echo_task_v2, Job(key="other"), idempotency_key="plan:i")
         assert caught.value.run_id == one.run_id
         assert len(await engine.list()) == 1
+
+    async def test_idempotency_key_of_another_version_is_refused(self, engine: Engine) -> None:
+        # The handle of an idempotency hit must not claim a version the run does not have.
+        one = await engine.enqueue(echo_task, Job(key="v"), idempotency_key="plan:v", version=1)
+        assert one.task_version == 1
+        for again in (
+            engine.enqueue(echo_task_v2, Job(key="v"), idempotency_key="plan:v"),
+            engine.enqueue("contract.echo", {"key": "v", "n": 0}, idempotency_key="plan:v"),
+            engine.enqueue("contract.echo", Job(key="v"), idempotency_key="plan:v", version=2),
+        ):
+            with pytest.raises(IdempotencyConflictError, match="version 1, not version 2") as c:
+                await again
+            assert c.value.run_id == one.run_id
+            assert (c.value.existing_version, c.value.requested_version) == (1, 2)
+            assert c.value.idempotency_key == "plan:v"
+        same = await engine.enqueue(
+            "contract.echo", Job(key="v"), idempotency_key="plan:v", version=1
+        )
+        assert (same.run_id, same.created, same.task_version) == (one.run_id, False, 1)
+        two = await engine.enqueue(echo_task_v2, Job(key="w"), idempotency_key="plan:w")
+        with pytest.raises(IdempotencyConflictError, match="version 2, not version 1"):
+            await engine.enqueue(echo_task, Job(key="w"), idempotency_key="plan:w", version=1)
+        assert {r.run_id for r in (await engine.list()).runs} == {one.run_id, two.run_id}
 
     async def test_priority_first_then_fifo(self, engine: Engine) -> None:
         plan = [("low-1", 0), ("high-1", 5), ("low-2", 0), ("top", 9), ("high-2", 5), ("neg", -1)]
