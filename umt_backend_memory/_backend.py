@@ -374,6 +374,7 @@ class MemoryBackend:
             trace_context=dict(run.trace_context),
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
+            observed_at=now,
         )
 
     # -- the SPI ----------------------------------------------------------------------------------
