@@ -439,6 +439,7 @@ class MemoryBackend:
             trace_context=dict(run.trace_context),
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
+            observed_at=now,
         )
 
     # -- the SPI ----------------------------------------------------------------------------------

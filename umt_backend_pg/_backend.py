@@ -737,6 +737,7 @@ class PostgresBackend:
             trace_context=row["trace_context"] or {},
             steps=tuple(_step(s, s["output"]) for s in steps),
             executions=tuple(records),
+            observed_at=now,
         )
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:

@@ -328,18 +328,20 @@ class OutboxRelay:
                         await self._start_listening()
                     report = await self.run_once()
                     failures = 0
+                    if report.engine_unavailable:
+                        failures += 1
+                        await self._pause(min(0.2 * 2**failures, 30.0))
+                    elif report.claimed < self.batch_size:
+                        # Inside the retry: its own query can meet a restart or a cut connection.
+                        await self._idle()
                 except (psycopg.Error, OSError, BackendUnavailableError) as exc:
+                    if self._stopping.is_set():
+                        break  # stop() closed the connection under us
                     failures += 1
                     delay = min(0.2 * 2**failures, 30.0)
                     _log.warning("outbox relay: %s; retrying in %.1f s", exc, delay)
                     await self._close_own()
                     await self._pause(delay)
-                    continue
-                if report.engine_unavailable:
-                    failures += 1
-                    await self._pause(min(0.2 * 2**failures, 30.0))
-                elif report.claimed < self.batch_size:
-                    await self._idle()
         finally:
             await self._stop_listening()
             await self._close_own()

@@ -366,7 +366,7 @@ def _list_text(runs: Sequence[RunInfo]) -> str:
         [
             str(r.run_id),
             f"{r.task_name}@{r.task_version}",
-            r.status,
+            r.display_status,
             str(r.attempts),
             str(r.failures),
             _when(r.created_at),
@@ -386,7 +386,12 @@ def _step_status(view: StepView) -> str:
 
 def _step_note(view: StepView) -> str:
     if view.status == "interrupted":
-        return f"cut off: lease lost (noticed {_when(view.finished_at, precise=True)})"
+        where = "at or before this step" if view.inferred else "cut off"
+        return f"{where}: lease lost (noticed {_when(view.finished_at, precise=True)})"
+    if view.status == "canceled" and view.kind == "step":
+        return "the cancel stopped it"
+    if view.status in ("canceled", "abandoned"):
+        return "the run ended while it waited"
     if view.error is not None:
         return _shorten(_error_text(view.error), 50)
     if view.status == "waiting" and view.wake_at is not None:
@@ -400,7 +405,7 @@ def _show_text(info: RunInfo) -> str:
     fields: list[tuple[str, str]] = [
         ("run", str(info.run_id)),
         ("task", f"{info.task_name}@{info.task_version}"),
-        ("status", info.status),
+        ("status", info.display_status),
         ("priority", str(info.priority)),
         ("attempts", attempts),
         ("failures", str(info.failures)),
@@ -416,6 +421,10 @@ def _show_text(info: RunInfo) -> str:
         fields.append(("waiting for", f"fact {info.waiting_for!r}"))
     if info.status in ("pending", "waiting") and info.available_at is not None:
         fields.append(("next attempt", _when(info.available_at)))
+    if info.lease_expired:
+        fields.append(
+            ("lease", f"expired {_when(info.lease_expires_at)}; waiting for a worker to claim it")
+        )
     if info.cancel_requested:
         fields.append(("cancel", f"requested: {info.cancel_reason or '(no reason)'}"))
     if info.error is not None:
@@ -498,6 +507,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "task": info.task_name,
         "version": info.task_version,
         "status": info.status,
+        "lease_expired": info.lease_expired,
         "priority": info.priority,
         "attempts": info.attempts,
         "failures": info.failures,
@@ -506,6 +516,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "updated_at": _iso(info.updated_at),
         "finished_at": _iso(info.finished_at),
         "available_at": _iso(info.available_at),
+        "lease_expires_at": _iso(info.lease_expires_at),
         "idempotency_key": info.idempotency_key,
         "waiting_for": info.waiting_for,
         "cancel_requested": info.cancel_requested,
@@ -526,6 +537,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
                 "finished_at": _iso(v.finished_at),
                 "wake_at": _iso(v.wake_at),
                 "error": _error_json(v.error),
+                "inferred": v.inferred,
             }
             for v in info.timeline
         ]

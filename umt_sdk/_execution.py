@@ -26,7 +26,16 @@ from umt_sdk import _serde
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
 from umt_sdk._logging import RunLogger
 from umt_sdk._retry import RetryPolicy
-from umt_sdk._spi import Backend, ClaimedRun, ErrorInfo, Lease, ParkStatus, StepKind, StepRecord
+from umt_sdk._spi import (
+    Backend,
+    Beat,
+    ClaimedRun,
+    ErrorInfo,
+    Lease,
+    ParkStatus,
+    StepKind,
+    StepRecord,
+)
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import (
     BackendError,
@@ -132,6 +141,13 @@ class Execution:
         self.cancel_requested = False
         self.current_step: str | None = None
         self.current_step_started_at: datetime | None = None
+        # The step a cancel cut off (the handler may still be cleaning up): heartbeats keep
+        # naming it, so the timeline shows it as canceled.
+        self.canceled_step: tuple[str, datetime] | None = None
+        # What the last heartbeat that reached the backend said about the step, and who wants
+        # to know when a step starts (the worker, to name it in a prompt beat).
+        self.beaten_step: tuple[str, datetime] | None = None
+        self.on_step_start: Callable[[], None] | None = None
         self.stopped = False
         # Set while the write that hands the run back (park, complete, fail, ...) is in flight:
         # a heartbeat racing with it may find the run released, which is not a lost lease.
@@ -173,6 +189,17 @@ class Execution:
             "umt_step": self.current_step,
             "umt_span_id": format(span_context.span_id, "016x") if span_context.is_valid else None,
         }
+
+    def step_for_beat(self) -> tuple[str, datetime] | None:
+        """The step a heartbeat names: the one running, else the one a cancel cut off."""
+        if self.current_step is not None and self.current_step_started_at is not None:
+            return (self.current_step, self.current_step_started_at)
+        return self.canceled_step
+
+    def needs_step_beat(self) -> bool:
+        """A step runs that no heartbeat has named yet."""
+        step = self.step_for_beat()
+        return step is not None and step != self.beaten_step and not self.stopped
 
     def event(self, name: str, **attributes: Any) -> None:
         """An event on the execution span."""
@@ -426,6 +453,8 @@ class Execution:
     ) -> Any:
         started = self.now()
         self.current_step, self.current_step_started_at = full, started
+        if self.on_step_start is not None:
+            self.on_step_start()
         try:
             if inspect.iscoroutinefunction(fn):
                 value = await fn(*args, **kwargs)
@@ -446,6 +475,7 @@ class Execution:
             if self.abort_kind == "shutdown":
                 raise _Release from None
             if isinstance(exc, CanceledError) and self.cancel_requested:
+                self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
             policy = retry or self.definition.retry
             info = error_info(exc)
@@ -797,6 +827,7 @@ class Execution:
     async def _finish_failed(self, exc: Exception) -> None:
         if self.cancel_requested:
             error = None if isinstance(exc, CanceledError) else error_info(exc)
+            await self._name_canceled_step()
             await self._guard(self.backend.finish_canceled(self.lease, error=error), final=True)
             self._outcome("canceled", exc)
             return
@@ -809,6 +840,28 @@ class Execution:
             self.backend.fail(self.lease, error=error_info(exc), retry_at=retry_at), final=True
         )
         self._outcome("failed" if retry_at is None else "retrying", exc)
+
+    async def _name_canceled_step(self) -> None:
+        """Make sure the backend knows the step the cancel cut off before the run finishes
+        (it keeps it on the canceled execution); one beat, only if no heartbeat said it."""
+        step = self.canceled_step
+        if step is None or step == self.beaten_step or self.stopped:
+            return
+        beat = Beat(
+            run_id=self.claimed.run_id,
+            fencing_token=self.lease.fencing_token,
+            current_step=step[0],
+            step_started_at=step[1],
+        )
+        try:
+            result = await self.backend.heartbeat(
+                worker_id=self.lease.worker_id, beats=[beat], lease=self.lease.duration
+            )
+        except BackendError as exc:  # the timeline loses a step; finishing the run matters more
+            _log.debug("run %s: could not name the canceled step: %s", self.claimed.run_id, exc)
+            return
+        if self.claimed.run_id not in result.lost:
+            self.beaten_step = step
 
 
 def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:

@@ -265,6 +265,9 @@ class RunRecord:
     trace_context: Mapping[str, str] = field(factory=dict)
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
+    observed_at: datetime | None = field(default=None, validator=_tz_aware)
+    """The backend's clock when it read the record (the database's `now()`, the memory
+    backend's clock): what `lease_expires_at` is compared with to tell an expired lease."""
 
 
 @frozen(kw_only=True)

@@ -14,7 +14,9 @@ from umt_sdk._spi import ErrorInfo, ExecutionRecord, RunRecord, RunStatus, StepK
 
 __all__ = ["RunInfo", "RunPage", "StepView", "build_run_info"]
 
-StepViewStatus = Literal["completed", "failed", "retrying", "waiting", "running", "interrupted"]
+StepViewStatus = Literal[
+    "completed", "failed", "retrying", "waiting", "running", "interrupted", "canceled", "abandoned"
+]
 
 
 @frozen(kw_only=True)
@@ -22,7 +24,13 @@ class StepView:
     """One entry of a run's step timeline.
 
     `interrupted`: the attempt was cut off by a lost lease (a crash, a freeze); the step
-    re-runs in a later execution. `running`: the step is executing now.
+    re-runs in a later execution. `running`: the step is executing now. `canceled`: the run
+    was canceled while this step ran or waited. `abandoned`: the run ended (failed, or
+    completed without it) while this sleep or fact wait was still waiting.
+
+    `inferred`: no heartbeat named the step of an interrupted attempt (it was cut off within
+    moments of starting it); it is shown at the step the next attempt ran first: the attempt
+    stopped in that step or in the handler's code just before it, and `started_at` is unknown.
     """
 
     name: str
@@ -34,6 +42,7 @@ class StepView:
     finished_at: datetime | None
     wake_at: datetime | None = None
     error: ErrorInfo | None = None
+    inferred: bool = False
 
 
 @frozen(kw_only=True)
@@ -61,6 +70,16 @@ class RunInfo:
     available_at: datetime | None
     timeline: Sequence[StepView] = ()
     executions: Sequence[ExecutionRecord] = ()
+    lease_expires_at: datetime | None = None
+    lease_expired: bool = False
+    """`running`, but its lease had expired when the backend read it (its worker crashed,
+    froze or lost the database): the run waits for another worker to claim it."""
+
+    @property
+    def display_status(self) -> str:
+        """The status as people read it: `running (lease expired)` for a running run whose
+        lease lapsed, else `status`."""
+        return "running (lease expired)" if self.lease_expired else self.status
 
     @property
     def output(self) -> Any:
@@ -87,46 +106,80 @@ class RunPage:
 
 
 def build_run_info(record: RunRecord) -> RunInfo:
-    """The projection: step records, plus the steps that interrupted executions were in."""
-    views: list[StepView] = [
-        StepView(
-            name=s.name,
-            kind=s.kind,
-            status=s.status,
-            attempt=s.attempt,
-            fencing_token=s.fencing_token,
-            started_at=s.started_at,
-            finished_at=s.finished_at,
-            wake_at=s.wake_at,
-            error=s.error,
+    """The projection: step records, plus the steps that interrupted or canceled executions
+    were in, with the statuses a finished run gives its unfinished steps."""
+    terminal = record.status in ("completed", "failed", "canceled")
+    closed: StepViewStatus = "canceled" if record.status == "canceled" else "abandoned"
+    # (view, sort key): by start time, then by attempt token (a later execution is later when
+    # a frozen test clock gives both the same time); ties keep the backend's order.
+    entries: list[tuple[StepView, datetime, int]] = [
+        (
+            StepView(
+                name=s.name,
+                kind=s.kind,
+                status=closed if terminal and s.status == "waiting" else s.status,
+                attempt=s.attempt,
+                fencing_token=s.fencing_token,
+                started_at=s.started_at,
+                finished_at=s.finished_at,
+                wake_at=s.wake_at,
+                error=s.error,
+            ),
+            s.started_at or record.created_at,
+            s.fencing_token,
         )
         for s in record.steps
     ]
     recorded = {(s.name, s.fencing_token) for s in record.steps}
     for execution in record.executions:
-        step = execution.current_step
-        if step is None or (step, execution.fencing_token) in recorded:
-            continue
+        status: StepViewStatus
         if execution.outcome == "interrupted":
-            status: StepViewStatus = "interrupted"
+            status = "interrupted"
         elif execution.outcome == "running":
             status = "running"
+        elif execution.outcome == "canceled":
+            status = "canceled"
         else:
             continue
-        attempt = 1 + sum(1 for s in record.steps if s.name == step and s.status == "retrying")
-        views.append(
-            StepView(
-                name=step,
-                kind="step",
-                status=status,
-                attempt=attempt,
-                fencing_token=execution.fencing_token,
-                started_at=execution.step_started_at,
-                finished_at=execution.ended_at,
+        step = execution.current_step
+        started_at = execution.step_started_at
+        inferred = False
+        if step is None and status == "interrupted":
+            step = _next_live_step(record, execution.fencing_token)
+            started_at, inferred = None, True
+        if step is None or (step, execution.fencing_token) in recorded:
+            continue
+        attempt = 1 + sum(
+            1
+            for s in record.steps
+            if s.name == step
+            and s.status == "retrying"
+            and s.fencing_token < execution.fencing_token
+        )
+        entries.append(
+            (
+                StepView(
+                    name=step,
+                    kind="step",
+                    status=status,
+                    attempt=attempt,
+                    fencing_token=execution.fencing_token,
+                    started_at=started_at,
+                    finished_at=execution.ended_at,
+                    inferred=inferred,
+                ),
+                started_at or execution.ended_at or execution.claimed_at,
+                execution.fencing_token,
             )
         )
-    # Stable: records that share a start time (a frozen test clock) keep the backend's order.
-    views.sort(key=lambda v: v.started_at or record.created_at)
+    entries.sort(key=lambda entry: (entry[1], entry[2]))
+    now = record.observed_at
+    lease_expired = (
+        record.status == "running"
+        and record.lease_expires_at is not None
+        and now is not None
+        and record.lease_expires_at <= now
+    )
     return RunInfo(
         run_id=record.run_id,
         task_name=record.task_name,
@@ -146,6 +199,23 @@ def build_run_info(record: RunRecord) -> RunInfo:
         cancel_reason=record.cancel_reason,
         waiting_for=record.wait_for,
         available_at=record.available_at,
-        timeline=tuple(views),
+        timeline=tuple(view for view, _, _ in entries),
         executions=tuple(record.executions),
+        lease_expires_at=record.lease_expires_at if record.status == "running" else None,
+        lease_expired=lease_expired,
     )
+
+
+def _next_live_step(record: RunRecord, token: int) -> str | None:
+    """The step that the next execution to do anything ran first: where an execution that no
+    heartbeat described stopped (in that step, or in the handler just before it). Replay is
+    deterministic, so the next execution picks up exactly there."""
+    for execution in sorted(record.executions, key=lambda e: e.fencing_token):
+        if execution.fencing_token <= token:
+            continue
+        for s in record.steps:  # the backend's order: the first record this execution wrote
+            if s.fencing_token == execution.fencing_token:
+                return s.name if s.kind == "step" else None
+        if execution.current_step is not None:
+            return execution.current_step
+    return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -78,7 +77,11 @@ class Worker:
     """Serves runs of some (name, version) pairs. Use as `async with engine.worker(...)`.
 
     Claims up to `concurrency` runs at once; each claim gets a lease of `lease` that a heartbeat
-    renews every `min(lease / 3, 1 s)`. Stopping (leaving the `async with`) stops claiming,
+    renews every `min(lease / 3, 1 s)`. A heartbeat also names the step each run is in (for
+    the timeline of an attempt cut off by a crash); a step still running a quarter interval
+    (at most 250 ms) after it started, that no heartbeat named yet, brings the next heartbeat
+    forward: one statement for all the worker's runs, none for steps shorter than that.
+    Stopping (leaving the `async with`) stops claiming,
     lets running handlers reach their next step boundary for up to `shutdown_grace`, and
     gives back the runs still held.
     """
@@ -112,6 +115,7 @@ class Worker:
         self.heartbeat_interval = min(lease / 3, timedelta(seconds=1))
         self._executions: dict[UUID, Execution] = {}
         self._slot_freed = asyncio.Event()
+        self._step_started = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeats_paused = False
@@ -242,6 +246,7 @@ class Worker:
             loop=self._loop,
             telemetry=self.telemetry,
         )
+        execution.on_step_start = self._step_started.set
         self._executions[claimed.run_id] = execution
         task = asyncio.create_task(execution.execute(), name=f"umt-run-{claimed.run_id}")
         execution.task = task
@@ -261,11 +266,30 @@ class Worker:
 
     async def _next_beat(self, interval: float, last: float) -> None:
         """Wait for the next heartbeat: `interval` after the last one, or sooner when a cancel
-        hint asks to look (but never within `_MIN_LOOK_INTERVAL` of the last one)."""
-        remaining = interval - (time.monotonic() - last)
-        if remaining > 0 and not self._look_now.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._look_now.wait(), remaining)
+        hint asks to look (but never within `_MIN_LOOK_INTERVAL` of the last one), or when a
+        step that started has run a quarter interval (at most 250 ms) and no heartbeat has
+        named it yet."""
+        prompt = min(interval / 4, 0.25)
+        while not self._stopping and not self._look_now.is_set():
+            remaining = interval - (time.monotonic() - last)
+            if remaining <= 0:
+                break
+            waits = {
+                asyncio.ensure_future(self._look_now.wait()),
+                asyncio.ensure_future(self._step_started.wait()),
+            }
+            try:
+                await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waits:
+                    waiter.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+            if self._look_now.is_set() or not self._step_started.is_set():
+                continue
+            self._step_started.clear()
+            await asyncio.sleep(max(0.0, min(prompt, interval - (time.monotonic() - last))))
+            if any(e.needs_step_beat() for e in list(self._executions.values())):
+                break
         early = _MIN_LOOK_INTERVAL - (time.monotonic() - last)
         if early > 0:
             await asyncio.sleep(early)
@@ -283,14 +307,15 @@ class Worker:
             live = [e for e in self._executions.values() if not e.stopped and not e.letting_go]
             if not live:
                 continue
+            steps = [e.step_for_beat() for e in live]
             beats = [
                 Beat(
                     run_id=e.claimed.run_id,
                     fencing_token=e.lease.fencing_token,
-                    current_step=e.current_step,
-                    step_started_at=e.current_step_started_at,
+                    current_step=step[0] if step else None,
+                    step_started_at=step[1] if step else None,
                 )
-                for e in live
+                for e, step in zip(live, steps, strict=True)
             ]
             try:
                 result = await self.backend.heartbeat(
@@ -302,6 +327,8 @@ class Worker:
                     return
                 outage.failed(exc, interval)
                 continue
+            for execution, step in zip(live, steps, strict=True):
+                execution.beaten_step = step
             for execution in live:
                 run_id = execution.claimed.run_id
                 if execution.letting_go:

@@ -410,6 +410,9 @@ async def test_cancel_of_a_running_run_fires_the_abort_within_a_second(
     assert [r["step"] for r in await ext_rows(pg_url, pg_schema)] == ["started", "long", "long"]
     info = await engine.get(handle.run_id)
     assert info.status == "canceled", info
-    assert [(s.name, s.status) for s in info.timeline] == [("started", "completed")], info.timeline
+    assert [(s.name, s.status) for s in info.timeline] == [
+        ("started", "completed"),
+        ("long", "canceled"),  # the step the cancel stopped stays in the timeline
+    ], info.timeline
     assert [e.outcome for e in info.executions] == ["canceled"], info.executions
     assert worker.alive, worker.describe()

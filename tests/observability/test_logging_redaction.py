@@ -84,7 +84,6 @@ def test_a_dict_that_contains_itself() -> None:
         json.dumps(json.dumps({"token": SECRET})),  # JSON inside a JSON string
         f"X-Api-Key: {SECRET}",
         f"GET /v1 HTTP/1.1\r\nx-api-key: {SECRET}\r\nHost: api",
-        f"Authorization: Bearer {SECRET}",
         f"Cookie: theme=dark; session={SECRET}",
         f"postgresql://app:{SECRET}@db.internal:5432/main",
         f"https://api.example/v1?user=bob&apikey={SECRET}",

@@ -244,7 +244,9 @@ WITH owned AS (
 SELECT (SELECT count(*) FROM owned) AS owned, (SELECT count(*) FROM parked) AS parked;
 
 -- name: finish_run
--- complete / fail / retry / cancel / release, fenced; also closes the execution.
+-- complete / fail / retry / cancel / release, fenced; also closes the execution. A canceled
+-- execution keeps the step it was in (the worker names it with a last beat): the timeline
+-- shows that step as canceled.
 WITH finished AS (
     UPDATE {schema}.runs SET
         status = %(status)s,
@@ -260,7 +262,8 @@ WITH finished AS (
     RETURNING id
 ), ended AS (
     UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
-        current_step = NULL, step_started_at = NULL
+        current_step = CASE WHEN %(outcome)s::text = 'canceled' THEN e.current_step END,
+        step_started_at = CASE WHEN %(outcome)s::text = 'canceled' THEN e.step_started_at END
     FROM finished f WHERE e.run_id = f.id AND e.fencing_token = %(token)s
 )
 SELECT count(*) FROM finished;
