@@ -55,7 +55,7 @@ def test_sync_facade_refuses_a_signal_without_a_run_id() -> None:
     with connect_sync("memory://", registry=REGISTRY, clock=FakeClock()) as engine:
         run_id = engine.enqueue(waits, {"key": "a"})
         with pytest.raises(UsageError, match=r"engine\.broadcast") as caught:
-            engine.signal(None, "approved", {"by": "nobody"})  # type: ignore[arg-type]
+            engine.signal(None, "approved", {"by": "nobody"})  # type: ignore[arg-type]  # the bad call under test
         # A usage error is a TaskDefinitionError (misuse of the API) and a ValueError.
         assert isinstance(caught.value, TaskDefinitionError)
         assert isinstance(caught.value, ValueError)

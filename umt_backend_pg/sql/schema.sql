@@ -110,24 +110,22 @@ DECLARE
     current_epoch bigint;
     token bigint;
 BEGIN
-    SELECT e.epoch INTO current_epoch FROM {schema}.token_epochs e
-    WHERE e.server_key = incarnation;
-    IF current_epoch IS NOT NULL THEN
-        token := nextval('{schema}.fencing_tokens');
-        IF token >= current_epoch * block AND token < (current_epoch + 1) * block THEN
-            RETURN token;
+    -- Look, and if this incarnation has no epoch (or it is used up) look again under the lock:
+    -- another claim may have opened it meanwhile.
+    FOR locked IN 0..1 LOOP
+        IF locked = 1 THEN
+            PERFORM pg_advisory_xact_lock(hashtextextended('{schema}.token_epochs', 0));
         END IF;
-    END IF;
+        SELECT e.epoch INTO current_epoch FROM {schema}.token_epochs e
+        WHERE e.server_key = incarnation;
+        IF current_epoch IS NOT NULL THEN
+            token := nextval('{schema}.fencing_tokens');
+            IF token >= current_epoch * block AND token < (current_epoch + 1) * block THEN
+                RETURN token;
+            END IF;
+        END IF;
+    END LOOP;
     -- The first token of this incarnation, or the epoch is used up: open a new epoch, once.
-    PERFORM pg_advisory_xact_lock(hashtextextended('{schema}.token_epochs', 0));
-    SELECT e.epoch INTO current_epoch FROM {schema}.token_epochs e
-    WHERE e.server_key = incarnation;
-    IF current_epoch IS NOT NULL THEN
-        token := nextval('{schema}.fencing_tokens');
-        IF token >= current_epoch * block AND token < (current_epoch + 1) * block THEN
-            RETURN token;
-        END IF;
-    END IF;
     SELECT greatest(
                floor(extract(epoch FROM clock_timestamp() - timestamptz '2020-01-01 00:00+00')
                      * 1000)::bigint,

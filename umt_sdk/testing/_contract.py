@@ -518,18 +518,18 @@ class BackendContract:
         handle = await engine.enqueue(waiter_task, Job(key="only-mine"))
         for bad in (None, str(handle.run_id), 7):
             with pytest.raises(UsageError, match="run id") as caught:
-                await engine.signal(bad, "only-mine", {"leaked": True})  # type: ignore[arg-type]
+                await engine.signal(bad, "only-mine", {"leaked": True})  # type: ignore[arg-type]  # bad call under test
             assert caught.value.argument == "run_id"
             assert isinstance(caught.value, ValueError)
         with pytest.raises(UsageError, match=r"engine\.broadcast"):
-            await engine.signal(None, "only-mine", {"leaked": True})  # type: ignore[arg-type]
+            await engine.signal(None, "only-mine", {"leaked": True})  # type: ignore[arg-type]  # bad call under test
         assert await engine.backend.get_fact(run_id=handle.run_id, name="only-mine") is None
         with pytest.raises(UsageError, match="run id"):
-            await engine.cancel(None)  # type: ignore[arg-type]
+            await engine.cancel(None)  # type: ignore[arg-type]  # bad call under test
         with pytest.raises(UsageError, match="run id"):
-            await engine.get(None)  # type: ignore[arg-type]
+            await engine.get(None)  # type: ignore[arg-type]  # bad call under test
         with pytest.raises(UsageError, match="run id"):
-            await engine.result(None)  # type: ignore[arg-type]
+            await engine.result(None)  # type: ignore[arg-type]  # bad call under test
         assert await engine.signal(handle.run_id, "only-mine", {"mine": True})
         async with engine.worker():
             assert await handle.result(timeout=15) == {"mine": True}
