@@ -3,8 +3,12 @@
 The business code inserts an `outbox_event` row in the same transaction as the business change
 (`insert_outbox_event`, or a plain INSERT). An `OutboxRelay` claims due `pending` rows with
 `FOR UPDATE SKIP LOCKED`, routes each by its `type` to a task, enqueues a run under the row's
-idempotency key (`outbox:<id>` by default), and marks the row `dispatched`, or schedules a retry
-with exponential backoff, or marks it `dead`.
+idempotency key, and marks the row `dispatched` (a run of that task, version and input exists
+under the key), or schedules a retry with exponential backoff, or marks it `dead`.
+
+The default key is `outbox:<install id>:<schema>.<table>:<id>`: the install id is drawn at
+random once per outbox table when it is installed (`umt_outbox_installs`), so the events of two
+outbox tables, or of two business databases routed to one engine, never share a key.
 
 Two layouts:
 - same database (the engine's schema lives in the business database): the enqueue runs on the
@@ -30,6 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias
+from uuid import UUID
 
 import psycopg
 from attrs import frozen
@@ -44,6 +49,7 @@ from umt_backend_pg._backend import PostgresBackend
 from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
 from umt_sdk import Engine, TaskDefinition
 from umt_sdk.exceptions import (
+    BackendError,
     BackendUnavailableError,
     IdempotencyConflictError,
     PayloadError,
@@ -82,7 +88,20 @@ def _names(schema: str, table: str) -> dict[str, str]:
 
 
 def _sql(block: str, schema: str, table: str) -> str:
-    return render_identifiers(blocks("outbox.sql")[block], **_names(schema, table))
+    names = _names(schema, table)  # validated identifiers
+    text = blocks("outbox.sql")[block]
+    if "{table_name}" not in text:
+        return render_identifiers(text, **names)
+    composed = sql.SQL(text).format(  # our own .sql file, never input
+        **{name: sql.Identifier(value) for name, value in names.items()},
+        table_name=sql.Literal(table),
+    )
+    return composed.as_string(None)
+
+
+def _backoff(failures: int) -> float:
+    """The relay's pause after its n-th failure in a row: 0.4 s doubling, at most 30 s."""
+    return float(min(0.2 * 2 ** min(failures, 8), 30.0))
 
 
 def channel_name(schema: str, table: str) -> str:
@@ -104,7 +123,8 @@ async def install_outbox(
 ) -> None:
     """Apply `outbox_ddl(schema=..., table=...)` on `conn` (your business database), in one
     transaction under an advisory lock, so concurrent installs are safe; applying it again
-    changes nothing."""
+    changes nothing, except that it adds what an older version of the DDL lacked (the
+    table's install id in `<schema>.umt_outbox_installs`)."""
     if not isinstance(conn, psycopg.AsyncConnection):
         raise TypeError(
             f"install_outbox takes a psycopg.AsyncConnection, got {type(conn).__name__}"
@@ -176,6 +196,48 @@ class _Outcome:
 
 class _Unavailable(Exception):
     pass
+
+
+class _Outage:
+    """Log a failing loop once per outage (then at debug level), and its recovery."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+        self.failures = 0
+
+    def failed(self, message: str, retry_in: float, exc: BaseException | None = None) -> None:
+        self.failures += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            expected = exc is None or isinstance(exc, _EXPECTED_FAILURES)
+            _log.log(
+                logging.WARNING if expected else logging.ERROR,
+                "%s: %s; retrying with backoff until it works",
+                self.what,
+                message,
+                exc_info=None if expected else exc,
+            )
+        else:
+            _log.debug("%s: %s; again in %.1f s", self.what, message, retry_in)
+
+    def succeeded(self) -> None:
+        if self.since is not None:
+            _log.info(
+                "%s works again after %.1f s (%d failed attempts)",
+                self.what,
+                time.monotonic() - self.since,
+                self.failures,
+            )
+        self.since = None
+        self.failures = 0
+
+
+# Failures a database restart or a cut connection causes; anything else is logged with its
+# traceback (it may be a bug or a misconfiguration), but the relay keeps trying all the same.
+_EXPECTED_FAILURES = (psycopg.Error, OSError, TimeoutError, BackendError)
+_LISTEN_CHECK = 10.0
+"""Seconds without a notification after which a LISTEN connection is pinged."""
 
 
 class OutboxRelay:
@@ -274,6 +336,8 @@ class OutboxRelay:
         self._listener: asyncio.Task[None] | None = None
         self._listening_on_batch_conn = False
         self._task: asyncio.Task[None] | None = None
+        self._install_id: UUID | None = None
+        self._legacy_keys_below = 0
         self.totals = DispatchReport()
         """What this relay did so far, summed over its batches."""
 
@@ -312,6 +376,21 @@ class OutboxRelay:
         """Whether enqueues share the relay's transaction (None until the first batch)."""
         return self._same_database
 
+    @property
+    def install_id(self) -> UUID | None:
+        """The outbox table's install id (read at the first batch; None until then)."""
+        return self._install_id
+
+    def default_key(self, event_id: int) -> str:
+        """The idempotency key of the run of event `event_id` when its row names none:
+        `outbox:<install id>:<schema>.<table>:<id>`; rows that existed when an outbox of an
+        older umt was upgraded keep the key they had then, `outbox:<id>`."""
+        if self._install_id is None:
+            raise RuntimeError("the install id is read at the relay's first batch: run it first")
+        if event_id < self._legacy_keys_below:
+            return f"outbox:{event_id}"
+        return f"outbox:{self._install_id}:{self.schema}.{self.table}:{event_id}"
+
     async def run(self) -> None:
         """Dispatch until `stop()`: batches back to back while rows are due, then wait for a
         NOTIFY from the insert trigger, the next retry's time, or `poll_interval`."""
@@ -319,7 +398,11 @@ class OutboxRelay:
         await self._loop()
 
     async def _loop(self) -> None:
-        failures = 0
+        """Batches until stop(). Survives anything a batch or a wait raises (a restart of
+        either database, a cut connection, an error of its own): logs it once per outage,
+        backs off (0.4 s doubling, at most 30 s) and resumes; only stop() ends it."""
+        business = _Outage(f"outbox relay on {self.schema}.{self.table}")
+        engine = _Outage(f"outbox relay on {self.schema}.{self.table}: the engine")
         try:
             while not self._stopping.is_set():
                 self._wake.clear()
@@ -327,19 +410,21 @@ class OutboxRelay:
                     if self._listen and self._listener is None:
                         await self._start_listening()
                     report = await self.run_once()
-                    failures = 0
+                    business.succeeded()
                     if report.engine_unavailable:
-                        failures += 1
-                        await self._pause(min(0.2 * 2**failures, 30.0))
-                    elif report.claimed < self.batch_size:
+                        delay = _backoff(engine.failures + 1)
+                        engine.failed("unreachable; its rows stay pending, uncharged", delay)
+                        await self._pause(delay)
+                        continue
+                    engine.succeeded()
+                    if report.claimed < self.batch_size:
                         # Inside the retry: its own query can meet a restart or a cut connection.
                         await self._idle()
-                except (psycopg.Error, OSError, BackendUnavailableError) as exc:
+                except Exception as exc:
                     if self._stopping.is_set():
-                        break  # stop() closed the connection under us
-                    failures += 1
-                    delay = min(0.2 * 2**failures, 30.0)
-                    _log.warning("outbox relay: %s; retrying in %.1f s", exc, delay)
+                        break
+                    delay = _backoff(business.failures + 1)
+                    business.failed(f"{type(exc).__name__}: {exc}", delay, exc)
                     await self._close_own()
                     await self._pause(delay)
         finally:
@@ -351,6 +436,8 @@ class OutboxRelay:
         async with self._batch_lock, self._connection() as conn:
             if self._same_database is None:
                 self._same_database = await self._detect(conn)
+            if self._install_id is None:
+                self._install_id, self._legacy_keys_below = await self._read_install_id(conn)
             report = await self._dispatch_batch(conn, same_database=self._same_database)
         t = self.totals
         self.totals = DispatchReport(
@@ -416,7 +503,9 @@ class OutboxRelay:
         await asyncio.wait({ready, self._listener}, timeout=10, return_when="FIRST_COMPLETED")
 
     async def _listen_loop(self, ready: asyncio.Future[None]) -> None:
+        # A notification only wakes a batch (which reads the table): its payload is ignored.
         delay = 0.1
+        outage = _Outage(f"outbox LISTEN on {self.channel}")
         while not self._stopping.is_set():
             try:
                 info = await self._conninfo()
@@ -428,15 +517,20 @@ class OutboxRelay:
                     if not ready.done():
                         ready.set_result(None)
                     delay = 0.1
+                    outage.succeeded()
                     self._wake.set()  # rows written while we were not listening
-                    async for _ in conn.notifies():
-                        self._wake.set()
+                    while not self._stopping.is_set():
+                        async for _ in conn.notifies(timeout=_LISTEN_CHECK):
+                            self._wake.set()
+                        # Quiet for a while: is the connection still there (a cut that sent
+                        # no reset would leave us deaf; the relay would only poll)?
+                        await asyncio.wait_for(conn.execute(self._q["ping"]), _LISTEN_CHECK)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if self._stopping.is_set():
                     return
-                _log.warning("outbox LISTEN connection lost (%s); reconnecting", exc)
+                outage.failed(f"connection lost ({exc}); polling meanwhile", delay, exc)
                 if not ready.done():
                     ready.set_result(None)  # run() polls meanwhile
                 await asyncio.sleep(delay)
@@ -483,6 +577,26 @@ class OutboxRelay:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _read_install_id(self, conn: psycopg.AsyncConnection[Any]) -> tuple[UUID, int]:
+        """The table's install id; an outbox installed by an older umt has none: say how to
+        add it (nothing is dispatched meanwhile: the old default key could collide)."""
+        try:
+            async with conn.transaction():
+                cur = await conn.execute(self._q["install_id"])
+                row = await cur.fetchone()
+        except psycopg.errors.UndefinedTable:
+            row = None
+        if row is None:
+            raise BackendError(
+                f"outbox table {self.schema}.{self.table} has no install id (it was installed "
+                "by an older umt): apply install_outbox(conn, schema="
+                f"{self.schema!r}, table={self.table!r}) again, or the SQL of outbox_ddl(...); "
+                "it only adds what is missing"
+            )
+        install_id: UUID = row[0]
+        legacy_keys_below: int = row[1]
+        return install_id, legacy_keys_below
 
     async def _detect(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Same database iff the engine's pool sees an advisory lock this connection holds."""
@@ -596,7 +710,7 @@ class OutboxRelay:
     ) -> _Outcome:
         row_id: int = row["id"]
         event_type: str = row["type"]
-        key: str = row["idempotency_key"] or f"outbox:{row_id}"
+        key: str = row["idempotency_key"] or self.default_key(row_id)
         links = []
         if row["trace_context"]:
             writer = trace.get_current_span(

@@ -22,12 +22,13 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 from uuid import UUID
 
 import click
@@ -99,28 +100,27 @@ def _duration(ctx: click.Context, param: click.Parameter, value: Any) -> timedel
 
 
 def _json(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-    """JSON text; `@path` reads it from a file and `-` from stdin."""
+    """JSON text; `@path` reads it from a file and `-` from stdin. Parsed within the payload
+    limits (`umt_sdk._serde.parse_json`): too deep, too big, NUL or a lone surrogate is refused
+    with one line naming where, never a RecursionError."""
     if not isinstance(value, str):
         return value
-    text = value
+    text: str | bytes = value
     if value == "-":
-        text = sys.stdin.read()
+        text = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
     elif value.startswith("@"):
         try:
-            text = Path(value[1:]).read_text(encoding="utf-8")
+            text = Path(value[1:]).read_bytes()
         except OSError as exc:
             raise click.BadParameter(
                 f"cannot read {value[1:]}: {exc.strerror}", ctx, param
             ) from None
+    what = f"--{param.name or 'value'}".replace("_", "-").rstrip("-")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(
-            f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
-            f"{_shorten(text, 60)!r}",
-            ctx,
-            param,
-        ) from None
+        return _serde.parse_json(text, what=what)
+    except PayloadError as exc:  # one line (a BadParameter would add the usage text)
+        message = str(exc).removeprefix(f"{what} cannot be stored: ").removeprefix(f"{what} is ")
+        raise InputError(f"Invalid value for '{what}': {_shorten(message, 300)}") from None
 
 
 def _run_id(ctx: click.Context, param: click.Parameter, value: Any) -> UUID | None:
@@ -139,6 +139,8 @@ class _Config:
     def __init__(self, database_url: str | None, schema: str) -> None:
         self._url = database_url
         self.schema = schema
+        self.secrets = _secrets(database_url)
+        """The passwords in the given URL: scrubbed from anything the command prints."""
 
     def url(self) -> str:
         """The database URL: the option or env, else the embedded Postgres in `.umt/pg`."""
@@ -164,13 +166,48 @@ class _Config:
         return urlsplit(self.url()).scheme in _PG_SCHEMES
 
 
+_PASSWORD_PARAM = re.compile(
+    r"(?P<key>password\s*=\s*)(?P<value>'(?:[^'\\]|\\.)*'|[^\s&;]*)", re.IGNORECASE
+)
+"""`password=...` in a query string (`?password=x&...`) or a keyword DSN (`password='x y'`)."""
+
+
 def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    userinfo = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{userinfo}:***@{netloc[1]}"))
+    """The URL or DSN with its passwords replaced by `***` (userinfo and `password=`)."""
+    text = _PASSWORD_PARAM.sub(r"\g<key>***", url)
+    try:
+        parts = urlsplit(text)
+        password = parts.password
+    except ValueError:  # not a URL after all (a bad port, say): keep only what is safe
+        return re.sub(r"//[^/@]*@", "//***@", text)
+    if not password:
+        return text
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
+
+
+def _secrets(url: str | None) -> list[str]:
+    """The passwords a database URL or DSN holds, as typed and as decoded, longest first."""
+    if not url:
+        return []
+    found = {m.group("value").strip("'") for m in _PASSWORD_PARAM.finditer(url)}
+    with contextlib.suppress(ValueError):
+        parts = urlsplit(url)
+        if parts.password:
+            found.add(parts.password)
+            found.add(unquote(parts.password))
+        raw = parts.netloc.rpartition("@")[0].partition(":")[2]
+        found.add(raw)
+    found |= {unquote(s) for s in found}
+    return sorted((s for s in found if s and s != "***"), key=len, reverse=True)
+
+
+def _scrub(text: str, secrets: Sequence[str]) -> str:
+    """`text` with every secret in it, and anything written `password=...`, as `***`."""
+    text = _PASSWORD_PARAM.sub(r"\g<key>***", text)
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 def _first_line(exc: BaseException) -> str:
@@ -563,7 +600,53 @@ def _dump(data: Any) -> str:
 # -- the commands ---------------------------------------------------------------------------------
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Cli(click.Group):
+    """The `umt` group: whatever a command raises ends as one line on stderr, never a
+    traceback (`UMT_DEBUG=1` adds the traceback for an unexpected error), and no password of
+    the database URL ever reaches the terminal, whichever message carries it."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            text = exc.format_message()
+            clean = _scrub(text, _secrets_of(ctx))
+            if clean == text:
+                raise
+            raise (InputError if exc.exit_code == InputError.exit_code else CliError)(
+                clean
+            ) from None
+        except (click.exceptions.Exit, click.Abort, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            secrets = _secrets_of(ctx)
+            if os.environ.get("UMT_DEBUG"):
+                text = "".join(traceback.format_exception(exc))
+                click.echo(_scrub(text, secrets), err=True)
+                hint = ""
+            else:
+                hint = " (UMT_DEBUG=1 prints the traceback)"
+            what = "the database" if _is_driver_error(exc) else "unexpected error"
+            raise CliError(
+                _scrub(f"{what}: {type(exc).__name__}: {_first_line(exc)}{hint}", secrets)
+            ) from exc
+
+
+def _secrets_of(ctx: click.Context) -> list[str]:
+    cfg = ctx.find_object(_Config)
+    return cfg.secrets if cfg is not None else _secrets(os.environ.get("UMT_DATABASE_URL"))
+
+
+def _is_driver_error(exc: BaseException) -> bool:
+    return any(c.__module__.split(".")[0] == "psycopg" for c in type(exc).__mro__) or isinstance(
+        exc, OSError
+    )
+
+
+@click.group(
+    cls=_Cli,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option(
     "--database-url",
     envvar="UMT_DATABASE_URL",

@@ -76,11 +76,6 @@ class Umt:
 
 
 @pytest.fixture
-def umt(pg_url: str, pg_schema: str) -> Umt:
-    return Umt(pg_url, pg_schema)
-
-
-@pytest.fixture
 def fresh_schema(pg_url: str) -> Iterator[str]:
     """A schema name with nothing in it yet; dropped afterwards if a test created it."""
     name = f"t_{uuid.uuid4().hex[:12]}"

@@ -80,7 +80,7 @@ async def test_routes_keys_and_inputs_in_both_layouts(
     )
     assert [(r["k"], r["task_name"], r["input"]) for r in runs] == [
         ("order:o-1", "ship_order", {"order_id": "o-1", "quantity": 3}),
-        (f"outbox:{plain}", "process_item", {"n": 7}),
+        (relay.default_key(plain), "process_item", {"n": 7}),
     ], f"{len(runs)} runs: {runs}"
     # nothing left: a second pass claims nothing and enqueues nothing
     again = await relay.run_once()
@@ -215,7 +215,7 @@ async def test_a_retry_succeeds_once_the_cause_is_gone(
             timeout=20,
             what="the retried row to be dispatched",
         )
-    assert await runs_per_key(outbox, pg_schema) == {f"outbox:{event_id}": 1}
+    assert await runs_per_key(outbox, pg_schema) == {relay.default_key(event_id): 1}
 
 
 async def _attempts_at_least(url: str, schema: str, event_id: int, n: int) -> bool:
