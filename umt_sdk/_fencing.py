@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from uuid import UUID
@@ -11,9 +12,11 @@ from attrs import frozen
 
 from umt_sdk import _serde
 from umt_sdk._context import current_execution
-from umt_sdk._execution import SimulatedCrash
+from umt_sdk._execution import Execution, SimulatedCrash
 from umt_sdk._task import _hints, _unwrap_awaitable
-from umt_sdk.exceptions import FencingError, NotInTaskError
+from umt_sdk.exceptions import BackendUnavailableError, FencingError, NotInTaskError
+
+_log = logging.getLogger("umt.fencing")
 
 __all__ = ["AttemptInfo", "with_attempt_token"]
 
@@ -77,6 +80,9 @@ async def with_attempt_token(
     except (FencingError, SimulatedCrash):
         execution.abort("lease_lost", "lease lost before a fenced operation")
         raise
+    except BackendUnavailableError as exc:
+        _outage(execution, op_key, "begin", exc)
+        raise
     if entry.result_json is not None:
         recorded: T = _serde.decode(entry.result_json, result_type, what=f"result of {op_key!r}")
         return recorded
@@ -101,7 +107,25 @@ async def with_attempt_token(
     except (FencingError, SimulatedCrash):
         execution.abort("lease_lost", "lease lost at the commit of a fenced operation")
         raise
+    except BackendUnavailableError as exc:
+        _outage(execution, op_key, "commit", exc)
+        raise
     return result
+
+
+def _outage(execution: Execution, op_key: str, where: str, exc: BackendUnavailableError) -> None:
+    """The fence could not be checked (a database is down): whether the write landed is
+    unknown, and an outage is not the step's failure. Stop the execution as a crash would; the
+    run resumes after its lease, and the next attempt's begin finds the result if it landed."""
+    _log.warning(
+        "run %s: %r: the backend is unavailable at the fence's %s (%s); stopping this "
+        "execution, the run resumes when its lease expires",
+        execution.claimed.run_id,
+        op_key,
+        where,
+        exc,
+    )
+    execution.abort("crash", f"backend unavailable at the {where} of {op_key!r}: {exc}")
 
 
 def _has_hints(fn: Callable[..., Any]) -> bool:
