@@ -6,12 +6,23 @@ It imports without psycopg installed; the driver is loaded when a backend is ope
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from umt_sdk.backend import Backend, Clock, hookimpl
 
-__all__ = ["umt_backend_schemes", "umt_open_backend"]
+if TYPE_CHECKING:
+    import click
+
+    from umt_sdk.cli import CliBackend
+
+__all__ = [
+    "umt_backend_schemes",
+    "umt_cli_add_commands",
+    "umt_cli_backend",
+    "umt_cli_default_url",
+    "umt_open_backend",
+]
 
 _SCHEMES = ("postgresql", "postgres")
 _OPTIONS = frozenset({"schema", "run_migrations", "min_size", "max_size", "listen"})
@@ -47,3 +58,27 @@ def umt_open_backend(
         return await PostgresBackend.open(url, **options)
 
     return open_backend()
+
+
+# The command line: the modules are imported only when `umt` runs.
+
+
+@hookimpl
+def umt_cli_add_commands(cli: click.Group) -> None:
+    from umt_backend_pg import _cli
+
+    _cli.add_commands(cli)
+
+
+@hookimpl
+def umt_cli_backend(url: str, options: Mapping[str, Any]) -> CliBackend | None:
+    from umt_backend_pg import _cli
+
+    return _cli.backend_for(url, options)
+
+
+@hookimpl
+def umt_cli_default_url(options: Mapping[str, Any]) -> str | None:
+    from umt_backend_pg import _cli
+
+    return _cli.default_url(options)

@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
+import click
 import pluggy
 
 from umt_sdk._spi import Backend, Clock
 
-__all__ = ["BackendHookspecs", "hookimpl", "hookspec"]
+__all__ = ["BackendHookspecs", "CliBackend", "hookimpl", "hookspec"]
 
 hookspec = pluggy.HookspecMarker("umt")
 hookimpl = pluggy.HookimplMarker("umt")
+
+
+class CliBackend(Protocol):
+    """What a backend plugin tells the command line about a URL it serves."""
+
+    def where(self) -> str:
+        """Where the engine's data is, for messages: `schema 'umt'` (or '' when nothing to
+        say)."""
+        ...
+
+    def connect_options(self, *, worker: bool, concurrency: int) -> dict[str, Any]:
+        """The extra keyword arguments of `connect()` for a command: a worker serving
+        `concurrency` runs at once, or a short-lived client (`worker=False`)."""
+        ...
+
+    async def preflight(self, *, need_schema: bool) -> None:
+        """Fail fast with one clear line (`CliError`): the storage cannot be reached, or (when
+        `need_schema`) holds no engine tables."""
+        ...
 
 
 class BackendHookspecs:
@@ -30,3 +50,20 @@ class BackendHookspecs:
         yours. `clock` is given only by tests (a `FakeClock`); `options` are the extra keyword
         arguments of `connect()`. Import heavy drivers inside, so the plugin module imports
         without them."""
+
+    @hookspec
+    def umt_cli_add_commands(self, cli: click.Group) -> None:
+        """Add this backend's commands to the `umt` group (`cli.add_command(...)`), and any
+        global options it needs (`cli.params.append(click.Option(...))`): their values reach
+        `umt_cli_backend` and `umt_cli_default_url` as `options`, by parameter name. Called once,
+        the first time the group is used; the command modules may be imported inside."""
+
+    @hookspec(firstresult=True)
+    def umt_cli_backend(self, url: str, options: Mapping[str, Any]) -> CliBackend | None:
+        """The command line's view of the backend for `url` (checks and `connect` options), or
+        None if the scheme is not yours."""
+
+    @hookspec(firstresult=True)
+    def umt_cli_default_url(self, options: Mapping[str, Any]) -> str | None:
+        """The URL to use when the command line was given none (a local development server,
+        say), or None. May start a server, and say so on stderr."""

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import click
 import pluggy
 
 from umt_sdk import _hookspecs
@@ -39,6 +40,19 @@ class PluginHost:
             name = plugin.__name__ if isinstance(plugin, types.ModuleType) else repr(plugin)
             names.append(name)
         return sorted(names)
+
+    def cli_add_commands(self, cli: click.Group) -> None:
+        self._pm.hook.umt_cli_add_commands(cli=cli)
+
+    def cli_backend(self, url: str, options: Mapping[str, Any]) -> _hookspecs.CliBackend | None:
+        found: _hookspecs.CliBackend | None = self._pm.hook.umt_cli_backend(
+            url=url, options=dict(options)
+        )
+        return found
+
+    def cli_default_url(self, options: Mapping[str, Any]) -> str | None:
+        url: str | None = self._pm.hook.umt_cli_default_url(options=dict(options))
+        return url
 
     async def open_backend(
         self, url: str, *, clock: Clock | None, options: Mapping[str, Any]

@@ -26,7 +26,7 @@ from psycopg import sql
 
 from tests.cli import app_tasks
 from umt_sdk import RunStatus, connect
-from umt_sdk._cli import cli, parse_duration
+from umt_sdk.cli import cli, parse_duration
 
 REPO = Path(__file__).resolve().parents[2]
 REGISTRY = "tests.cli.app_tasks:registry"
@@ -35,7 +35,7 @@ SCRIPT = Path(sys.executable).parent / "umt"
 
 def umt_command() -> list[str]:
     """The installed console script (what operators run); `python -m` if it is missing."""
-    return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "umt_sdk._cli"]
+    return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "umt_sdk.cli"]
 
 
 class Umt:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.cli.test_cli import REGISTRY, REPO, Umt, one_error_line, umt_command
-from umt_sdk import _cli
+from umt_sdk.cli import _app as _cli
+from umt_sdk.cli import redact_url
 
 SECRET = "hunter2"
 UNREACHABLE = [
@@ -76,7 +77,7 @@ def test_the_console_script_against_an_unreachable_server(url: str) -> None:
     ],
 )
 def test_redact_hides_every_form_of_password(url: str, shown: str) -> None:
-    assert _cli._redact(url) == shown
+    assert redact_url(url) == shown
 
 
 def test_scrub_removes_the_password_as_typed_and_as_decoded() -> None:

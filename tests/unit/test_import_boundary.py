@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,102 @@ def test_the_checker_catches_private_imports(source: str) -> None:
 )
 def test_the_checker_allows_public_imports(source: str) -> None:
     assert private_sdk_imports(source) == []
+
+
+# -- the other direction: the SDK never imports a backend or a driver ----------------------------
+
+_BELOW_THE_SDK = ("umt_backend_", "psycopg")
+"""Module prefixes the SDK may not import: backends come to it through plugins, and drivers
+belong to the backends (`umt_backend_pg` brings psycopg; the SDK runs without it)."""
+
+
+def _is_below(module: str) -> bool:
+    return module.startswith(_BELOW_THE_SDK)
+
+
+def upward_imports(source: str, filename: str = "<source>") -> list[str]:
+    """Every import in `source` of a backend package or a database driver, as `file:line: what`
+    (function-local and dynamic imports included)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            found += [
+                f"{filename}:{node.lineno}: import {alias.name}"
+                for alias in node.names
+                if _is_below(alias.name)
+            ]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if _is_below(node.module):
+                found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and _is_below(node.args[0].value)
+        ):
+            found.append(f"{filename}:{node.lineno}: dynamic import of {node.args[0].value}")
+    return found
+
+
+def _sdk_files() -> list[Path]:
+    return sorted((ROOT / "umt_sdk").rglob("*.py"))
+
+
+def test_the_cli_is_scanned() -> None:
+    names = {p.relative_to(ROOT).as_posix() for p in _sdk_files()}
+    assert {"umt_sdk/cli/_app.py", "umt_sdk/cli/_commands.py", "umt_sdk/_engine.py"} <= names
+
+
+@pytest.mark.parametrize("path", _sdk_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_sdk_imports_no_backend_and_no_driver(path: Path) -> None:
+    relative = path.relative_to(ROOT).as_posix()
+    assert upward_imports(path.read_text(encoding="utf-8"), relative) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import psycopg",
+        "from psycopg.rows import dict_row",
+        "import psycopg_pool",
+        "from umt_backend_pg import _embedded",
+        "def f():\n    from umt_backend_pg import migrate",
+        "import importlib\nimportlib.import_module('umt_backend_memory._store')",
+    ],
+)
+def test_the_checker_catches_upward_imports(source: str) -> None:
+    assert len(upward_imports(source)) == 1
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["import umt_sdk.cli", "from umt_sdk._plugins import PluginHost", "import click"],
+)
+def test_the_checker_allows_the_sdk_its_own_imports(source: str) -> None:
+    assert upward_imports(source) == []
+
+
+def test_the_sdk_and_its_cli_import_without_any_backend_or_driver() -> None:
+    """In a fresh interpreter where psycopg and the backends cannot be imported, the SDK and
+    the `umt` group with its own commands still load (backends add theirs on first use)."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.startswith(('psycopg', 'umt_backend_')):\n"
+        "            raise ImportError(f'blocked: {name}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import umt_sdk, umt_sdk.backend, umt_sdk.testing\n"
+        "from umt_sdk.cli import cli\n"
+        "print(sorted(cli.commands))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('psycopg', 'umt_backend_'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    commands, loaded = done.stdout.strip().splitlines()
+    assert "worker" in commands, commands
+    assert "enqueue" in commands, commands
+    assert loaded == "[]", f"imported below the SDK: {loaded}"

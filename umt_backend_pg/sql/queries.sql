@@ -410,3 +410,8 @@ CREATE TABLE IF NOT EXISTS {schema}.op_ledger (
     started_at      timestamptz NOT NULL DEFAULT now(),
     finished_at     timestamptz
 );
+
+-- name: cli_engine_tables
+-- The command line's check before a command: does the schema hold the engine's tables? The
+-- parameters are quoted qualified names ("schema".table); no schema is substituted here.
+SELECT to_regclass(%(migrations)s) IS NOT NULL, to_regclass(%(runs)s) IS NOT NULL;

@@ -1,0 +1,569 @@
+"""The commands every backend gets: `umt worker`, producing runs and inspecting them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta
+from typing import Any, NoReturn
+from uuid import UUID
+
+import click
+
+from umt_sdk import _serde
+from umt_sdk._engine import Engine
+from umt_sdk._spi import TaskPair
+from umt_sdk.cli._app import (
+    _STATUSES,
+    CliConfig,
+    CliError,
+    InputError,
+    _duration,
+    _json,
+    _run_id,
+    _translated,
+    cli,
+    load_registry,
+    open_engine,
+    pass_config,
+    redact_url,
+    run,
+)
+from umt_sdk.cli._render import (
+    _dump,
+    _list_text,
+    _run_json,
+    _show_text,
+)
+from umt_sdk.exceptions import PayloadError, TaskDefinitionError
+
+# -- umt worker ---------------------------------------------------------------------------------
+
+
+def _parse_versions(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise InputError("--versions needs at least one task@version, such as greet@1")
+    return items
+
+
+@cli.command()
+@click.argument("registry_ref", metavar="MODULE:REGISTRY")
+@click.option(
+    "--versions",
+    metavar="TASK@V,...",
+    help="Serve only these (name, version) pairs, e.g. greet@1,bill@2. Default: every task "
+    "in the registry.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Runs executed at once.",
+)
+@click.option(
+    "--lease",
+    callback=_duration,
+    metavar="DURATION",
+    default="10s",
+    show_default=True,
+    help="How long a claim holds a run without a heartbeat (500ms, 10s, 2m).",
+)
+@click.option(
+    "--grace",
+    callback=_duration,
+    metavar="DURATION",
+    default="10s",
+    show_default=True,
+    help="On SIGTERM/SIGINT: how long running steps may take to finish before their runs "
+    "are given back.",
+)
+@click.option(
+    "--poll-interval",
+    callback=_duration,
+    metavar="DURATION",
+    default="1s",
+    show_default=True,
+    help="How often to look for work when no notification arrives.",
+)
+@click.option("--worker-id", help="Name in the runs' attempts (default: host:pid:random).")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="info",
+    show_default=True,
+)
+@pass_config
+def worker(
+    cfg: CliConfig,
+    registry_ref: str,
+    versions: str | None,
+    concurrency: int,
+    lease: timedelta,
+    grace: timedelta,
+    poll_interval: timedelta,
+    worker_id: str | None,
+    log_level: str,
+) -> None:
+    """Serve the tasks of the Registry at MODULE:REGISTRY (e.g. app.tasks:registry).
+
+    The module is imported with the current directory on sys.path. The first SIGTERM or SIGINT
+    stops claiming, lets running steps finish for up to --grace, gives the remaining runs back
+    (another worker resumes them) and exits 0; a second one exits at once, leaving the runs
+    to be retried when their leases expire.
+    """
+    if lease < timedelta(milliseconds=100):
+        raise InputError(f"--lease must be at least 100ms, got {_human(lease)}")
+    logging.basicConfig(
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log = logging.getLogger("umt.cli")
+    registry = load_registry(registry_ref)
+    wanted = _parse_versions(versions)
+    try:
+        pairs = registry.select(wanted)
+    except TaskDefinitionError as exc:
+        raise (CliError if isinstance(exc, LookupError) else InputError)(str(exc)) from exc
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        first_signal_at: float | None = None
+
+        def on_signal(signum: int) -> None:
+            nonlocal first_signal_at
+            if first_signal_at is None:
+                first_signal_at = time.monotonic()
+                log.info(
+                    "%s: stopping; running steps have %s to finish",
+                    signal.Signals(signum).name,
+                    _human(grace),
+                )
+                stop.set()
+            elif time.monotonic() - first_signal_at >= 1.0:
+                # Within a second it is likely the same signal twice (a wrapper forwarding
+                # it to the process group we are also in), not an impatient operator.
+                log.warning(
+                    "second signal: exiting now; the runs still held are retried when their "
+                    "leases expire"
+                )
+                _hard_exit(1)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(signum, on_signal, signum)
+            except NotImplementedError:  # pragma: no cover - Windows event loops
+                signal.signal(signum, lambda n, _: loop.call_soon_threadsafe(on_signal, n))
+        async with open_engine(cfg, registry, worker=True, concurrency=concurrency) as engine:
+            w = engine.worker(
+                versions=[str(p) for p in pairs],
+                concurrency=concurrency,
+                lease=lease,
+                worker_id=worker_id,
+                poll_interval=poll_interval,
+                shutdown_grace=grace,
+            )
+            await w.start()
+            where = cfg.where()
+            log.info(
+                "worker %s serving %s (concurrency %d, lease %s) on %s%s",
+                w.worker_id,
+                ", ".join(str(p) for p in pairs),
+                concurrency,
+                _human(lease),
+                redact_url(cfg.url()),
+                f", {where}" if where else "",
+            )
+            await stop.wait()
+            held = len(w.running_runs)
+            await w.stop()
+            log.info("stopped (%d run(s) were in progress)", held)
+
+    _serve(serve())
+
+
+def _human(duration: timedelta) -> str:
+    seconds = duration.total_seconds()
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    if seconds < 120 or seconds % 60:
+        return f"{seconds:g}s"
+    return f"{seconds / 60:g}m"
+
+
+def _hard_exit(code: int) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(coro: Coroutine[Any, Any, None]) -> None:
+    """Like `_run`, but without waiting for step bodies still running in threads at the end.
+
+    A plain (sync) step cannot be interrupted: once the worker has given its run back after
+    the grace, waiting for the thread would only delay the exit (`asyncio.run` would).
+    """
+    loop = asyncio.new_event_loop()
+    executor = ThreadPoolExecutor(thread_name_prefix="umt-step")
+    loop.set_default_executor(executor)
+    finished = False
+    try:
+        with _translated():
+            loop.run_until_complete(coro)
+        finished = True
+    finally:
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + 1.0
+        busy = []
+        for thread in threading.enumerate():
+            if thread is threading.main_thread() or thread.daemon:
+                continue
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                busy.append(thread)
+        loop.close()
+        if busy and finished:
+            logging.getLogger("umt.cli").warning(
+                "exiting with %d step body(ies) still running in threads; their runs were "
+                "given back",
+                len(busy),
+            )
+            _hard_exit(0)
+
+
+# -- producing --------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("task_ref", metavar="TASK[@VERSION]")
+@click.option(
+    "--input",
+    "input_",
+    callback=_json,
+    required=True,
+    metavar="JSON",
+    help="The task's input as JSON (@file reads a file, - reads stdin).",
+)
+@click.option(
+    "--registry",
+    "registry_ref",
+    envvar="UMT_REGISTRY",
+    metavar="MODULE:REGISTRY",
+    help="Where the task is defined (env UMT_REGISTRY). Required: the input is validated "
+    "against the task's input type before anything is stored.",
+)
+@click.option("--idempotency-key", metavar="KEY", help="Enqueue once per key (same input).")
+@click.option(
+    "--priority",
+    type=click.IntRange(-32768, 32767),
+    default=0,
+    show_default=True,
+    help="Higher runs first.",
+)
+@click.option(
+    "--delay",
+    callback=_duration,
+    metavar="DURATION",
+    help="Do not start before this much time (e.g. 5m).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_config
+def enqueue(
+    cfg: CliConfig,
+    task_ref: str,
+    input_: Any,
+    registry_ref: str | None,
+    idempotency_key: str | None,
+    priority: int,
+    delay: timedelta | None,
+    as_json: bool,
+) -> None:
+    """Start a run of TASK (its newest version, or TASK@VERSION) and print its id.
+
+    The input is checked against the task's input type, so the task's Registry is needed:
+    pass --registry app.tasks:registry or set UMT_REGISTRY. A field that does not fit is named
+    in the error (exit 2) and nothing is stored.
+
+    With --idempotency-key, enqueueing the same key and input again prints the existing run's
+    id; the same key with a different input is refused (exit 1).
+    """
+    if not registry_ref:
+        raise InputError(
+            "enqueue validates --input against the task's input type, so it needs the task's "
+            "registry: pass --registry app.tasks:registry or set UMT_REGISTRY"
+        )
+    registry = load_registry(registry_ref)
+    with _translated():
+        definition = registry.resolve(task_ref)
+    try:  # before connecting: a bad field fails fast, with no database needed
+        _serde.validate(input_, definition.input_type, what="input")
+    except PayloadError as exc:
+        detail = str(exc).removeprefix("invalid input: ")
+        raise InputError(f"invalid --input for {definition.pair}: {detail}") from exc
+
+    async def go() -> None:
+        async with open_engine(cfg, registry) as engine:
+            handle = await engine.enqueue(
+                definition,
+                input_,
+                version=definition.version,
+                idempotency_key=idempotency_key,
+                priority=priority,
+                delay=delay,
+            )
+        if as_json:
+            click.echo(
+                _dump(
+                    {
+                        "run_id": str(handle.run_id),
+                        "task": handle.task_name,
+                        "version": handle.task_version,
+                        "created": handle.created,
+                    }
+                )
+            )
+            return
+        click.echo(str(handle.run_id))
+        if not handle.created:
+            click.echo(
+                f"(an existing run of {handle.task_name}@{handle.task_version} has idempotency "
+                f"key {idempotency_key!r} and this input)",
+                err=True,
+            )
+
+    run(go(), cfg)
+
+
+@cli.command("signal")
+@click.argument("run_id", callback=_run_id, metavar="RUN")
+@click.argument("name")
+@click.option(
+    "--payload",
+    callback=_json,
+    default="null",
+    show_default=True,
+    metavar="JSON",
+    help="The fact's payload as JSON (@file reads a file, - reads stdin).",
+)
+@pass_config
+def signal_(cfg: CliConfig, run_id: UUID, name: str, payload: Any) -> None:
+    """Send the fact NAME to RUN (first write wins) and wake it if it waits for it."""
+
+    async def go() -> None:
+        async with open_engine(cfg) as engine:
+            stored = await engine.signal(run_id, name, payload)
+        if stored:
+            click.echo(f"sent fact {name!r} to run {run_id}")
+        else:
+            click.echo(
+                f"run {run_id} already had a fact {name!r}; the first payload stays "
+                "(facts are written once)"
+            )
+
+    run(go(), cfg)
+
+
+@cli.command()
+@click.argument("run_id", callback=_run_id, metavar="RUN")
+@click.option("--reason", default="", help="Recorded on the run and given to the handler.")
+@pass_config
+def cancel(cfg: CliConfig, run_id: UUID, reason: str) -> None:
+    """Cancel RUN: pending and waiting runs end at once; a running one stops at its next step."""
+
+    async def go() -> None:
+        async with open_engine(cfg) as engine:
+            outcome = await engine.cancel(run_id, reason=reason)
+            if outcome == "canceled":
+                click.echo(f"canceled run {run_id}")
+            elif outcome == "requested":
+                click.echo(
+                    f"cancel requested: run {run_id} is running and ends canceled at its next "
+                    "step boundary"
+                )
+            else:
+                info = await engine.get(run_id)
+                click.echo(f"run {run_id} had already finished ({info.status}); nothing to cancel")
+
+    run(go(), cfg)
+
+
+# -- umt runs -----------------------------------------------------------------------------------
+
+
+@cli.group()
+def runs() -> None:
+    """Inspect runs: list, show one, watch them live."""
+
+
+def _task_filter(task: str | None) -> tuple[str | None, int | None]:
+    if task is None or "@" not in task:
+        return task, None
+    try:
+        pair = TaskPair.parse(task)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    return pair.name, pair.version
+
+
+task_option = click.option("--task", metavar="TASK[@VERSION]", help="Only runs of this task.")
+status_option = click.option(
+    "--status", type=click.Choice(_STATUSES), help="Only runs with this status."
+)
+
+
+def _limit_option(default: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--limit",
+        type=click.IntRange(1, 10_000),
+        default=default,
+        show_default=True,
+        help="At most this many runs, newest first.",
+    )
+
+
+@runs.command("list")
+@task_option
+@status_option
+@_limit_option(50)
+@click.option(
+    "--before", callback=_run_id, metavar="RUN", help="Runs older than this one (paging)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one array).")
+@pass_config
+def runs_list(
+    cfg: CliConfig,
+    task: str | None,
+    status: Any,
+    limit: int,
+    before: UUID | None,
+    as_json: bool,
+) -> None:
+    """List runs, newest first."""
+    name, version = _task_filter(task)
+
+    async def go() -> None:
+        async with open_engine(cfg) as engine:
+            page = await engine.list(
+                task_name=name, version=version, status=status, limit=limit, before=before
+            )
+        if as_json:
+            click.echo(_dump([_run_json(r, detail=False) for r in page.runs]))
+            return
+        if not page.runs:
+            click.echo("no runs")
+            return
+        click.echo(_list_text(page.runs))
+        if page.next_cursor is not None:
+            click.echo(f"(more: umt runs list --before {page.next_cursor})", err=True)
+
+    run(go(), cfg)
+
+
+@runs.command("show")
+@click.argument("run_id", callback=_run_id, metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, with tracebacks.")
+@pass_config
+def runs_show(cfg: CliConfig, run_id: UUID, as_json: bool) -> None:
+    """Show a run: status, attempts, errors and its step timeline.
+
+    Steps and attempts marked `!` were interrupted: the attempt lost its lease in the middle
+    (a crash, a freeze) and a later one picked the run up.
+    """
+
+    async def go() -> None:
+        async with open_engine(cfg) as engine:
+            info = await engine.get(run_id)
+        click.echo(_dump(_run_json(info, detail=True)) if as_json else _show_text(info))
+
+    run(go(), cfg)
+
+
+@runs.command("watch")
+@click.argument("run_id", callback=_run_id, metavar="[RUN]", required=False)
+@task_option
+@status_option
+@_limit_option(20)
+@click.option(
+    "--interval",
+    callback=_duration,
+    metavar="DURATION",
+    default="1s",
+    show_default=True,
+    help="Time between refreshes.",
+)
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=1),
+    help="Stop after this many refreshes (default: until Ctrl-C).",
+)
+@pass_config
+def runs_watch(
+    cfg: CliConfig,
+    run_id: UUID | None,
+    task: str | None,
+    status: Any,
+    limit: int,
+    interval: timedelta,
+    iterations: int | None,
+) -> None:
+    """Refresh the list of runs (or one RUN's details) every second until Ctrl-C.
+
+    On a terminal the screen is redrawn; otherwise (a pipe, a file) each refresh is printed
+    after a `== time ==` line.
+    """
+    name, version = _task_filter(task)
+    tty = sys.stdout.isatty()
+
+    async def frame(engine: Engine) -> str:
+        if run_id is not None:
+            return _show_text(await engine.get(run_id))
+        page = await engine.list(task_name=name, version=version, status=status, limit=limit)
+        if not page.runs:
+            return "no runs"
+        counts: dict[str, int] = {}
+        for r in page.runs:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        return f"{_list_text(page.runs)}\n\n{len(page.runs)} shown: {summary}"
+
+    async def go() -> None:
+        async with open_engine(cfg) as engine:
+            done = 0
+            while True:
+                text = await frame(engine)
+                stamp = datetime.now().strftime("%H:%M:%S")
+                if tty:
+                    click.clear()
+                    where = f" - {cfg.where()}" if cfg.where() else ""
+                    click.echo(f"umt runs watch{where} - {stamp} (Ctrl-C stops)\n")
+                    click.echo(text)
+                else:
+                    click.echo(f"== {stamp} ==")
+                    click.echo(text)
+                done += 1
+                if iterations is not None and done >= iterations:
+                    return
+                await asyncio.sleep(interval.total_seconds())
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a watch ends
+        run(go(), cfg)

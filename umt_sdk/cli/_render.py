@@ -1,0 +1,264 @@
+"""How the command line shows runs: text tables for people, JSON for programs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from umt_sdk._spi import ErrorInfo, ExecutionRecord
+from umt_sdk._views import RunInfo, StepView
+
+
+def _shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _when(value: datetime | None, *, precise: bool = False) -> str:
+    if value is None:
+        return "-"
+    local = value.astimezone()
+    if precise:
+        return local.strftime("%H:%M:%S.%f")[:-3]
+    return local.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _took(start: datetime | None, end: datetime | None) -> str:
+    if start is None or end is None:
+        return "-"
+    seconds = (end - start).total_seconds()
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = [
+        indent + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _error_text(error: ErrorInfo | None) -> str:
+    if error is None:
+        return ""
+    return f"{error.type}: {error.message}" if error.message else error.type
+
+
+def _note(info: RunInfo) -> str:
+    if info.status == "waiting":
+        return f"waiting for fact {info.waiting_for!r}" if info.waiting_for else "sleeping"
+    if info.cancel_requested and info.status not in ("canceled",):
+        return f"cancel requested: {info.cancel_reason or ''}".rstrip(": ")
+    if info.status == "canceled":
+        return f"canceled: {info.cancel_reason}" if info.cancel_reason else "canceled"
+    if info.error is not None:
+        return _error_text(info.error)
+    return ""
+
+
+def _list_text(runs: Sequence[RunInfo]) -> str:
+    rows = [
+        [
+            str(r.run_id),
+            f"{r.task_name}@{r.task_version}",
+            r.display_status,
+            str(r.attempts),
+            str(r.failures),
+            _when(r.created_at),
+            _shorten(_note(r), 60),
+        ]
+        for r in runs
+    ]
+    return _table(["RUN", "TASK", "STATUS", "ATTEMPTS", "FAILURES", "CREATED", "NOTE"], rows)
+
+
+_MARK = "!"
+
+
+def _step_status(view: StepView) -> str:
+    return f"{view.status} {_MARK}" if view.status == "interrupted" else view.status
+
+
+def _step_note(view: StepView) -> str:
+    if view.status == "interrupted":
+        where = "at or before this step" if view.inferred else "cut off"
+        return f"{where}: lease lost (noticed {_when(view.finished_at, precise=True)})"
+    if view.status == "canceled" and view.kind == "step":
+        return "the cancel stopped it"
+    if view.status in ("canceled", "abandoned"):
+        return "the run ended while it waited"
+    if view.error is not None:
+        return _shorten(_error_text(view.error), 50)
+    if view.status == "waiting" and view.wake_at is not None:
+        return f"until {_when(view.wake_at)}"
+    return ""
+
+
+def _show_text(info: RunInfo) -> str:
+    interrupted = info.interrupted_attempts
+    attempts = f"{info.attempts}" + (f" ({interrupted} interrupted)" if interrupted else "")
+    fields: list[tuple[str, str]] = [
+        ("run", str(info.run_id)),
+        ("task", f"{info.task_name}@{info.task_version}"),
+        ("status", info.display_status),
+        ("priority", str(info.priority)),
+        ("attempts", attempts),
+        ("failures", str(info.failures)),
+        ("lease expirations", str(info.lease_expirations)),
+        ("created", _when(info.created_at)),
+        ("updated", _when(info.updated_at)),
+    ]
+    if info.finished_at is not None:
+        fields.append(("finished", _when(info.finished_at)))
+    if info.idempotency_key is not None:
+        fields.append(("idempotency key", info.idempotency_key))
+    if info.status == "waiting" and info.waiting_for:
+        fields.append(("waiting for", f"fact {info.waiting_for!r}"))
+    if info.status in ("pending", "waiting") and info.available_at is not None:
+        fields.append(("next attempt", _when(info.available_at)))
+    if info.lease_expired:
+        fields.append(
+            ("lease", f"expired {_when(info.lease_expires_at)}; waiting for a worker to claim it")
+        )
+    if info.cancel_requested:
+        fields.append(("cancel", f"requested: {info.cancel_reason or '(no reason)'}"))
+    if info.error is not None:
+        fields.append(("error", _error_text(info.error)))
+    if info.output_json is not None:
+        fields.append(("output", _shorten(info.output_json, 200)))
+    width = max(len(k) for k, _ in fields)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in fields]
+
+    lines += ["", "steps:"]
+    if info.timeline:
+        rows = [
+            [
+                v.name,
+                v.kind,
+                _step_status(v),
+                str(v.attempt),
+                str(v.fencing_token),
+                _when(v.started_at, precise=True),
+                "-" if v.status == "interrupted" else _took(v.started_at, v.finished_at),
+                _step_note(v),
+            ]
+            for v in info.timeline
+        ]
+        lines.append(
+            _table(
+                ["STEP", "KIND", "STATUS", "TRY", "TOKEN", "STARTED", "TOOK", "NOTE"],
+                rows,
+                indent="  ",
+            )
+        )
+    else:
+        lines.append("  (none yet)")
+
+    lines += ["", "attempts:"]
+    if info.executions:
+        lines.append(
+            _table(
+                ["TOKEN", "OUTCOME", "WORKER", "CLAIMED", "ENDED", "IN STEP"],
+                [_execution_row(e) for e in info.executions],
+                indent="  ",
+            )
+        )
+    else:
+        lines.append("  (not claimed yet)")
+    if any(v.status == "interrupted" for v in info.timeline) or interrupted:
+        lines += [
+            "",
+            f"{_MARK} interrupted: the attempt lost its lease (the worker crashed, froze or was "
+            "cut off) in the middle of this step; a later attempt ran it again.",
+        ]
+    return "\n".join(lines)
+
+
+def _execution_row(e: ExecutionRecord) -> list[str]:
+    outcome = f"{e.outcome} {_MARK}" if e.outcome == "interrupted" else e.outcome
+    return [
+        str(e.fencing_token),
+        outcome,
+        e.worker_id,
+        _when(e.claimed_at),
+        _when(e.ended_at),
+        e.current_step or "-",
+    ]
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _error_json(error: ErrorInfo | None) -> dict[str, str] | None:
+    if error is None:
+        return None
+    return {"type": error.type, "message": error.message, "traceback": error.traceback}
+
+
+def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "run_id": str(info.run_id),
+        "task": info.task_name,
+        "version": info.task_version,
+        "status": info.status,
+        "lease_expired": info.lease_expired,
+        "priority": info.priority,
+        "attempts": info.attempts,
+        "failures": info.failures,
+        "lease_expirations": info.lease_expirations,
+        "created_at": _iso(info.created_at),
+        "updated_at": _iso(info.updated_at),
+        "finished_at": _iso(info.finished_at),
+        "available_at": _iso(info.available_at),
+        "lease_expires_at": _iso(info.lease_expires_at),
+        "idempotency_key": info.idempotency_key,
+        "waiting_for": info.waiting_for,
+        "cancel_requested": info.cancel_requested,
+        "cancel_reason": info.cancel_reason,
+        "error": _error_json(info.error),
+        "output": info.output,
+    }
+    if detail:
+        data["interrupted_attempts"] = info.interrupted_attempts
+        data["timeline"] = [
+            {
+                "name": v.name,
+                "kind": v.kind,
+                "status": v.status,
+                "attempt": v.attempt,
+                "fencing_token": v.fencing_token,
+                "started_at": _iso(v.started_at),
+                "finished_at": _iso(v.finished_at),
+                "wake_at": _iso(v.wake_at),
+                "error": _error_json(v.error),
+                "inferred": v.inferred,
+            }
+            for v in info.timeline
+        ]
+        data["executions"] = [
+            {
+                "fencing_token": e.fencing_token,
+                "worker_id": e.worker_id,
+                "claimed_at": _iso(e.claimed_at),
+                "ended_at": _iso(e.ended_at),
+                "outcome": e.outcome,
+                "current_step": e.current_step,
+                "step_started_at": _iso(e.step_started_at),
+            }
+            for e in info.executions
+        ]
+    return data
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False)
