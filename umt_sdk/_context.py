@@ -4,28 +4,86 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import warnings
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextvars import ContextVar
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import Any, Generic, Protocol, TypeVar, overload
 from uuid import UUID
 
+from umt_sdk._names import check_name, inline_target
 from umt_sdk._retry import RetryPolicy
+from umt_sdk._spi import ClaimedRun
 from umt_sdk.exceptions import CanceledError
 
-if TYPE_CHECKING:
-    from umt_sdk._execution import Execution
-
-__all__ = ["StepApi", "SyncStepApi", "SyncTaskContext", "TaskContext", "current_execution"]
+__all__ = [
+    "Runner",
+    "StepApi",
+    "SyncStepApi",
+    "SyncTaskContext",
+    "TaskContext",
+    "current_execution",
+]
 
 I = TypeVar("I")
 R = TypeVar("R")
 T = TypeVar("T")
 
-_CURRENT: ContextVar[Execution | None] = ContextVar("umt_current_execution", default=None)
+
+class Runner(Protocol):
+    """What a task's context asks of the execution running it (`_execution.Execution`): the
+    one arrow between the two runs from the execution to the context, never back."""
+
+    @property
+    def claimed(self) -> ClaimedRun: ...
+    @property
+    def trace_id(self) -> str: ...
+    @property
+    def logger(self) -> logging.LoggerAdapter[logging.Logger]: ...
+    @property
+    def abort_event(self) -> asyncio.Event: ...
+    @property
+    def abort_reason(self) -> str | None: ...
+
+    def run_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Coroutine[Any, Any, Any]: ...
+
+    def run_step_from_thread(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any: ...
+
+    def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+    async def sleep(self, name: str, duration: timedelta) -> None: ...
+
+    async def wait_for_fact(
+        self,
+        name: str,
+        *,
+        timeout: timedelta | None,
+        check: Callable[[], Any] | None,
+        payload_type: Any,
+        poll: timedelta | None,
+    ) -> Any: ...
 
 
-def current_execution() -> Execution | None:
+_CURRENT: ContextVar[Runner | None] = ContextVar("umt_current_execution", default=None)
+
+
+def current_execution() -> Runner | None:
     """The execution running in this context, if any."""
     return _CURRENT.get()
 
@@ -35,7 +93,7 @@ class StepApi:
 
     __slots__ = ("_execution",)
 
-    def __init__(self, execution: Execution) -> None:
+    def __init__(self, execution: Runner) -> None:
         self._execution = execution
 
     @overload
@@ -78,9 +136,7 @@ class StepApi:
         The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
         parameter of either name.
         """
-        from umt_sdk._task import _check_name, inline_target
-
-        _check_name("step", name)
+        check_name("step", name)
         fn, declared, retry = inline_target(fn, retry)
         if output_type is None:
             output_type = declared
@@ -117,7 +173,7 @@ class SyncStepApi:
 
     __slots__ = ("_execution",)
 
-    def __init__(self, execution: Execution) -> None:
+    def __init__(self, execution: Runner) -> None:
         self._execution = execution
 
     def run(
@@ -132,9 +188,7 @@ class SyncStepApi:
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
-        from umt_sdk._task import _check_name, inline_target
-
-        _check_name("step", name)
+        check_name("step", name)
         fn, declared, retry = inline_target(fn, retry)
         if output_type is None:
             output_type = declared
@@ -166,7 +220,7 @@ class SyncStepApi:
 class _BaseContext(Generic[I]):
     __slots__ = ("_execution", "_input")
 
-    def __init__(self, execution: Execution, input: I) -> None:
+    def __init__(self, execution: Runner, input: I) -> None:
         self._execution = execution
         self._input = input
 
@@ -212,9 +266,17 @@ class _BaseContext(Generic[I]):
         return self._execution.logger
 
     @property
-    def cancelled(self) -> bool:
+    def canceled(self) -> bool:
         """True once the run's cancel was requested (or this attempt lost its lease)."""
         return self._execution.abort_event.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Deprecated spelling of `canceled` (umt writes "canceled" everywhere)."""
+        warnings.warn(
+            "ctx.cancelled is deprecated: use ctx.canceled", DeprecationWarning, stacklevel=2
+        )
+        return self.canceled
 
     @property
     def abort_reason(self) -> str | None:
@@ -244,7 +306,7 @@ class TaskContext(_BaseContext[I]):
 
     __slots__ = ("step",)
 
-    def __init__(self, execution: Execution, input: I) -> None:
+    def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
         self.step = StepApi(execution)
 
@@ -254,6 +316,6 @@ class SyncTaskContext(_BaseContext[I]):
 
     __slots__ = ("step",)
 
-    def __init__(self, execution: Execution, input: I) -> None:
+    def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
         self.step = SyncStepApi(execution)

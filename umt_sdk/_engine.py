@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, get_args, overload
 from uuid import UUID
 
 from attrs import field, frozen
@@ -18,6 +18,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from umt_sdk import _serde
+from umt_sdk._names import check_name
 from umt_sdk._plugins import PluginHost
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
@@ -49,9 +50,7 @@ __all__ = ["Engine", "RunHandle", "connect", "new_run_id"]
 I = TypeVar("I")
 O = TypeVar("O")
 
-_STATUSES: frozenset[str] = frozenset(
-    {"pending", "running", "waiting", "completed", "failed", "canceled"}
-)
+_STATUSES: frozenset[str] = frozenset(get_args(RunStatus))
 
 
 _last_run_id = 0
@@ -297,10 +296,8 @@ class Engine:
         when the run already had a fact of that name (the first payload stays). `run_id` must
         be a run's UUID (`UsageError` otherwise, None included); `broadcast` sends to all.
         """
-        from umt_sdk._task import _check_name
-
         run_id = _check_run_id(run_id, "signal")
-        _check_name("fact", name)
+        check_name("fact", name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         attributes = {"umt.run.id": str(run_id), "umt.fact.name": name}
         with self.telemetry.producer_span(f"umt.signal {name}", attributes) as span:
@@ -310,9 +307,7 @@ class Engine:
 
     async def broadcast(self, name: str, payload: Any = None) -> bool:
         """Store a fact every run can wait for by `name` (first write wins), and wake them."""
-        from umt_sdk._task import _check_name
-
-        _check_name("fact", name)
+        check_name("fact", name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         with self.telemetry.producer_span(f"umt.broadcast {name}", {"umt.fact.name": name}) as span:
             stored = await self.backend.signal(run_id=None, name=name, payload_json=payload_json)

@@ -18,13 +18,14 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from opentelemetry import trace
 
 from umt_sdk import _serde
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
 from umt_sdk._logging import RunLogger
+from umt_sdk._names import check_name
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import (
     Backend,
@@ -36,6 +37,7 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
 )
+from umt_sdk._task import TaskDefinition
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import (
     BackendError,
@@ -48,9 +50,6 @@ from umt_sdk.exceptions import (
     PayloadError,
     StepFailedError,
 )
-
-if TYPE_CHECKING:
-    from umt_sdk._task import TaskDefinition
 
 __all__ = ["Execution", "SimulatedCrash", "error_info"]
 
@@ -607,9 +606,7 @@ class Execution:
         payload_type: Any,
         poll: timedelta | None,
     ) -> Any:
-        from umt_sdk._task import _check_name
-
-        _check_name("fact", name)
+        check_name("fact", name)
         full = self._occurrence(name)
         last = self._last(full, "fact")
         if last is not None and last.status == "completed":

@@ -13,7 +13,7 @@ from attrs import frozen
 from umt_sdk import _serde
 from umt_sdk._context import current_execution
 from umt_sdk._execution import Execution, SimulatedCrash
-from umt_sdk._task import _hints, _unwrap_awaitable
+from umt_sdk._names import hints, unwrap_awaitable
 from umt_sdk.exceptions import BackendUnavailableError, FencingError, NotInTaskError
 
 _log = logging.getLogger("umt.fencing")
@@ -63,7 +63,7 @@ async def with_attempt_token(
     psycopg connection for Postgres, a `MemoryStore` for the memory backend).
     """
     execution = current_execution()
-    if execution is None:
+    if not isinstance(execution, Execution):
         raise NotInTaskError(
             f"with_attempt_token({op_key!r}) was called outside a running task; call it from a step"
         )
@@ -72,7 +72,7 @@ async def with_attempt_token(
             f"op_key must be a non-empty string such as 'submit:<plan id>', got {op_key!r}"
         )
     if result_type is None:
-        result_type = _unwrap_awaitable(_hints(fn).get("return", Any)) if _has_hints(fn) else Any
+        result_type = unwrap_awaitable(hints(fn).get("return", Any)) if _has_hints(fn) else Any
     ledger = execution.backend.ledger(conn)
     lease = execution.lease
     try:

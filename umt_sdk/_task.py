@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import re
 import typing
-import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
-import cattrs
 from attrs import frozen
 
+from umt_sdk._context import SyncTaskContext, TaskContext, current_execution
+from umt_sdk._names import check_name, check_storable, hints, unwrap_awaitable
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
 from umt_sdk.exceptions import NotInTaskError, TaskDefinitionError, UnknownTaskError
@@ -37,83 +35,6 @@ DEFAULT_MAX_LOST_LEASES = 10
 """How many times a run may lose its lease without recording a step before it fails: enough to
 ride out deploys, node losses and database restarts, few enough that a run which kills its
 worker every time (an OOM, a segfault) ends within minutes, not never."""
-
-_NAME = re.compile(r"^[A-Za-z0-9_.:\-/]{1,200}$")
-
-
-def _check_name(kind: str, name: object) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise TaskDefinitionError(
-            f"{kind} name must be 1-200 characters of letters, digits and _ . : - /, got {name!r}"
-        )
-    if "#" in name:  # pragma: no cover - excluded by the pattern; kept for the reader
-        raise TaskDefinitionError(f"{kind} name must not contain '#': umt uses it for repeats")
-    return name
-
-
-def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(fn)
-    except Exception as exc:
-        raise TaskDefinitionError(
-            f"cannot resolve the type annotations of {fn.__qualname__}: {exc}"
-        ) from exc
-
-
-def _check_storable(type_: Any, what: str) -> None:
-    """Refuse, when decorated, a type that the payload converter cannot decode (`object`, a
-    plain class, `list[object]`...): otherwise the run completes and only `result()` or a
-    replay fails. `Any` (JSON as it is) is allowed."""
-    if type_ is Any:
-        return
-    from umt_sdk._serde import _converter
-
-    try:
-        _converter.get_structure_hook(type_)
-    except cattrs.errors.StructureHandlerNotFoundError as exc:
-        raise TaskDefinitionError(
-            f"{what} is {_type_name(type_)}, which umt cannot store and read back ({exc}); "
-            "use attrs classes, dataclasses, primitives, datetimes, UUIDs, lists and dicts of "
-            "those, or Any for plain JSON"
-        ) from exc
-    except Exception:  # not decidable yet (a forward reference): decoding will say
-        return
-
-
-def _type_name(type_: Any) -> str:
-    return (
-        type_.__qualname__
-        if isinstance(type_, type) and not typing.get_args(type_)
-        else repr(type_)
-    )
-
-
-_OUTPUT_TYPES: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
-
-
-def output_type_of(fn: Callable[..., Any]) -> Any:
-    """The return annotation of `fn` (awaitables unwrapped; Any if none), cached per function:
-    inline steps ask for it on every call."""
-    try:
-        return _OUTPUT_TYPES[fn]
-    except (KeyError, TypeError):
-        pass
-    if getattr(fn, "__annotations__", None):
-        found = _unwrap_awaitable(_hints(fn).get("return", Any))
-        _check_storable(found, f"the return type of step function {fn.__qualname__}")
-    else:
-        found = Any
-    with contextlib.suppress(TypeError):  # not weak-referenceable (a builtin): not cached
-        _OUTPUT_TYPES[fn] = found
-    return found
-
-
-def _unwrap_awaitable(tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Coroutine, Awaitable, typing.Coroutine, typing.Awaitable):
-        args = typing.get_args(tp)
-        return args[-1] if args else Any
-    return tp
 
 
 @frozen(kw_only=True, eq=False)
@@ -141,15 +62,10 @@ class TaskDefinition(Generic[I, O]):
 class _TaskDecorator(Protocol):
     @overload
     def __call__(
-        self, fn: Callable[[_AsyncCtx[I]], Coroutine[Any, Any, O]]
+        self, fn: Callable[[TaskContext[I]], Coroutine[Any, Any, O]]
     ) -> TaskDefinition[I, O]: ...
     @overload
-    def __call__(self, fn: Callable[[_SyncCtx[I]], O]) -> TaskDefinition[I, O]: ...
-
-
-if typing.TYPE_CHECKING:
-    from umt_sdk._context import SyncTaskContext as _SyncCtx
-    from umt_sdk._context import TaskContext as _AsyncCtx
+    def __call__(self, fn: Callable[[SyncTaskContext[I]], O]) -> TaskDefinition[I, O]: ...
 
 
 def task(
@@ -175,7 +91,7 @@ def task(
             froze past the lease while running it), instead of being started again: a fault
             that repeats must not loop forever. Default 10; must be >= 1.
     """
-    _check_name("task", name)
+    check_name("task", name)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise TaskDefinitionError(
             f"task {name!r}: version must be an integer >= 1, got {version!r}"
@@ -194,8 +110,6 @@ def task(
         )
 
     def decorate(fn: Callable[..., Any]) -> TaskDefinition[Any, Any]:
-        from umt_sdk._context import SyncTaskContext, TaskContext
-
         if isinstance(fn, TaskDefinition):
             raise TaskDefinitionError(f"{fn!r} is already a task; apply @task once")
         if not callable(fn):
@@ -207,8 +121,8 @@ def task(
                 f"task {name!r}: the handler takes exactly one parameter, the context "
                 f"(ctx: TaskContext[Input]); {fn.__qualname__} takes {len(params)}"
             )
-        hints = _hints(fn)
-        ctx_hint = hints.get(params[0].name)
+        found = hints(fn)
+        ctx_hint = found.get(params[0].name)
         expected = TaskContext if is_async else SyncTaskContext
         origin = typing.get_origin(ctx_hint) or ctx_hint
         if origin is not expected:
@@ -219,9 +133,9 @@ def task(
             )
         args = typing.get_args(ctx_hint)
         input_type = args[0] if args else Any
-        output_type = hints.get("return", Any)
-        _check_storable(input_type, f"task {name!r}: the input type of {fn.__qualname__}")
-        _check_storable(output_type, f"task {name!r}: the output type of {fn.__qualname__}")
+        output_type = found.get("return", Any)
+        check_storable(input_type, f"task {name!r}: the input type of {fn.__qualname__}")
+        check_storable(output_type, f"task {name!r}: the output type of {fn.__qualname__}")
         return TaskDefinition(
             name=name,
             version=version,
@@ -241,28 +155,17 @@ class _StepBase(Generic[P, R]):
         self.name = name
         self.fn = fn
         self.retry = retry
-        self.output_type = _unwrap_awaitable(_hints(fn).get("return", Any))
-        _check_storable(self.output_type, f"step {name!r}: the return type of {fn.__qualname__}")
+        self.output_type = unwrap_awaitable(hints(fn).get("return", Any))
+        check_storable(self.output_type, f"step {name!r}: the return type of {fn.__qualname__}")
         functools.update_wrapper(typing.cast(Any, self), fn)
+        # What `ctx.step.run(name, this, ...)` runs instead (see `_names.inline_target`).
+        self.__umt_step__ = (fn, self.output_type, retry)
 
     def __repr__(self) -> str:
         return f"<step {self.name!r} ({self.fn.__qualname__})>"
 
 
-def inline_target(
-    fn: Callable[..., Any], retry: RetryPolicy | None
-) -> tuple[Callable[..., Any], Any, RetryPolicy | None]:
-    """What `ctx.step.run(name, fn, ...)` runs: a decorated step passes its plain function, its
-    output type and (unless `retry` overrides it) its retry policy; other callables run as
-    they are. Calling the decorated step itself there would start a step inside the step."""
-    if isinstance(fn, _StepBase):
-        return fn.fn, fn.output_type, retry if retry is not None else fn.retry
-    return fn, output_type_of(fn), retry
-
-
 def _current_or_raise(step_name: str) -> Any:
-    from umt_sdk._context import current_execution
-
     execution = current_execution()
     if execution is None:
         raise NotInTaskError(
@@ -333,7 +236,7 @@ def step(name: str, *, retry: RetryPolicy | None = None) -> _StepDecorator:
             name again in one execution records `name#2`, `name#3`, ...
         retry: overrides the task's retry policy for this step.
     """
-    _check_name("step", name)
+    check_name("step", name)
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise TaskDefinitionError(f"step {name!r}: retry must be a RetryPolicy, got {retry!r}")
 

@@ -205,3 +205,75 @@ def test_the_sdk_and_its_cli_import_without_any_backend_or_driver() -> None:
     assert "worker" in commands, commands
     assert "enqueue" in commands, commands
     assert loaded == "[]", f"imported below the SDK: {loaded}"
+
+
+# -- inside the SDK: no circle ------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sdk_import_graph() -> dict[str, set[str]]:
+    """module -> the umt_sdk modules it imports anywhere in its text (function-local and
+    TYPE_CHECKING imports included: a circle dodged by either is still a circle)."""
+    modules = {_module_name(p): p for p in _sdk_files()}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(
+                        [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
+                    ).strip(".")
+                # `from umt_sdk import _serde` imports the submodule, not the package's face.
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _a_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_sdk_modules_import_each_other_without_a_circle() -> None:
+    graph = sdk_import_graph()
+    assert "umt_sdk._context" in graph["umt_sdk._task"], "the graph is read"
+    circle = _a_circle(graph)
+    assert circle is None, " -> ".join(circle or [])
+
+
+def test_the_circle_finder_finds_one() -> None:
+    assert _a_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_circle({"a": {"b"}, "b": set()}) is None
