@@ -395,13 +395,7 @@ class MemoryBackend:
         executions: list[ExecutionRecord] = []
         if full:
             for e in run.executions:
-                outcome = e.outcome
-                if (
-                    outcome == "running"
-                    and run.lease_expires_at is not None
-                    and run.lease_expires_at <= now
-                ):
-                    outcome = "interrupted"
+                outcome = e.outcome  # as stored: the SDK reads a lapsed `running` (`_views`)
                 executions.append(
                     ExecutionRecord(
                         fencing_token=e.fencing_token,
