@@ -49,7 +49,6 @@ from umt_sdk.backend import (
 from umt_sdk.exceptions import (
     BackendError,
     FencingError,
-    IdempotencyConflictError,
     RunNotFoundError,
 )
 
@@ -448,16 +447,11 @@ class MemoryBackend:
                 existing_id = self._by_key.get((new.task_name, new.idempotency_key))
                 if existing_id is not None:
                     existing = self._runs[existing_id]
-                    if existing.input_hash != new.input_hash:
-                        raise IdempotencyConflictError(
-                            f"idempotency key {new.idempotency_key!r} of task {new.task_name!r} "
-                            f"already names run {existing_id} with a different input; use a new "
-                            "key for a different input",
-                            idempotency_key=new.idempotency_key,
-                            run_id=existing_id,
-                        )
                     return EnqueueResult(
-                        run_id=existing_id, created=False, task_version=existing.task_version
+                        run_id=existing_id,
+                        created=False,
+                        task_version=existing.task_version,
+                        input_hash=existing.input_hash,
                     )
             now = self.clock.now()
             run = _Run(

@@ -370,15 +370,12 @@ class PostgresBackend:
                 idempotency_key=new.idempotency_key or "",
             )
         existing_id, existing_hash, existing_version = row
-        if existing_hash != new.input_hash:
-            raise IdempotencyConflictError(
-                f"idempotency key {new.idempotency_key!r} of task {new.task_name!r} already "
-                f"names run {existing_id} with a different input; use a new key for a "
-                "different input",
-                idempotency_key=new.idempotency_key or "",
-                run_id=existing_id,
-            )
-        return EnqueueResult(run_id=existing_id, created=False, task_version=existing_version)
+        return EnqueueResult(
+            run_id=existing_id,
+            created=False,
+            task_version=existing_version,
+            input_hash=existing_hash,
+        )
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta

@@ -236,24 +236,23 @@ class Engine:
             "umt.priority": priority,
         }
         with self.telemetry.producer_span(f"umt.enqueue {definition.name}", attributes) as span:
-            result = await self.backend.enqueue(
-                NewRun(
-                    run_id=run_id,
-                    task_name=definition.name,
-                    task_version=definition.version,
-                    input_json=input_json,
-                    input_hash=_serde.input_hash(input_json),
-                    priority=priority,
-                    idempotency_key=idempotency_key,
-                    delay=delay,
-                    trace_context=self.telemetry.inject(),
-                ),
-                conn=conn,
+            new = NewRun(
+                run_id=run_id,
+                task_name=definition.name,
+                task_version=definition.version,
+                input_json=input_json,
+                input_hash=_serde.input_hash(input_json),
+                priority=priority,
+                idempotency_key=idempotency_key,
+                delay=delay,
+                trace_context=self.telemetry.inject(),
             )
+            result = await self.backend.enqueue(new, conn=conn)
             span.set_attribute("umt.run.id", str(result.run_id))
             span.set_attribute("messaging.message.id", str(result.run_id))
             span.set_attribute("umt.run.created", result.created)
             if not result.created:
+                self._check_key_input(result, new)
                 await self._check_key_version(result, definition, idempotency_key)
         if result.created:
             self.telemetry.runs_enqueued.add(
@@ -267,6 +266,18 @@ class Engine:
             engine=self,
             output_type=definition.output_type,
         )
+
+    @staticmethod
+    def _check_key_input(result: EnqueueResult, new: NewRun) -> None:
+        """An idempotency hit must hold the same input: a key names one run of one input."""
+        if result.input_hash is not None and result.input_hash != new.input_hash:
+            raise IdempotencyConflictError(
+                f"idempotency key {new.idempotency_key!r} of task {new.task_name!r} already "
+                f"names run {result.run_id} with a different input; use a new key for a "
+                "different input",
+                idempotency_key=new.idempotency_key or "",
+                run_id=result.run_id,
+            )
 
     async def _check_key_version(
         self, result: EnqueueResult, definition: TaskDefinition[Any, Any], key: str | None

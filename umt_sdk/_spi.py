@@ -139,6 +139,10 @@ class EnqueueResult:
     task_version: int | None = None
     """The version of the run (the existing one's when not `created`). None: the backend does
     not say, and the engine reads the run to check that the key names the version asked for."""
+    input_hash: str | None = None
+    """When not `created`: the stored input hash of the run the key names. The engine refuses
+    the enqueue (`IdempotencyConflictError`) when it is not the new run's: the backend stores
+    and reports, the SDK decides. None: the backend does not say."""
 
 
 @frozen(kw_only=True)

@@ -595,7 +595,11 @@ class BackendContract:
         assert two.run_id == one.run_id
         assert one.created
         assert not two.created
-        with pytest.raises(IdempotencyConflictError) as caught:
+        with pytest.raises(
+            IdempotencyConflictError,
+            match=r"'plan:i' of task 'contract.echo' already names run .* with a "
+            "different input; use a new key",
+        ) as caught:
             await engine.enqueue(echo_task_v2, Job(key="other"), idempotency_key="plan:i")
         assert caught.value.run_id == one.run_id
         assert len(await engine.list()) == 1
