@@ -9,6 +9,8 @@ from umt_backend_memory import MemoryStore, MemoryTransaction
 from umt_sdk import Engine, Registry, connect
 from umt_sdk.testing import BackendContract, FakeClock
 
+pytestmark = pytest.mark.backend("memory")
+
 
 class MemoryHarness:
     lease = timedelta(seconds=1)

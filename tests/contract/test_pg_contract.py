@@ -5,6 +5,8 @@ import pytest
 from tests.fixtures.pg import PostgresHarness
 from umt_sdk.testing import BackendContract
 
+pytestmark = pytest.mark.backend("pg")
+
 
 class TestPostgresBackend(BackendContract):
     @pytest.fixture
