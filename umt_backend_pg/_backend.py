@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -145,6 +146,7 @@ class PostgresBackend:
         self._wanted: frozenset[str] | None = None
         self._cancel_listeners: list[Callable[[UUID, str], None]] = []
         self._same_database: dict[tuple[str, int, str], bool] = {}
+        self._ledger_checked: set[tuple[str, int, str]] = set()
         self._closed = False
         self._checkpoints: list[tuple[Lease, StepRecord, asyncio.Future[bool]]] = []
         self._flushing = False
@@ -792,24 +794,54 @@ class PostgresBackend:
             )
         return PostgresLedger(self, conn)
 
-    async def _engine_database(self, conn: psycopg.AsyncConnection[Any]) -> bool:
-        """Whether `conn` is on the engine's database (cached per database)."""
+    async def shares_database_with(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Whether `conn` is on the engine's database: the same server and the same database.
+
+        Asked, not guessed from names: `conn` takes a session advisory lock on two random keys
+        and releases it at once, and the engine's pool looks for that lock, held by that
+        backend process, in its own database (locks belong to one server and one database).
+        Another database that happens to hold a schema of the same name answers False. The
+        answer is cached per (host, port, database) of `conn`. Used by the ledger and the
+        outbox alike.
+        """
         info = conn.info
         where = (info.host, info.port, info.dbname)
         same = self._same_database.get(where)
         if same is None:
+            keys = {"k1": secrets.randbelow(2**31 - 1) + 1, "k2": secrets.randbelow(2**31 - 1) + 1}
             with wrap_exceptions():
-                cur = await conn.execute(self._q["engine_tables_here"])
+                cur = await conn.execute(self._q["probe_lock"], keys)
                 row = await cur.fetchone()
-                if row is None or not row[1]:
-                    raise BackendError(
-                        f"no operation ledger in schema {self.schema!r} of database "
-                        f"{info.dbname!r}: install it there with umt_backend_pg.install_ledger"
-                        f"(conn, schema={self.schema!r}), or use a connection to the "
-                        "engine's database"
-                    )
-                same = bool(row[0])
+                assert row is not None
+                try:
+                    async with self._pool.connection() as engine_conn:
+                        cur = await engine_conn.execute(
+                            self._q["probe_see"], {**keys, "pid": row[1]}
+                        )
+                        seen = await cur.fetchone()
+                finally:
+                    await conn.execute(self._q["probe_unlock"], keys)
+            same = bool(seen and seen[0])
             self._same_database[where] = same
+        return same
+
+    async def _ledger_database(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Whether the ledger on `conn` is in the engine's database; refuses a database
+        without a ledger, saying how to install one."""
+        same = await self.shares_database_with(conn)
+        where = (conn.info.host, conn.info.port, conn.info.dbname)
+        if where not in self._ledger_checked:
+            with wrap_exceptions():
+                cur = await conn.execute(self._q["ledger_here"])
+                row = await cur.fetchone()
+            if row is None or not row[0]:
+                raise BackendError(
+                    f"no operation ledger in schema {self.schema!r} of database "
+                    f"{conn.info.dbname!r}: install it there with umt_backend_pg.install_ledger"
+                    f"(conn, schema={self.schema!r}), or use a connection to the "
+                    "engine's database"
+                )
+            self._ledger_checked.add(where)
         return same
 
     async def close(self) -> None:
@@ -853,7 +885,7 @@ class PostgresLedger:
         self._conn = conn
 
     async def _holds_run(self, params: Mapping[str, Any]) -> bool:
-        if await self._backend._engine_database(self._conn):
+        if await self._backend._ledger_database(self._conn):
             cur = await self._conn.execute(self._backend._q["ledger_check_run"], params)
             return await cur.fetchone() is not None
         return await self._backend._one("ledger_check_run", params) is not None

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
@@ -608,18 +607,8 @@ class OutboxRelay:
                     f"{type(backend).__name__}"
                 )
             return False
-        k1, k2 = secrets.randbelow(2**31 - 1) + 1, secrets.randbelow(2**31 - 1) + 1
         async with conn.transaction():
-            cur = await conn.execute(self._q["probe_lock"], {"k1": k1, "k2": k2})
-            row = await cur.fetchone()
-            assert row is not None
-            pid = row[1]
-            async with backend._pool.connection() as engine_conn:
-                cur = await engine_conn.execute(
-                    self._q["probe_see"], {"k1": k1, "k2": k2, "pid": pid}
-                )
-                seen = await cur.fetchone()
-        same = bool(seen and seen[0])
+            same = await backend.shares_database_with(conn)
         if self.mode == "same_database" and not same:
             raise ValueError(
                 "mode='same_database', but the relay's connection and the engine's backend are "

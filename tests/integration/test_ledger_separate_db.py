@@ -141,3 +141,38 @@ async def test_separate_database_commits_once_and_refuses_the_stale_attempt(
     assert RESUMED == [False, True], RESUMED
     assert ACTIONS == {1: 1, 2: 1}, f"actions per attempt: {dict(ACTIONS)}"
     assert receipt == f"paid-{executions[-1].fencing_token}", "the takeover's receipt"
+
+
+async def test_a_database_with_a_copy_of_the_engine_schema_is_not_the_engine_database(
+    pg_url: str, pg_schema: str, business_db: str
+) -> None:
+    """The ledger and the outbox ask `shares_database_with` (an advisory lock the engine's pool
+    must see), never whether a `<schema>.runs` table exists: a business database that holds
+    another umt install under the same schema name is still another database, and the fence
+    must read the engine's runs, not that copy's."""
+    from umt_backend_pg import PostgresBackend, migrate
+
+    await migrate(business_db, schema=pg_schema)  # the same schema name, runs table and all
+    engine = await connect(pg_url, registry=Registry([pay]), schema=pg_schema)
+    try:
+        backend = engine.backend
+        assert isinstance(backend, PostgresBackend)
+        async with await psycopg.AsyncConnection.connect(business_db) as other:
+            assert await backend.shares_database_with(other) is False
+            await other.rollback()
+            cur = await other.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+            assert await cur.fetchone() == (0,), "the probe's lock is released at once"
+        async with (
+            await psycopg.AsyncConnection.connect(pg_url) as same,
+            same.transaction(),  # inside the caller's transaction too
+        ):
+            assert await backend.shares_database_with(same) is True
+        # And the fenced payment against that business database still fences on the engine.
+        ACTIONS.clear()
+        GATES.clear()
+        handle = await engine.enqueue(pay, Order("copy"))
+        async with engine.worker():
+            assert (await handle.result(timeout=20)).startswith("paid-")
+        assert [k for k, _ in await _payments(business_db)] == ["copy"]
+    finally:
+        await engine.close()

@@ -110,14 +110,3 @@ SELECT 1;
 SELECT greatest(extract(epoch FROM min(next_attempt_at) - now()), 0)::float8
 FROM {schema}.{table}
 WHERE status = 'pending';
-
--- name: probe_lock
-SELECT pg_advisory_xact_lock(%(k1)s::integer, %(k2)s::integer), pg_backend_pid();
-
--- name: probe_see
-SELECT EXISTS (
-    SELECT 1 FROM pg_locks l
-    WHERE l.locktype = 'advisory' AND l.pid = %(pid)s AND l.granted
-      AND l.classid = %(k1)s::integer::oid AND l.objid = %(k2)s::integer::oid AND l.objsubid = 2
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-);

@@ -353,9 +353,27 @@ WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
 ORDER BY id DESC
 LIMIT %(limit)s;
 
--- name: engine_tables_here
--- Is this connection on the engine's database (its runs table is here), and is there a ledger?
-SELECT to_regclass('{schema}.runs') IS NOT NULL, to_regclass('{schema}.op_ledger') IS NOT NULL;
+-- name: ledger_here
+-- Is there an operation ledger in this connection's database?
+SELECT to_regclass('{schema}.op_ledger') IS NOT NULL;
+
+-- name: probe_lock
+-- `shares_database_with`: a session advisory lock on the caller's connection (two random keys;
+-- a session lock, not a transaction one, so it can be released at once inside a transaction).
+SELECT pg_advisory_lock(%(k1)s::integer, %(k2)s::integer), pg_backend_pid();
+
+-- name: probe_unlock
+SELECT pg_advisory_unlock(%(k1)s::integer, %(k2)s::integer);
+
+-- name: probe_see
+-- Run on the engine's pool: does it see that lock, held by that backend, in its own database?
+-- Advisory locks belong to one server and one database, so only the same database sees it.
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.pid = %(pid)s AND l.granted
+      AND l.classid = %(k1)s::integer::oid AND l.objid = %(k2)s::integer::oid AND l.objsubid = 2
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+);
 
 -- name: ledger_check_run
 -- Is the run still held under the attempt's token? A plain read, never a lock: a lock on the
