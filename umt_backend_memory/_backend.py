@@ -394,7 +394,13 @@ class MemoryBackend:
         executions: list[ExecutionRecord] = []
         if full:
             for e in run.executions:
-                outcome = e.outcome  # as stored: the SDK reads a lapsed `running` (`_views`)
+                outcome = e.outcome
+                if (
+                    outcome == "running"
+                    and run.lease_expires_at is not None
+                    and run.lease_expires_at <= now
+                ):
+                    outcome = "interrupted"
                 executions.append(
                     ExecutionRecord(
                         fencing_token=e.fencing_token,

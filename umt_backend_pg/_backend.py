@@ -692,7 +692,13 @@ class PostgresBackend:
         now = row["db_now"]
         records = []
         for e in executions:
-            outcome = e["outcome"]  # as stored: the SDK reads a lapsed `running` (`_views`)
+            outcome = e["outcome"]
+            if outcome == "running" and (
+                e["fencing_token"] != row["fencing_token"]
+                or row["status"] != "running"
+                or (row["lease_expires_at"] is not None and row["lease_expires_at"] <= now)
+            ):
+                outcome = "interrupted"
             records.append(
                 ExecutionRecord(
                     fencing_token=e["fencing_token"],

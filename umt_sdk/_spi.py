@@ -228,10 +228,7 @@ class Fact:
 
 @frozen(kw_only=True)
 class ExecutionRecord:
-    """One claim of a run, and how it ended, as stored: a backend reports the outcome it
-    wrote (`running` until the execution's ending write or a takeover marks it). Whether a
-    `running` one reads `interrupted` (it lost the run, or its lease lapsed) is the SDK's
-    rule (`umt_sdk._views.execution_outcome`), not the backend's."""
+    """One claim of a run, and how it ended."""
 
     fencing_token: int
     worker_id: str

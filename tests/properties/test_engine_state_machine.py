@@ -73,7 +73,6 @@ from umt_sdk import (
     with_attempt_token,
 )
 from umt_sdk._context import current_execution
-from umt_sdk._views import with_execution_outcomes
 from umt_sdk.backend import TERMINAL_STATUSES, RunRecord, StepRecord
 from umt_sdk.testing import FakeClock, freeze_heartbeats, simulate_crash
 
@@ -747,8 +746,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.loop_errors, self.loop_errors
         now = self.clock.now()
         facts = {(f.run_id, f.name) for f in self.backend.facts()}
-        # The runs as the SDK reads them (a lapsed `running` execution reads `interrupted`).
-        records = [with_execution_outcomes(r) for r in self.backend.runs()]
+        records = self.backend.runs()
         assert {r.run_id for r in records} == set(self.models)
         all_tokens: list[int] = []
         for run in records:
@@ -896,7 +894,7 @@ class EngineMachine(RuleBasedStateMachine):
                 for w in self.workers
             ]
             raise AssertionError(f"runs did not finish at {self.clock.now()}: {stuck}; {loops}")
-        records = [with_execution_outcomes(r) for r in self.backend.runs()]
+        records = self.backend.runs()
         for run in records:
             self._check_final(run)
         if not currently_in_test_context():
