@@ -10,7 +10,7 @@ transactional outbox: `install_outbox` / `outbox_ddl` for the business database,
 from umt_backend_pg._backend import PostgresBackend, PostgresLedger, install_ledger
 from umt_backend_pg._embedded import database_url, start_embedded
 from umt_backend_pg._migrate import migrate, pending_migrations_sql
-from umt_backend_pg._outbox import (
+from umt_backend_pg.outbox import (
     DispatchReport,
     OutboxRelay,
     insert_outbox_event,

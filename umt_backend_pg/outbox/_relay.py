@@ -1,27 +1,4 @@
-"""The transactional outbox: business transactions write events, a relay turns them into runs.
-
-The business code inserts an `outbox_event` row in the same transaction as the business change
-(`insert_outbox_event`, or a plain INSERT). An `OutboxRelay` claims due `pending` rows with
-`FOR UPDATE SKIP LOCKED`, routes each by its `type` to a task, enqueues a run under the row's
-idempotency key, and marks the row `dispatched` (a run of that task, version and input exists
-under the key), or schedules a retry with exponential backoff, or marks it `dead`.
-
-The default key is `outbox:<install id>:<schema>.<table>:<id>`: the install id is drawn at
-random once per outbox table when it is installed (`umt_outbox_installs`), so the events of two
-outbox tables, or of two business databases routed to one engine, never share a key.
-
-Two layouts:
-- same database (the engine's schema lives in the business database): the enqueue runs on the
-  relay's own transaction (`engine.enqueue(..., conn=...)`), so the run and the row's new status
-  commit together: a crash loses both or neither.
-- two databases: the enqueue commits in the engine's database first, then the row is marked;
-  a crash in between leaves the row pending, and the next dispatch finds the run already there
-  under the same idempotency key (no second run).
-`mode="auto"` finds out which applies when the relay first connects: it takes a random advisory
-lock on its connection and asks the engine's pool whether it sees that lock, held by that
-backend, in its own database (locks are per server and per database, so only the same database
-of the same server sees it).
-"""
+"""The outbox relay: claims due rows, routes them to tasks, enqueues, marks them."""
 
 from __future__ import annotations
 
@@ -41,11 +18,11 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
 from psycopg import sql
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from umt_backend_pg._backend import PostgresBackend
-from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
+from umt_backend_pg._sql import blocks
+from umt_backend_pg.outbox._schema import channel_name, outbox_sql
 from umt_sdk import Engine, TaskDefinition
 from umt_sdk.exceptions import (
     BackendError,
@@ -54,13 +31,7 @@ from umt_sdk.exceptions import (
     PayloadError,
 )
 
-__all__ = [
-    "DispatchReport",
-    "OutboxRelay",
-    "install_outbox",
-    "insert_outbox_event",
-    "outbox_ddl",
-]
+__all__ = ["DispatchReport", "OutboxRelay"]
 
 _log = logging.getLogger("umt.outbox")
 
@@ -69,102 +40,10 @@ Route: TypeAlias = "TaskRef | tuple[TaskRef, Callable[[Any], Any]]"
 RelayMode: TypeAlias = Literal["auto", "same_database", "separate"]
 ConnOrPool: TypeAlias = "str | psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any]"
 
-_MAX_TABLE_NAME = 56  # leaves room for the derived `<table>_claim` / `<table>_notify` names
-
-
-def _names(schema: str, table: str) -> dict[str, str]:
-    validate_identifier(schema, "schema")
-    validate_identifier(table, "table")
-    if len(table) > _MAX_TABLE_NAME:
-        raise ValueError(f"table must be at most {_MAX_TABLE_NAME} characters, got {table!r}")
-    return {
-        "schema": schema,
-        "table": table,
-        "index": f"{table}_claim",
-        "function": f"{table}_notify",
-        "trigger": f"{table}_notify",
-    }
-
-
-def _sql(block: str, schema: str, table: str) -> str:
-    names = _names(schema, table)  # validated identifiers
-    text = blocks("outbox.sql")[block]
-    if "{table_name}" not in text:
-        return render_identifiers(text, **names)
-    composed = sql.SQL(text).format(  # our own .sql file, never input
-        **{name: sql.Identifier(value) for name, value in names.items()},
-        table_name=sql.Literal(table),
-    )
-    return composed.as_string(None)
-
 
 def _backoff(failures: int) -> float:
     """The relay's pause after its n-th failure in a row: 0.4 s doubling, at most 30 s."""
     return float(min(0.2 * 2 ** min(failures, 8), 30.0))
-
-
-def channel_name(schema: str, table: str) -> str:
-    """The NOTIFY channel of the insert trigger (as the trigger computes it)."""
-    _names(schema, table)
-    return f"{schema}.{table}"[:63]
-
-
-def outbox_ddl(*, schema: str = "public", table: str = "outbox_event") -> str:
-    """The SQL that creates the outbox table, its claim index and its insert trigger.
-
-    For projects that run their own migrations; idempotent (IF NOT EXISTS / OR REPLACE).
-    """
-    return _sql("ddl", schema, table)
-
-
-async def install_outbox(
-    conn: psycopg.AsyncConnection[Any], *, schema: str = "public", table: str = "outbox_event"
-) -> None:
-    """Apply `outbox_ddl(schema=..., table=...)` on `conn` (your business database), in one
-    transaction under an advisory lock, so concurrent installs are safe; applying it again
-    changes nothing, except that it adds what an older version of the DDL lacked (the
-    table's install id in `<schema>.umt_outbox_installs`)."""
-    if not isinstance(conn, psycopg.AsyncConnection):
-        raise TypeError(
-            f"install_outbox takes a psycopg.AsyncConnection, got {type(conn).__name__}"
-        )
-    ddl = outbox_ddl(schema=schema, table=table)
-    async with conn.transaction():
-        await conn.execute(
-            _sql("install_lock", schema, table), {"key": f"umt-outbox:{schema}.{table}"}
-        )
-        await conn.execute(ddl)
-
-
-async def insert_outbox_event(
-    conn: psycopg.AsyncConnection[Any],
-    type: str,
-    payload: Mapping[str, Any] | None = None,
-    *,
-    idempotency_key: str | None = None,
-    schema: str = "public",
-    table: str = "outbox_event",
-) -> int:
-    """Insert an outbox row on `conn` (inside your business transaction) and return its id.
-
-    The current trace context (W3C headers), if any, is stored with the row: the relay's
-    dispatch span links to it.
-    """
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    cur = await conn.execute(
-        _sql("insert_event", schema, table),
-        {
-            "type": type,
-            "payload": Jsonb(dict(payload or {})),
-            "idempotency_key": idempotency_key,
-            "trace_context": Jsonb(carrier) if carrier else None,
-        },
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    event_id: int = row[0]
-    return event_id
 
 
 @frozen(kw_only=True)
@@ -306,7 +185,7 @@ class OutboxRelay:
         self.engine = engine
         self.schema = schema
         self.table = table
-        self._q = {name: _sql(name, schema, table) for name in blocks("outbox.sql")}
+        self._q = {name: outbox_sql(name, schema, table) for name in blocks("outbox.sql")}
         self.channel = channel_name(schema, table)
         self.routes: dict[str, tuple[TaskRef, Callable[[Any], Any] | None]] = {}
         for event_type, route in routes.items():

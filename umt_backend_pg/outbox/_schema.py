@@ -1,0 +1,107 @@
+"""The outbox table: its DDL (`outbox_ddl`, `install_outbox`) and the business side's insert."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from opentelemetry import propagate
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
+
+__all__ = ["channel_name", "insert_outbox_event", "install_outbox", "outbox_ddl", "outbox_sql"]
+
+_MAX_TABLE_NAME = 56  # leaves room for the derived `<table>_claim` / `<table>_notify` names
+
+
+def _names(schema: str, table: str) -> dict[str, str]:
+    validate_identifier(schema, "schema")
+    validate_identifier(table, "table")
+    if len(table) > _MAX_TABLE_NAME:
+        raise ValueError(f"table must be at most {_MAX_TABLE_NAME} characters, got {table!r}")
+    return {
+        "schema": schema,
+        "table": table,
+        "index": f"{table}_claim",
+        "function": f"{table}_notify",
+        "trigger": f"{table}_notify",
+    }
+
+
+def outbox_sql(block: str, schema: str, table: str) -> str:
+    names = _names(schema, table)  # validated identifiers
+    text = blocks("outbox.sql")[block]
+    if "{table_name}" not in text:
+        return render_identifiers(text, **names)
+    composed = sql.SQL(text).format(  # our own .sql file, never input
+        **{name: sql.Identifier(value) for name, value in names.items()},
+        table_name=sql.Literal(table),
+    )
+    return composed.as_string(None)
+
+
+def channel_name(schema: str, table: str) -> str:
+    """The NOTIFY channel of the insert trigger (as the trigger computes it)."""
+    _names(schema, table)
+    return f"{schema}.{table}"[:63]
+
+
+def outbox_ddl(*, schema: str = "public", table: str = "outbox_event") -> str:
+    """The SQL that creates the outbox table, its claim index and its insert trigger.
+
+    For projects that run their own migrations; idempotent (IF NOT EXISTS / OR REPLACE).
+    """
+    return outbox_sql("ddl", schema, table)
+
+
+async def install_outbox(
+    conn: psycopg.AsyncConnection[Any], *, schema: str = "public", table: str = "outbox_event"
+) -> None:
+    """Apply `outbox_ddl(schema=..., table=...)` on `conn` (your business database), in one
+    transaction under an advisory lock, so concurrent installs are safe; applying it again
+    changes nothing, except that it adds what an older version of the DDL lacked (the
+    table's install id in `<schema>.umt_outbox_installs`)."""
+    if not isinstance(conn, psycopg.AsyncConnection):
+        raise TypeError(
+            f"install_outbox takes a psycopg.AsyncConnection, got {type(conn).__name__}"
+        )
+    ddl = outbox_ddl(schema=schema, table=table)
+    async with conn.transaction():
+        await conn.execute(
+            outbox_sql("install_lock", schema, table), {"key": f"umt-outbox:{schema}.{table}"}
+        )
+        await conn.execute(ddl)
+
+
+async def insert_outbox_event(
+    conn: psycopg.AsyncConnection[Any],
+    type: str,
+    payload: Mapping[str, Any] | None = None,
+    *,
+    idempotency_key: str | None = None,
+    schema: str = "public",
+    table: str = "outbox_event",
+) -> int:
+    """Insert an outbox row on `conn` (inside your business transaction) and return its id.
+
+    The current trace context (W3C headers), if any, is stored with the row: the relay's
+    dispatch span links to it.
+    """
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    cur = await conn.execute(
+        outbox_sql("insert_event", schema, table),
+        {
+            "type": type,
+            "payload": Jsonb(dict(payload or {})),
+            "idempotency_key": idempotency_key,
+            "trace_context": Jsonb(carrier) if carrier else None,
+        },
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    event_id: int = row[0]
+    return event_id
