@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,9 +19,9 @@ from umt_backend_pg import OutboxRelay, install_outbox
 from umt_sdk import Engine, connect
 
 
-@pytest.fixture
-def second_db(pg_url: str) -> Iterator[str]:
-    """A second database on the same server, for the business side; dropped afterwards."""
+@contextlib.contextmanager
+def scratch_database(pg_url: str) -> Iterator[str]:
+    """A new database on the server of `pg_url` (its URL), dropped afterwards."""
     name = f"biz_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
@@ -33,6 +34,13 @@ def second_db(pg_url: str) -> Iterator[str]:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+@pytest.fixture
+def second_db(pg_url: str) -> Iterator[str]:
+    """A second database on the same server, for the business side; dropped afterwards."""
+    with scratch_database(pg_url) as url:
+        yield url
 
 
 @pytest.fixture(params=["same", "two"], ids=["same-db", "two-dbs"])

@@ -9,16 +9,15 @@ existed dispatches nothing until `install_outbox` is applied again, and says so.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests.outbox._support import eventually, q, rows, status_counts
+from tests.outbox.conftest import scratch_database
 from tests.outbox.tasks import process_item
 from umt_backend_pg import OutboxRelay, insert_outbox_event, install_outbox
 from umt_sdk import Engine
@@ -28,18 +27,8 @@ from umt_sdk.exceptions import BackendError
 @pytest.fixture
 def third_db(pg_url: str) -> Iterator[str]:
     """Another business database, dropped afterwards."""
-    name = f"biz_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    params = conninfo_to_dict(pg_url)
-    params["dbname"] = name
-    try:
-        yield make_conninfo(**params)
-    finally:
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    with scratch_database(pg_url) as url:
+        yield url
 
 
 async def _insert(url: str, schema: str, payload: dict[str, Any], table: str) -> int:

@@ -21,33 +21,48 @@ def _is_private_sdk(module: str) -> bool:
     return _is_sdk(module) and any(part.startswith("_") for part in module.split(".")[1:])
 
 
-def private_sdk_imports(source: str, filename: str = "<source>") -> list[str]:
-    """Every import of a private part of umt_sdk in `source`, as `file:line: what`."""
-    found: list[str] = []
+def imported_names(source: str, filename: str = "<source>") -> list[tuple[int, str, str]]:
+    """(line, module, how) of every import in `source`, function-local and dynamic ones too
+    (`importlib.import_module("x")`). For `from m import a, b`: (m, "from") and (m.a, "name")
+    for each name; for `import m`: (m, "import"); relative imports are left out."""
+    found: list[tuple[int, str, str]] = []
     for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
-            found += [
-                f"{filename}:{node.lineno}: import {alias.name}"
-                for alias in node.names
-                if _is_private_sdk(alias.name)
-            ]
+            found += [(node.lineno, alias.name, "import") for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if _is_private_sdk(node.module):
-                found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
-            elif _is_sdk(node.module):
-                found += [
-                    f"{filename}:{node.lineno}: from {node.module} import {alias.name}"
-                    for alias in node.names
-                    if alias.name.startswith("_")
-                ]
+            found.append((node.lineno, node.module, "from"))
+            found += [(node.lineno, f"{node.module}.{a.name}", "name") for a in node.names]
         elif (
             isinstance(node, ast.Call)
             and node.args
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
-            and _is_private_sdk(node.args[0].value)
         ):
-            found.append(f"{filename}:{node.lineno}: dynamic import of {node.args[0].value}")
+            found.append((node.lineno, node.args[0].value, "dynamic"))
+    return found
+
+
+def _described(filename: str, line: int, module: str, how: str) -> str:
+    if how == "name":
+        base, _, name = module.rpartition(".")
+        return f"{filename}:{line}: from {base} import {name}"
+    if how == "from":
+        return f"{filename}:{line}: from {module} import ..."
+    if how == "dynamic":
+        return f"{filename}:{line}: dynamic import of {module}"
+    return f"{filename}:{line}: import {module}"
+
+
+def private_sdk_imports(source: str, filename: str = "<source>") -> list[str]:
+    """Every import of a private part of umt_sdk in `source`, as `file:line: what`."""
+    found: list[str] = []
+    for line, module, how in imported_names(source, filename):
+        private = _is_private_sdk(module)
+        if how == "name":  # `from umt_sdk[.public] import _private`
+            base, _, name = module.rpartition(".")
+            private = _is_sdk(base) and not _is_private_sdk(base) and name.startswith("_")
+        if private:
+            found.append(_described(filename, line, module, how))
     return found
 
 
@@ -122,26 +137,11 @@ def _is_below(module: str) -> bool:
 def upward_imports(source: str, filename: str = "<source>") -> list[str]:
     """Every import in `source` of a backend package or a database driver, as `file:line: what`
     (function-local and dynamic imports included)."""
-    found: list[str] = []
-    for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Import):
-            found += [
-                f"{filename}:{node.lineno}: import {alias.name}"
-                for alias in node.names
-                if _is_below(alias.name)
-            ]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if _is_below(node.module):
-                found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
-        elif (
-            isinstance(node, ast.Call)
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-            and _is_below(node.args[0].value)
-        ):
-            found.append(f"{filename}:{node.lineno}: dynamic import of {node.args[0].value}")
-    return found
+    return [
+        _described(filename, line, module, how)
+        for line, module, how in imported_names(source, filename)
+        if how != "name" and _is_below(module)
+    ]
 
 
 def _sdk_files() -> list[Path]:
