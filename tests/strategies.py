@@ -37,12 +37,14 @@ CRASH_POINTS: tuple[tuple[str, str], ...] = tuple(
     (operation, phase)
     for operation in (
         "record_step",
-        "park",
+        "end_execution:waiting",
         "ledger.begin",
         "ledger.finish",
-        "complete",
-        "fail",
-        "finish_canceled",
+        "end_execution:retrying",
+        "end_execution:completed",
+        "end_execution:failed",
+        "end_execution:canceled",
+        "end_execution:released",
     )
     for phase in ("before", "after")
 )

@@ -29,6 +29,8 @@ from umt_sdk.backend import (
     CancelOutcome,
     ClaimedRun,
     Clock,
+    Ending,
+    EndResult,
     EnqueueResult,
     ErrorInfo,
     ExecutionOutcome,
@@ -38,7 +40,6 @@ from umt_sdk.backend import (
     Lease,
     LedgerEntry,
     NewRun,
-    ParkStatus,
     RunQuery,
     RunRecord,
     RunStatus,
@@ -394,13 +395,7 @@ class MemoryBackend:
         executions: list[ExecutionRecord] = []
         if full:
             for e in run.executions:
-                outcome = e.outcome
-                if (
-                    outcome == "running"
-                    and run.lease_expires_at is not None
-                    and run.lease_expires_at <= now
-                ):
-                    outcome = "interrupted"
+                outcome = e.outcome  # as stored: the SDK reads a lapsed `running` (`_views`)
                 executions.append(
                     ExecutionRecord(
                         fencing_token=e.fencing_token,
@@ -601,90 +596,51 @@ class MemoryBackend:
                 execution.current_step = execution.step_started_at = None
         self._crash("record_step", lease.run_id, "after")
 
-    async def park(
-        self,
-        lease: Lease,
-        *,
-        step: StepRecord | None,
-        wake_at: datetime | None,
-        wait_for: str | None,
-        status: ParkStatus,
-    ) -> bool:
-        _storable_step(step)
-        self._crash("park", lease.run_id, "before")
+    async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
+        _storable_step(ending.step)
+        _storable_json(ending.output_json, "task output")
+        _storable_error(ending.error, "run error")
+        operation = f"end_execution:{ending.outcome}"
+        self._crash(operation, lease.run_id, "before")
         with self._lock:
             run = self._check(lease)
-            if wait_for is not None and (
-                (run.run_id, wait_for) in self._facts or (None, wait_for) in self._facts
+            if not ending.finishes and run.cancel_requested_at is not None:
+                return "cancel_requested"
+            name = ending.wait_for
+            if name is not None and (
+                (run.run_id, name) in self._facts or (None, name) in self._facts
             ):
-                return False
+                return "fact_present"
             now = self.clock.now()
-            if step is not None:
-                run.steps[(step.name, step.attempt)] = step
-            self._end_lease(run, "retrying" if status == "pending" else "waiting", now)
-            run.status = status
-            run.available_at = wake_at
-            run.updated_at = now
-            if wait_for is not None:
-                run.wait_for = wait_for
-                self._waiters.setdefault(wait_for, set()).add(run.run_id)
-            self._schedule(run)
-            self._notify_run(run.run_id)
-        self._crash("park", lease.run_id, "after")
-        return True
-
-    async def complete(self, lease: Lease, *, output_json: str) -> None:
-        _storable_json(output_json, "task output")
-        self._crash("complete", lease.run_id, "before")
-        with self._lock:
-            run = self._check(lease)
-            now = self.clock.now()
-            run.output_json = output_json
-            self._end_lease(run, "completed", now)
-            self._finish(run, "completed", now)
-        self._crash("complete", lease.run_id, "after")
-
-    async def fail(self, lease: Lease, *, error: ErrorInfo, retry_at: datetime | None) -> None:
-        _storable_error(error, "run error")
-        self._crash("fail", lease.run_id, "before")
-        with self._lock:
-            run = self._check(lease)
-            now = self.clock.now()
-            run.failures += 1
-            run.error = error
-            if retry_at is None:
-                self._end_lease(run, "failed", now)
-                self._finish(run, "failed", now)
+            if ending.step is not None:
+                run.steps[(ending.step.name, ending.step.attempt)] = ending.step
+            if ending.output_json is not None:
+                run.output_json = ending.output_json
+            if ending.error is not None:
+                run.error = ending.error
+            if ending.count_failure:
+                run.failures += 1
+            execution = self._current_execution(run)
+            if execution is not None and ending.outcome != "canceled":
+                execution.current_step = execution.step_started_at = None
+            self._end_lease(run, ending.outcome, now)
+            if ending.finishes:
+                self._finish(run, ending.status, now)
             else:
-                self._end_lease(run, "retrying", now)
-                run.status = "pending"
-                run.available_at = retry_at
+                run.status = ending.status
+                run.available_at = (
+                    now
+                    if ending.status == "pending" and ending.available_at is None
+                    else ending.available_at
+                )
                 run.updated_at = now
+                if name is not None:
+                    run.wait_for = name
+                    self._waiters.setdefault(name, set()).add(run.run_id)
                 self._schedule(run)
                 self._notify_run(run.run_id)
-        self._crash("fail", lease.run_id, "after")
-
-    async def finish_canceled(self, lease: Lease, *, error: ErrorInfo | None) -> None:
-        _storable_error(error, "run error")
-        self._crash("finish_canceled", lease.run_id, "before")
-        with self._lock:
-            run = self._check(lease)
-            now = self.clock.now()
-            if error is not None:
-                run.error = error
-            self._end_lease(run, "canceled", now)
-            self._finish(run, "canceled", now)
-
-    async def release(self, lease: Lease) -> None:
-        with self._lock:
-            run = self._check(lease)
-            now = self.clock.now()
-            self._end_lease(run, "released", now)
-            run.status = "pending"
-            run.available_at = now
-            run.updated_at = now
-            self._schedule(run)
-            self._notify_run(run.run_id)
+        self._crash(operation, lease.run_id, "after")
+        return "ended"
 
     async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
         _storable_json(payload_json, f"payload of fact {name!r}")
@@ -706,9 +662,10 @@ class MemoryBackend:
                         self._wake(run, now)
             return True
 
-    async def get_fact(self, *, run_id: UUID, name: str) -> Fact | None:
+    async def get_facts(self, *, run_id: UUID, name: str) -> Sequence[Fact]:
         with self._lock:
-            return self._facts.get((run_id, name)) or self._facts.get((None, name))
+            found = (self._facts.get((run_id, name)), self._facts.get((None, name)))
+            return [fact for fact in found if fact is not None]
 
     async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:
         _storable_text(reason, "cancel reason")

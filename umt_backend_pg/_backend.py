@@ -40,16 +40,16 @@ from umt_sdk.backend import (
     CancelOutcome,
     ClaimedRun,
     Clock,
+    Ending,
+    EndResult,
     EnqueueResult,
     ErrorInfo,
-    ExecutionOutcome,
     ExecutionRecord,
     Fact,
     HeartbeatResult,
     Lease,
     LedgerEntry,
     NewRun,
-    ParkStatus,
     RunQuery,
     RunRecord,
     StepRecord,
@@ -525,22 +525,18 @@ class PostgresBackend:
         )
         return {(r["run_id"], r["name"], r["attempt"]) for r in rows}
 
-    async def park(
-        self,
-        lease: Lease,
-        *,
-        step: StepRecord | None,
-        wake_at: datetime | None,
-        wait_for: str | None,
-        status: ParkStatus,
-    ) -> bool:
+    async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
+        step = ending.step
         params = {
             "run_id": lease.run_id,
             "token": lease.fencing_token,
-            "wake_at": wake_at,
-            "wait_for": wait_for,
-            "status": status,
-            "outcome": "retrying" if status == "pending" else "waiting",
+            "status": ending.status,
+            "outcome": ending.outcome,
+            "available_at": ending.available_at,
+            "wait_for": ending.wait_for,
+            "output": ending.output_json,
+            "error": _error_json(ending.error),
+            "add_failure": 1 if ending.count_failure else 0,
             "step_name": step.name if step else None,
             "step_attempt": step.attempt if step else None,
             "step_kind": step.kind if step else None,
@@ -552,70 +548,25 @@ class PostgresBackend:
         }
         with wrap_exceptions():
             async with self._pool.connection() as conn:
-                if wait_for is None:
-                    cur = await conn.execute(self._q["park"], params)
+                if ending.wait_for is None:
+                    cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
                 else:
-                    # Shared lock on the fact name, then the park in a new statement (a fresh
+                    # Shared lock on the fact name, then the ending in a new statement (a fresh
                     # snapshot): a concurrent signal either committed before (we see its fact)
                     # or waits for us (and then sees this run waiting).
                     async with conn.pipeline(), conn.transaction():
-                        await conn.execute(self._q["lock_fact_name_shared"], {"name": wait_for})
-                        cur = await conn.execute(self._q["park"], params)
+                        await conn.execute(
+                            self._q["lock_fact_name_shared"], {"name": ending.wait_for}
+                        )
+                        cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
-        owned, parked = row if row else (0, 0)
+        owned, ended, fact_present = row if row else (0, 0, False)
         if not owned:
-            raise self._fenced(lease, "parking")
-        return bool(parked)
-
-    async def _finish(
-        self,
-        lease: Lease,
-        *,
-        status: str,
-        outcome: ExecutionOutcome,
-        output_json: str | None = None,
-        error: ErrorInfo | None = None,
-        add_failure: int = 0,
-        available_at: datetime | None = None,
-    ) -> None:
-        row = await self._one(
-            "finish_run",
-            {
-                "run_id": lease.run_id,
-                "token": lease.fencing_token,
-                "status": status,
-                "outcome": outcome,
-                "output": output_json,
-                "error": _error_json(error),
-                "add_failure": add_failure,
-                "available_at": available_at,
-            },
-        )
-        if not row or not row["count"]:
-            raise self._fenced(lease, f"finishing as {status}")
-
-    async def complete(self, lease: Lease, *, output_json: str) -> None:
-        await self._finish(lease, status="completed", outcome="completed", output_json=output_json)
-
-    async def fail(self, lease: Lease, *, error: ErrorInfo, retry_at: datetime | None) -> None:
-        if retry_at is None:
-            await self._finish(lease, status="failed", outcome="failed", error=error, add_failure=1)
-        else:
-            await self._finish(
-                lease,
-                status="pending",
-                outcome="retrying",
-                error=error,
-                add_failure=1,
-                available_at=retry_at,
-            )
-
-    async def finish_canceled(self, lease: Lease, *, error: ErrorInfo | None) -> None:
-        await self._finish(lease, status="canceled", outcome="canceled", error=error)
-
-    async def release(self, lease: Lease) -> None:
-        await self._finish(lease, status="pending", outcome="released")
+            raise self._fenced(lease, f"ending as {ending.outcome}")
+        if ended:
+            return "ended"
+        return "fact_present" if fact_present else "cancel_requested"
 
     async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
         params = {
@@ -637,16 +588,17 @@ class PostgresBackend:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id) from None
         return bool(row and row[0])
 
-    async def get_fact(self, *, run_id: UUID, name: str) -> Fact | None:
-        row = await self._one("get_fact", {"run_id": run_id, "name": name})
-        if row is None:
-            return None
-        return Fact(
-            name=row["name"],
-            run_id=row["run_id"],
-            payload_json=row["payload"],
-            created_at=row["created_at"],
-        )
+    async def get_facts(self, *, run_id: UUID, name: str) -> Sequence[Fact]:
+        rows = await self._all("get_facts", {"run_id": run_id, "name": name})
+        return [
+            Fact(
+                name=r["name"],
+                run_id=r["run_id"],
+                payload_json=r["payload"],
+                created_at=r["created_at"],
+            )
+            for r in rows
+        ]
 
     async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:
         with wrap_exceptions():
@@ -692,13 +644,7 @@ class PostgresBackend:
         now = row["db_now"]
         records = []
         for e in executions:
-            outcome = e["outcome"]
-            if outcome == "running" and (
-                e["fencing_token"] != row["fencing_token"]
-                or row["status"] != "running"
-                or (row["lease_expires_at"] is not None and row["lease_expires_at"] <= now)
-            ):
-                outcome = "interrupted"
+            outcome = e["outcome"]  # as stored: the SDK reads a lapsed `running` (`_views`)
             records.append(
                 ExecutionRecord(
                     fencing_token=e["fencing_token"],

@@ -31,9 +31,13 @@ from umt_sdk._spi import (
     Backend,
     Beat,
     ClaimedRun,
+    Ending,
+    EndResult,
     ErrorInfo,
+    ExecutionOutcome,
+    Fact,
     Lease,
-    ParkStatus,
+    SimulatedCrash,
     StepKind,
     StepRecord,
 )
@@ -51,15 +55,11 @@ from umt_sdk.exceptions import (
     StepFailedError,
 )
 
-__all__ = ["Execution", "SimulatedCrash", "error_info"]
+__all__ = ["Execution", "error_info"]
 
 T = TypeVar("T")
 
 _log = logging.getLogger("umt.worker")
-
-
-class SimulatedCrash(BaseException):
-    """Raised by test backends to make an execution vanish as if its process were SIGKILLed."""
 
 
 class _Suspend(BaseException):
@@ -333,24 +333,51 @@ class Execution:
         await self._guard(self.backend.record_step(self.lease, record))
         self._remember(record)
 
+    async def _end(self, ending: Ending) -> EndResult:
+        """The one ending write: the SDK's decision, stored by the backend as given."""
+        result = await self._guard(self.backend.end_execution(self.lease, ending), final=True)
+        self.letting_go = result == "ended"
+        if result == "ended" and ending.step is not None:
+            self._remember(ending.step)
+        return result
+
     async def _park(
         self,
         *,
+        outcome: ExecutionOutcome,
         step: StepRecord | None,
-        wake_at: datetime | None,
-        wait_for: str | None,
-        status: ParkStatus,
+        available_at: datetime | None,
+        wait_for: str | None = None,
     ) -> bool:
-        parked = await self._guard(
-            self.backend.park(
-                self.lease, step=step, wake_at=wake_at, wait_for=wait_for, status=status
-            ),
-            final=True,
+        """Hand the run back until `available_at` (a sleep, a fact wait, a step's retry
+        backoff). False: the awaited fact is already stored, so the wait goes on here. A run
+        whose cancel was requested is never parked: the cancel is raised here instead."""
+        result = await self._end(
+            Ending(
+                status="pending" if outcome == "retrying" else "waiting",
+                outcome=outcome,
+                available_at=available_at,
+                wait_for=wait_for,
+                step=step,
+            )
         )
-        self.letting_go = parked
-        if parked and step is not None:
-            self._remember(step)
-        return parked
+        if result == "cancel_requested":
+            await self._learn_cancel()
+            self._check_before_step()
+        return result == "ended"
+
+    async def _learn_cancel(self) -> None:
+        """The store refused to park the run because its cancel was requested (no heartbeat
+        said so yet): take the request, with its reason, as the heartbeat would have."""
+        reason = "canceled"
+        try:
+            record = await self.backend.get_run(self.claimed.run_id)
+        except BackendError as exc:  # the reason is for the error message; the cancel holds
+            _log.debug("run %s: could not read the cancel reason: %s", self.claimed.run_id, exc)
+        else:
+            if record is not None and record.cancel_reason:
+                reason = record.cancel_reason
+        self.abort("cancel", reason)
 
     def _step_record(self, name: str, kind: StepKind, **fields: Any) -> StepRecord:
         return StepRecord(name=name, kind=kind, fencing_token=self.lease.fencing_token, **fields)
@@ -490,7 +517,11 @@ class Execution:
                     finished_at=now,
                 )
                 retry_at = now + policy.delay_before(attempt + 1)
-                await self._park(step=record, wake_at=retry_at, wait_for=None, status="pending")
+                try:
+                    await self._park(outcome="retrying", step=record, available_at=retry_at)
+                except CanceledError:
+                    self.canceled_step = (full, started)
+                    raise
                 self.event(
                     "umt.step.retry_scheduled",
                     **{
@@ -574,7 +605,7 @@ class Execution:
             waiting = self._step_record(
                 full, "sleep", status="waiting", started_at=now, wake_at=wake_at
             )
-            await self._park(step=waiting, wake_at=wake_at, wait_for=None, status="waiting")
+            await self._park(outcome="waiting", step=waiting, available_at=wake_at)
             self.event(
                 "umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()}
             )
@@ -593,7 +624,7 @@ class Execution:
             )
             self.event("umt.sleep.done", **{"umt.step.name": full})
             return
-        await self._park(step=None, wake_at=wake_at, wait_for=None, status="waiting")
+        await self._park(outcome="waiting", step=None, available_at=wake_at)
         self.event("umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()})
         raise _Suspend
 
@@ -646,7 +677,9 @@ class Execution:
                         "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "check"}
                     )
                     return _fact_outcome(full, name, output, payload_type)  # as a replay sees it
-            fact = await self._guard(self.backend.get_fact(run_id=self.claimed.run_id, name=name))
+            fact = _visible_fact(
+                await self._guard(self.backend.get_facts(run_id=self.claimed.run_id, name=name))
+            )
             if fact is not None:
                 output = '{"fact":' + fact.payload_json + ',"source":"signal"}'
                 await self._record(
@@ -687,7 +720,9 @@ class Execution:
                     full, "fact", status="waiting", started_at=started, wake_at=deadline
                 )
             )
-            if await self._park(step=waiting, wake_at=wake_at, wait_for=name, status="waiting"):
+            if await self._park(
+                outcome="waiting", step=waiting, available_at=wake_at, wait_for=name
+            ):
                 self.event(
                     "umt.wait_for_fact",
                     **{
@@ -765,15 +800,13 @@ class Execution:
         except (_Stop, _Suspend, SimulatedCrash):
             raise
         except _Release:
-            await self._guard(self.backend.release(self.lease), final=True)
-            self._outcome("released")
+            await self._release()
             return
         except asyncio.CancelledError:
             if self.stopped:
                 raise
             if self.abort_kind == "shutdown":
-                await self._guard(self.backend.release(self.lease), final=True)
-                self._outcome("released")
+                await self._release()
                 return
             raise
         except Exception as exc:
@@ -781,8 +814,17 @@ class Execution:
                 raise _Stop from None
             await self._finish_failed(exc)
             return
-        await self._guard(self.backend.complete(self.lease, output_json=output_json), final=True)
+        await self._end(Ending(status="completed", outcome="completed", output_json=output_json))
         self._outcome("completed")
+
+    async def _release(self) -> None:
+        """The worker is going away: hand the run back at once, uncharged. A run whose cancel
+        was requested meanwhile is not handed back to be started again: it ends canceled."""
+        if await self._end(Ending(status="pending", outcome="released")) == "ended":
+            self._outcome("released")
+            return
+        await self._end(Ending(status="canceled", outcome="canceled"))
+        self._outcome("canceled")
 
     async def _fail_lost_leases(self) -> None:
         """The run's executions keep dying without progress: fail it rather than start the
@@ -803,8 +845,8 @@ class Execution:
             step_name=step_name,
         )
         _log.warning("%s", exc)
-        await self._guard(
-            self.backend.fail(self.lease, error=error_info(exc), retry_at=None), final=True
+        await self._end(
+            Ending(status="failed", outcome="failed", error=error_info(exc), count_failure=True)
         )
         self._outcome("failed", exc)
 
@@ -822,21 +864,39 @@ class Execution:
         return None
 
     async def _finish_failed(self, exc: Exception) -> None:
+        """The handler raised: end canceled (its cancel was requested), retry later, or fail."""
         if self.cancel_requested:
-            error = None if isinstance(exc, CanceledError) else error_info(exc)
-            await self._name_canceled_step()
-            await self._guard(self.backend.finish_canceled(self.lease, error=error), final=True)
-            self._outcome("canceled", exc)
+            await self._finish_canceled(exc)
             return
+        info = error_info(exc)
         policy = self.definition.retry
         failures = self.claimed.failures + 1
-        retry_at = None
-        if policy.should_retry(exc, failures):
-            retry_at = self.now() + policy.delay_before(failures + 1)
-        await self._guard(
-            self.backend.fail(self.lease, error=error_info(exc), retry_at=retry_at), final=True
+        if not policy.should_retry(exc, failures):
+            await self._end(
+                Ending(status="failed", outcome="failed", error=info, count_failure=True)
+            )
+            self._outcome("failed", exc)
+            return
+        retry_at = self.now() + policy.delay_before(failures + 1)
+        ending = Ending(
+            status="pending",
+            outcome="retrying",
+            available_at=retry_at,
+            error=info,
+            count_failure=True,
         )
-        self._outcome("failed" if retry_at is None else "retrying", exc)
+        if await self._end(ending) == "cancel_requested":
+            await self._learn_cancel()
+            await self._finish_canceled(exc)
+            return
+        self._outcome("retrying", exc)
+
+    async def _finish_canceled(self, exc: Exception) -> None:
+        """End canceled, keeping the handler's error unless it is the cancel itself."""
+        error = None if isinstance(exc, CanceledError) else error_info(exc)
+        await self._name_canceled_step()
+        await self._end(Ending(status="canceled", outcome="canceled", error=error))
+        self._outcome("canceled", exc)
 
     async def _name_canceled_step(self) -> None:
         """Make sure the backend knows the step the cancel cut off before the run finishes
@@ -870,6 +930,14 @@ def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:
         error_type=error_type,
         error_message=message,
     )
+
+
+def _visible_fact(facts: Sequence[Fact]) -> Fact | None:
+    """The fact a wait receives: the run's own, else the broadcast one."""
+    for fact in facts:
+        if fact.run_id is not None:
+            return fact
+    return facts[0] if facts else None
 
 
 def _fact_outcome(

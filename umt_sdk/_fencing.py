@@ -12,8 +12,9 @@ from attrs import frozen
 
 from umt_sdk import _serde
 from umt_sdk._context import current_execution
-from umt_sdk._execution import Execution, SimulatedCrash
+from umt_sdk._execution import Execution
 from umt_sdk._names import hints, unwrap_awaitable
+from umt_sdk._spi import SimulatedCrash
 from umt_sdk.exceptions import BackendUnavailableError, FencingError, NotInTaskError
 
 _log = logging.getLogger("umt.fencing")

@@ -1,9 +1,25 @@
 """The backend SPI: the records that cross the boundary and the protocol a backend implements.
 
-A backend stores and claims; everything else (replay, retries, timing, the worker loop) lives in
-`umt_sdk`. Payloads cross the boundary as JSON text. Every write made on behalf of an execution
-carries its `Lease` and must be rejected with `FencingError` when the run's current fencing token
-is not the lease's (another attempt took over).
+The rule of the seam: **the SDK decides, the backend stores.** Everything that is a decision
+lives in `umt_sdk`: replay, retries and their timing, whether a failure retries the step, the
+run or nothing, what an ending means (`Ending` carries the status, the execution's outcome, the
+time the run is next due, the error and whether it counts as a failure), when a run has lost its
+lease too often, which fact a wait receives (the run's own before the broadcast one), whether an
+idempotency key may be reused (the backend reports the stored hash and version), and how a
+stored execution reads (`running` past its lease reads `interrupted`: `umt_sdk._views`).
+
+A backend author must store, atomically and durably before returning:
+- what it is given, as given (runs, step records, facts, endings, cancel requests), and read it
+  back unchanged (payloads cross the boundary as JSON text);
+- the fencing token: each claim takes a new, strictly larger one (never reused, even after a
+  crash or a failover of the store), and every write on an execution's behalf carries its
+  `Lease` and is refused with `FencingError` when the run's token is no longer the lease's;
+- the few conditions only the store can check atomically with a write, each named where it
+  applies: first write wins for a fact and for an idempotency key; a park onto a fact already
+  stored is refused (no lost wake-up); a hand-back of a run whose cancel was requested is
+  refused; a claim takes only available runs, in the one order `claim` documents.
+It may not decide anything else: no retry policy, no limits of its own, no rewriting of what it
+was given. `umt_sdk.testing.BackendContract` checks all of this against a real store.
 """
 
 from __future__ import annotations
@@ -22,6 +38,9 @@ __all__ = [
     "CancelOutcome",
     "ClaimedRun",
     "Clock",
+    "EndResult",
+    "EndStatus",
+    "Ending",
     "EnqueueResult",
     "ErrorInfo",
     "ExecutionOutcome",
@@ -32,10 +51,10 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "NewRun",
-    "ParkStatus",
     "RunQuery",
     "RunRecord",
     "RunStatus",
+    "SimulatedCrash",
     "StepKind",
     "StepRecord",
     "StepStatus",
@@ -54,7 +73,6 @@ StepStatus = Literal["completed", "failed", "retrying", "waiting"]
 """completed: output recorded; failed: no retries left (error recorded, replayed as an error);
 retrying: this attempt failed and another is scheduled; waiting: a sleep or fact wait is parked."""
 
-ParkStatus = Literal["waiting", "pending"]
 ExecutionOutcome = Literal[
     "running", "completed", "failed", "retrying", "waiting", "canceled", "released", "interrupted"
 ]
@@ -98,6 +116,10 @@ class TaskPair:
 
     def __str__(self) -> str:
         return f"{self.name}@{self.version}"
+
+
+class SimulatedCrash(BaseException):
+    """Raised by test backends to make an execution vanish as if its process were SIGKILLed."""
 
 
 class Clock(Protocol):
@@ -198,6 +220,40 @@ class ClaimedRun:
     `max_lost_leases`."""
 
 
+EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
+EndResult = Literal["ended", "fact_present", "cancel_requested"]
+
+
+@frozen(kw_only=True)
+class Ending:
+    """How an execution ends: decided by `umt_sdk`, stored by the backend as given.
+
+    The backend decides none of it. It stores, in one write under the lease: `step` (if any)
+    as `record_step` would; `status` as the run's status; `available_at` as when the run may
+    next be claimed (for `pending` and `waiting`; None while it waits for `wait_for` with no
+    deadline; ignored for the terminal statuses, which set `finished_at` instead); `wait_for`
+    as the fact that wakes the run; `output_json` and `error` as the run's output and error
+    when given (None keeps what is stored); one more failure when `count_failure`; and
+    `outcome` on the execution, whose lease ends. An execution that ends `canceled` keeps the
+    step it was in (`current_step`, from its heartbeats), so the timeline shows it canceled;
+    every other ending clears it.
+    """
+
+    status: EndStatus
+    outcome: ExecutionOutcome
+    available_at: datetime | None = field(default=None, validator=_tz_aware)
+    wait_for: str | None = None
+    step: StepRecord | None = None
+    output_json: str | None = None
+    error: ErrorInfo | None = None
+    count_failure: bool = False
+
+    @property
+    def finishes(self) -> bool:
+        """Whether the run ends with this execution (a terminal status)."""
+        return self.status in TERMINAL_STATUSES
+
+
 @frozen(kw_only=True)
 class Beat:
     """One run in a heartbeat, with the step it is in (for the timeline of interrupted attempts)."""
@@ -228,7 +284,10 @@ class Fact:
 
 @frozen(kw_only=True)
 class ExecutionRecord:
-    """One claim of a run, and how it ended."""
+    """One claim of a run, and how it ended, as stored: a backend reports the outcome it
+    wrote (`running` until the execution's ending write or a takeover marks it). Whether a
+    `running` one reads `interrupted` (it lost the run, or its lease lapsed) is the SDK's
+    rule (`umt_sdk._views.execution_outcome`), not the backend's."""
 
     fencing_token: int
     worker_id: str
@@ -386,36 +445,17 @@ class Backend(Protocol):
         """Record a step attempt if `lease` still holds the run, and extend the lease."""
         ...
 
-    async def park(
-        self,
-        lease: Lease,
-        *,
-        step: StepRecord | None,
-        wake_at: datetime | None,
-        wait_for: str | None,
-        status: ParkStatus,
-    ) -> bool:
-        """Release the run until `wake_at` (None: until a fact wakes it), recording `step`.
+    async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
+        """Store how the execution under `lease` ended, as the SDK decided it, in one write.
 
-        With `wait_for`, a fact of that name (for the run, or broadcast) wakes the run; if such a
-        fact is already stored the run is not parked and False is returned (no lost wake-up).
+        Fenced like every write. Two conditions refuse the ending and change nothing, because
+        only the store can see them atomically with the write: `"fact_present"` when
+        `ending.wait_for` names a fact already stored for the run or broadcast (no lost
+        wake-up), and `"cancel_requested"` when the ending does not finish the run (`pending`
+        or `waiting`) and the run's cancel was requested (it must not be parked or handed back
+        as if nobody had asked). Otherwise every field of `ending` is stored as given and
+        `"ended"` is returned; see `Ending` for what each one means.
         """
-        ...
-
-    async def complete(self, lease: Lease, *, output_json: str) -> None:
-        """Finish the run as completed."""
-        ...
-
-    async def fail(self, lease: Lease, *, error: ErrorInfo, retry_at: datetime | None) -> None:
-        """Count a failure; reschedule at `retry_at`, or finish as failed when None."""
-        ...
-
-    async def finish_canceled(self, lease: Lease, *, error: ErrorInfo | None) -> None:
-        """Finish a run whose cancel was requested, keeping the handler's error if any."""
-        ...
-
-    async def release(self, lease: Lease) -> None:
-        """Give the run back (worker shutdown) without charging a failure."""
         ...
 
     async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
@@ -424,8 +464,9 @@ class Backend(Protocol):
         only from `broadcast`; `signal` refuses a missing run id before it gets here."""
         ...
 
-    async def get_fact(self, *, run_id: UUID, name: str) -> Fact | None:
-        """The run's fact of that name, else the broadcast fact of that name."""
+    async def get_facts(self, *, run_id: UUID, name: str) -> Sequence[Fact]:
+        """The stored facts of that name that the run can see: its own and the broadcast one
+        (none, either or both, in any order; the SDK decides which one a wait receives)."""
         ...
 
     async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:

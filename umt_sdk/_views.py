@@ -8,11 +8,25 @@ from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
-from attrs import frozen
+from attrs import evolve, frozen
 
-from umt_sdk._spi import ErrorInfo, ExecutionRecord, RunRecord, RunStatus, StepKind
+from umt_sdk._spi import (
+    ErrorInfo,
+    ExecutionOutcome,
+    ExecutionRecord,
+    RunRecord,
+    RunStatus,
+    StepKind,
+)
 
-__all__ = ["RunInfo", "RunPage", "StepView", "build_run_info"]
+__all__ = [
+    "RunInfo",
+    "RunPage",
+    "StepView",
+    "build_run_info",
+    "execution_outcome",
+    "with_execution_outcomes",
+]
 
 StepViewStatus = Literal[
     "completed", "failed", "retrying", "waiting", "running", "interrupted", "canceled", "abandoned"
@@ -105,9 +119,40 @@ class RunPage:
         return len(self.runs)
 
 
+def execution_outcome(record: RunRecord, execution: ExecutionRecord) -> ExecutionOutcome:
+    """What an execution's outcome reads as. The rule lives here, once: backends store what
+    happened, and an execution still stored as `running` reads `interrupted` once it no longer
+    holds the run (another claim took it, or it ended) or its lease lapsed at the backend's
+    clock (`observed_at`)."""
+    if execution.outcome != "running":
+        return execution.outcome
+    now = record.observed_at
+    if (
+        execution.fencing_token != record.fencing_token
+        or record.status != "running"
+        or (
+            record.lease_expires_at is not None
+            and now is not None
+            and record.lease_expires_at <= now
+        )
+    ):
+        return "interrupted"
+    return "running"
+
+
+def with_execution_outcomes(record: RunRecord) -> RunRecord:
+    """`record` with each execution's outcome as `execution_outcome` reads it."""
+    executions = tuple(
+        e if (o := execution_outcome(record, e)) == e.outcome else evolve(e, outcome=o)
+        for e in record.executions
+    )
+    return evolve(record, executions=executions)
+
+
 def build_run_info(record: RunRecord) -> RunInfo:
     """The projection: step records, plus the steps that interrupted or canceled executions
     were in, with the statuses a finished run gives its unfinished steps."""
+    record = with_execution_outcomes(record)
     terminal = record.status in ("completed", "failed", "canceled")
     closed: StepViewStatus = "canceled" if record.status == "canceled" else "abandoned"
     # (view, sort key): by start time, then by attempt token (a later execution is later when

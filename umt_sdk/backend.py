@@ -7,7 +7,6 @@ satisfying `Backend`. Run `umt_sdk.testing.BackendContract` against it.
 
 from umt_sdk._clock import SystemClock
 from umt_sdk._engine import new_run_id
-from umt_sdk._execution import SimulatedCrash
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
@@ -16,6 +15,9 @@ from umt_sdk._spi import (
     CancelOutcome,
     ClaimedRun,
     Clock,
+    Ending,
+    EndResult,
+    EndStatus,
     EnqueueResult,
     ErrorInfo,
     ExecutionOutcome,
@@ -26,10 +28,10 @@ from umt_sdk._spi import (
     Ledger,
     LedgerEntry,
     NewRun,
-    ParkStatus,
     RunQuery,
     RunRecord,
     RunStatus,
+    SimulatedCrash,
     StepKind,
     StepRecord,
     StepStatus,
@@ -43,6 +45,9 @@ __all__ = [
     "CancelOutcome",
     "ClaimedRun",
     "Clock",
+    "EndResult",
+    "EndStatus",
+    "Ending",
     "EnqueueResult",
     "ErrorInfo",
     "ExecutionOutcome",
@@ -53,7 +58,6 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "NewRun",
-    "ParkStatus",
     "RunQuery",
     "RunRecord",
     "RunStatus",

@@ -19,12 +19,16 @@ import pytest
 
 from tests.fixtures.private_pg import PrivatePostgres, running_standby
 from umt_backend_pg import PostgresBackend, migrate
-from umt_sdk.backend import Beat, ClaimedRun, Lease, NewRun, StepRecord, TaskPair
+from umt_sdk.backend import Beat, ClaimedRun, Ending, Lease, NewRun, StepRecord, TaskPair
 from umt_sdk.exceptions import FencingError
 
 SCHEMA = "umt_epoch"
 PAIR = TaskPair(name="t", version=1)
 SHORT = timedelta(milliseconds=200)
+
+
+def _completed(output_json: str) -> Ending:
+    return Ending(status="completed", outcome="completed", output_json=output_json)
 
 
 async def _open(url: str) -> PostgresBackend:
@@ -110,7 +114,7 @@ async def _assert_old_claims_fenced(
             ),
         )
     with pytest.raises(FencingError):
-        await backend.complete(lease, output_json="1")
+        await backend.end_execution(lease, _completed("1"))
     info = await backend.get_run(victim.run_id)
     assert info is not None
     assert info.status == "running"
@@ -142,7 +146,7 @@ async def test_no_token_is_handed_out_twice_across_postgres_crashes(
                     worker_id="B",
                     duration=timedelta(seconds=30),
                 )
-                await backend.complete(lease, output_json="null")
+                await backend.end_execution(lease, _completed("null"))
         finally:
             await _close(backend)
 
@@ -178,7 +182,7 @@ async def test_no_token_is_handed_out_twice_after_failover_to_a_lagging_standby(
     lease = Lease(
         run_id=warm[0].run_id, fencing_token=warm[0].fencing_token, worker_id="A", duration=SHORT
     )
-    await backend.complete(lease, output_json="null")
+    await backend.end_execution(lease, _completed("null"))
     base = _standby_base()
     try:
         with running_standby(primary, base / "s") as standby:

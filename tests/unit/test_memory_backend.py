@@ -13,12 +13,16 @@ import pytest
 
 from umt_backend_memory import CrashHook, MemoryBackend, MemoryStore
 from umt_sdk import Engine, Registry, TaskContext, connect, task
-from umt_sdk.backend import Lease, NewRun, new_run_id
+from umt_sdk.backend import Ending, Lease, NewRun, new_run_id
 from umt_sdk.exceptions import FencingError, RunNotFoundError
 from umt_sdk.testing import FakeClock
 
 LEASE = timedelta(seconds=5)
 BODIES: Counter[str] = Counter()
+
+
+def _completed(output_json: str) -> Ending:
+    return Ending(status="completed", outcome="completed", output_json=output_json)
 
 
 async def count(name: str, value: int) -> int:
@@ -127,7 +131,7 @@ async def test_crash_around_record_step_then_resume(
 async def test_crash_before_complete_replays_every_step(engine: Engine, clock: FakeClock) -> None:
     backend = _backend(engine)
     fired: list[UUID] = []
-    backend.crash_hook = crash_on("complete", "before", nth=1, fired=fired)
+    backend.crash_hook = crash_on("end_execution:completed", "before", nth=1, fired=fired)
     handle = await engine.enqueue(three_steps, "c")
     async with engine.worker(lease=LEASE, poll_interval=timedelta(milliseconds=20)) as worker:
         await _eventually(lambda: bool(fired) and not worker.running_runs)
@@ -157,7 +161,7 @@ async def test_the_crashed_attempt_is_fenced_off(engine: Engine, clock: FakeCloc
         duration=timedelta(seconds=1),
     )
     with pytest.raises(FencingError):
-        await backend.complete(stale, output_json="0")
+        await backend.end_execution(stale, _completed("0"))
     assert (await engine.get(handle.run_id)).status == "running"
 
 
@@ -182,7 +186,7 @@ async def test_reset_forgets_everything(engine: Engine) -> None:
     with pytest.raises(RunNotFoundError):
         await engine.get(old.run_id)
     with pytest.raises(FencingError):
-        await backend.complete(lease, output_json='"late"')
+        await backend.end_execution(lease, _completed('"late"'))
     fresh = await engine.enqueue(waits, "y", idempotency_key="key-1")
     assert fresh.created, "idempotency keys are forgotten too"
     assert fresh.run_id != old.run_id

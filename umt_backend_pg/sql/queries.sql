@@ -203,12 +203,15 @@ SELECT pg_advisory_xact_lock_shared(hashtextextended(%(name)s, 7219));
 -- name: lock_fact_name
 SELECT pg_advisory_xact_lock(hashtextextended(%(name)s, 7219));
 
--- name: park
--- Release the run until %(wake_at)s (NULL: until a fact), unless the awaited fact is already
--- stored (then nothing changes and parked = false). Run after lock_fact_name_shared, in a new
--- statement of the same transaction, so a concurrent signal is either seen here or sees us.
+-- name: end_execution
+-- The one ending write (`Ending`: the SDK's decision, stored as given), fenced. Refused, with
+-- nothing changed, when the awaited fact is already stored (`present`) or when the ending hands
+-- the run back (pending, waiting) although its cancel was requested (`canceled`). With a
+-- %(wait_for)s, run after lock_fact_name_shared, in a new statement of the same transaction,
+-- so a concurrent signal is either seen here or sees this run waiting. A canceled execution
+-- keeps the step it was in (the worker names it with a last beat): the timeline shows it.
 WITH owned AS (
-    SELECT id, fencing_token FROM {schema}.runs
+    SELECT id, cancel_requested_at IS NOT NULL AS cancel_requested FROM {schema}.runs
     WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
     FOR NO KEY UPDATE
 ), present AS (
@@ -217,7 +220,9 @@ WITH owned AS (
       AND scope IN (%(run_id)s::text, '*')
     LIMIT 1
 ), go AS (
-    SELECT o.id FROM owned o WHERE NOT EXISTS (SELECT 1 FROM present)
+    SELECT o.id FROM owned o
+    WHERE NOT EXISTS (SELECT 1 FROM present)
+      AND NOT (o.cancel_requested AND %(status)s::text IN ('pending', 'waiting'))
 ), step AS (
     INSERT INTO {schema}.steps (
         run_id, name, attempt, kind, status, fencing_token, started_at, finished_at,
@@ -230,43 +235,30 @@ WITH owned AS (
         kind = EXCLUDED.kind, status = EXCLUDED.status, fencing_token = EXCLUDED.fencing_token,
         error = EXCLUDED.error, started_at = EXCLUDED.started_at,
         finished_at = EXCLUDED.finished_at, wake_at = EXCLUDED.wake_at
-), parked AS (
+), ended_run AS (
     UPDATE {schema}.runs r SET
-        status = %(status)s, available_at = %(wake_at)s, wait_for = %(wait_for)s,
+        status = %(status)s,
+        output = COALESCE(%(output)s::jsonb, r.output),
+        error = COALESCE(%(error)s::jsonb, r.error),
+        failures = r.failures + %(add_failure)s,
+        available_at = CASE
+            WHEN %(status)s = 'pending' THEN COALESCE(%(available_at)s::timestamptz, now())
+            WHEN %(status)s = 'waiting' THEN %(available_at)s::timestamptz END,
+        wait_for = %(wait_for)s,
+        finished_at = CASE WHEN %(status)s IN ('completed', 'failed', 'canceled')
+                           THEN now() END,
         lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
     FROM go g WHERE r.id = g.id
     RETURNING r.id
 ), ended AS (
     UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
-        current_step = NULL, step_started_at = NULL
-    FROM parked p WHERE e.run_id = p.id AND e.fencing_token = %(token)s
-)
-SELECT (SELECT count(*) FROM owned) AS owned, (SELECT count(*) FROM parked) AS parked;
-
--- name: finish_run
--- complete / fail / retry / cancel / release, fenced; also closes the execution. A canceled
--- execution keeps the step it was in (the worker names it with a last beat): the timeline
--- shows that step as canceled.
-WITH finished AS (
-    UPDATE {schema}.runs SET
-        status = %(status)s,
-        output = COALESCE(%(output)s::jsonb, output),
-        error = COALESCE(%(error)s::jsonb, error),
-        failures = failures + %(add_failure)s,
-        available_at = CASE WHEN %(status)s = 'pending'
-                            THEN COALESCE(%(available_at)s::timestamptz, now()) END,
-        finished_at = CASE WHEN %(status)s IN ('completed', 'failed', 'canceled')
-                           THEN now() END,
-        lease_owner = NULL, lease_expires_at = NULL, wait_for = NULL, updated_at = now()
-    WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
-    RETURNING id
-), ended AS (
-    UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
         current_step = CASE WHEN %(outcome)s::text = 'canceled' THEN e.current_step END,
         step_started_at = CASE WHEN %(outcome)s::text = 'canceled' THEN e.step_started_at END
-    FROM finished f WHERE e.run_id = f.id AND e.fencing_token = %(token)s
+    FROM ended_run x WHERE e.run_id = x.id AND e.fencing_token = %(token)s
 )
-SELECT count(*) FROM finished;
+SELECT (SELECT count(*) FROM owned) AS owned,
+       (SELECT count(*) FROM ended_run) AS ended,
+       EXISTS (SELECT 1 FROM present) AS fact_present;
 
 -- name: insert_fact
 WITH fact AS (
@@ -285,11 +277,9 @@ SELECT (SELECT count(*) FROM fact) AS stored,
        (SELECT pg_notify(%(channel)s, string_agg(DISTINCT task_name || '@' || task_version, ','))
         FROM woken HAVING count(*) > 0) AS notified;
 
--- name: get_fact
+-- name: get_facts
 SELECT name, run_id, payload::text AS payload, created_at FROM {schema}.facts
-WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*')
-ORDER BY scope = '*'
-LIMIT 1;
+WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 
 -- name: cancel_run
 WITH target AS (

@@ -22,6 +22,7 @@ import pytest
 
 from umt_sdk import (
     AttemptInfo,
+    CanceledError,
     Engine,
     ErrorInfo,
     FactTimeoutError,
@@ -40,7 +41,7 @@ from umt_sdk import (
     task,
     with_attempt_token,
 )
-from umt_sdk._spi import Lease, StepRecord
+from umt_sdk._spi import Ending, Lease, StepRecord
 from umt_sdk.exceptions import FencingError, NotInTaskError, RunNotFoundError, UsageError
 from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats, simulate_crash
 
@@ -121,6 +122,21 @@ async def waiter_task(ctx: TaskContext[Job]) -> dict[str, Any]:
         ctx.input.key, timeout=timedelta(seconds=ctx.input.n) if ctx.input.n else None
     )
     return payload
+
+
+@task("contract.gated_waiter", version=1)
+async def gated_waiter_task(ctx: TaskContext[Job]) -> str:
+    async def gated() -> None:
+        _gate(ctx.input.key + ":in").set()
+        await _gate(ctx.input.key).wait()
+
+    await ctx.step.run("gated", gated)
+    try:
+        await ctx.step.wait_for_fact(ctx.input.key + ":never-sent")
+    except CanceledError:
+        BODY_RUNS[(ctx.input.key, "saw-cancel")] += 1
+        raise
+    return "woken"
 
 
 @task("contract.wait_or_timeout", version=1)
@@ -324,6 +340,7 @@ ALL_TASKS: list[TaskDefinition[Any, Any]] = [
     other_task,
     sleeper_task,
     waiter_task,
+    gated_waiter_task,
     wait_or_timeout_task,
     checked_task,
     cancellable_task,
@@ -523,7 +540,7 @@ class BackendContract:
             assert isinstance(caught.value, ValueError)
         with pytest.raises(UsageError, match=r"engine\.broadcast"):
             await engine.signal(None, "only-mine", {"leaked": True})  # type: ignore[arg-type]  # bad call under test
-        assert await engine.backend.get_fact(run_id=handle.run_id, name="only-mine") is None
+        assert await engine.backend.get_facts(run_id=handle.run_id, name="only-mine") == []
         with pytest.raises(UsageError, match="run id"):
             await engine.cancel(None)  # type: ignore[arg-type]  # bad call under test
         with pytest.raises(UsageError, match="run id"):
@@ -574,6 +591,56 @@ class BackendContract:
         assert info.status == "canceled"
         assert info.cancel_reason == "stop it"
         assert [s.name for s in info.timeline if s.status == "completed"] == ["started"]
+
+    async def test_a_run_whose_cancel_was_requested_is_never_parked(self, engine: Engine) -> None:
+        """The store refuses to hand back a run whose cancel was requested (the heartbeat
+        that would have told the worker may not have come yet): the cancel reaches the
+        handler at the wait instead, and the run ends canceled rather than waiting forever."""
+        handle = await engine.enqueue(gated_waiter_task, Job(key="cp"))
+        async with engine.worker() as worker:
+            await asyncio.wait_for(_gate("cp:in").wait(), 15)
+            freeze_heartbeats(worker)  # the cancel is stored, and no heartbeat reports it
+            assert await engine.cancel(handle.run_id, reason="no more") == "requested"
+            _gate("cp").set()
+            with pytest.raises(RunCanceledError) as caught:
+                await handle.result(timeout=15)
+        assert caught.value.reason == "no more"
+        assert BODY_RUNS[("cp", "saw-cancel")] == 1, "the handler saw the cancel at the wait"
+        info = await engine.get(handle.run_id)
+        assert [e.outcome for e in info.executions] == ["canceled"]
+
+    async def test_end_execution_refusals_change_nothing(self, engine: Engine) -> None:
+        """`end_execution` refuses a park onto a fact already stored and any hand-back of a
+        run whose cancel was requested, and stores nothing then; a finishing ending lands."""
+        handle = await engine.enqueue(waiter_task, Job(key="refusals"))
+        [claimed] = await engine.backend.claim(
+            worker_id="w", pairs=[waiter_task.pair], limit=1, lease=timedelta(seconds=30)
+        )
+        lease = Lease(
+            run_id=handle.run_id,
+            fencing_token=claimed.fencing_token,
+            worker_id="w",
+            duration=timedelta(seconds=30),
+        )
+        waiting = StepRecord(name="refusals", kind="fact", status="waiting")
+        await engine.signal(handle.run_id, "refusals", {"early": True})
+        park = Ending(status="waiting", outcome="waiting", wait_for="refusals", step=waiting)
+        assert await engine.backend.end_execution(lease, park) == "fact_present"
+        assert await engine.cancel(handle.run_id, reason="stop") == "requested"
+        elsewhere = Ending(status="waiting", outcome="waiting", wait_for="other", step=waiting)
+        retry = Ending(status="pending", outcome="retrying", count_failure=True)
+        for ending in (elsewhere, retry, Ending(status="pending", outcome="released")):
+            assert await engine.backend.end_execution(lease, ending) == "cancel_requested"
+        record = await engine.backend.get_run(handle.run_id)
+        assert record is not None
+        assert (record.status, record.failures, tuple(record.steps)) == ("running", 0, ())
+        assert record.fencing_token == claimed.fencing_token
+        canceled = Ending(status="canceled", outcome="canceled")
+        assert await engine.backend.end_execution(lease, canceled) == "ended"
+        info = await engine.get(handle.run_id)
+        assert (info.status, [e.outcome for e in info.executions]) == ("canceled", ["canceled"])
+        with pytest.raises(FencingError):
+            await engine.backend.end_execution(lease, canceled)
 
     async def test_errors_of_a_canceled_handler_are_recorded(self, engine: Engine) -> None:
         handle = await engine.enqueue(cancellable_task, Job(key="c2", n=1))
@@ -697,10 +764,18 @@ class BackendContract:
                     ),
                 )
             with pytest.raises(FencingError):
-                await engine.backend.complete(stale_lease, output_json="0")
+                await engine.backend.end_execution(
+                    stale_lease, Ending(status="completed", outcome="completed", output_json="0")
+                )
             with pytest.raises(FencingError):
-                await engine.backend.fail(
-                    stale_lease, error=ErrorInfo(type="Stale", message="stale"), retry_at=None
+                await engine.backend.end_execution(
+                    stale_lease,
+                    Ending(
+                        status="failed",
+                        outcome="failed",
+                        error=ErrorInfo(type="Stale", message="stale"),
+                        count_failure=True,
+                    ),
                 )
             record = await engine.backend.get_run(handle.run_id)
             assert record is not None

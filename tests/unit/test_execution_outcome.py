@@ -1,0 +1,65 @@
+"""The one rule for an execution stored as `running` (the SDK's, not the backends')."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from umt_sdk._spi import ExecutionRecord, RunRecord, RunStatus
+from umt_sdk._views import build_run_info, execution_outcome
+
+NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
+
+
+def _record(
+    *, status: RunStatus = "running", token: int = 2, expires: datetime | None = None
+) -> RunRecord:
+    return RunRecord(
+        run_id=uuid.uuid4(),
+        task_name="t",
+        task_version=1,
+        status=status,
+        priority=0,
+        created_at=NOW,
+        updated_at=NOW,
+        available_at=NOW,
+        input_json="null",
+        fencing_token=token,
+        lease_expires_at=expires,
+        observed_at=NOW,
+        executions=(
+            ExecutionRecord(
+                fencing_token=2, worker_id="w", claimed_at=NOW, ended_at=None, outcome="running"
+            ),
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("record", "reads"),
+    [
+        (_record(expires=NOW + timedelta(seconds=5)), "running"),
+        (_record(expires=None), "running"),
+        (_record(expires=NOW), "interrupted"),  # lapsed at the backend's clock
+        (_record(expires=NOW - timedelta(seconds=1)), "interrupted"),
+        (_record(token=3, expires=NOW + timedelta(seconds=5)), "interrupted"),  # taken over
+        (_record(status="pending", expires=None), "interrupted"),  # the run moved on
+    ],
+    ids=["held", "no-lease", "lapsed-now", "lapsed", "taken-over", "run-not-running"],
+)
+def test_a_running_execution_reads_interrupted_once_it_lost_the_run(
+    record: RunRecord, reads: str
+) -> None:
+    [execution] = record.executions
+    assert execution_outcome(record, execution) == reads
+    assert [e.outcome for e in build_run_info(record).executions] == [reads]
+
+
+def test_other_outcomes_are_reported_as_stored() -> None:
+    record = _record(expires=NOW - timedelta(seconds=1))
+    done = ExecutionRecord(
+        fencing_token=2, worker_id="w", claimed_at=NOW, ended_at=NOW, outcome="completed"
+    )
+    assert execution_outcome(record, done) == "completed"
