@@ -503,23 +503,16 @@ class MemoryBackend:
                     run = self._pop_ready(pair, now)
                     if run is None:
                         continue
-                    taken = self._take(run, worker_id, lease, now)
-                    if taken is not None:
-                        claimed.append(taken)
+                    claimed.append(self._take(run, worker_id, lease, now))
             return claimed
 
-    def _take(
-        self, run: _Run, worker_id: str, lease: timedelta, now: datetime
-    ) -> ClaimedRun | None:
+    def _take(self, run: _Run, worker_id: str, lease: timedelta, now: datetime) -> ClaimedRun:
         ready_at = run.lease_expires_at if run.status == "running" else run.available_at
         lost_leases = 0
         if run.status == "running":  # its lease expired: the holder is gone or frozen
             run.lease_expirations += 1
             self._end_lease(run, "interrupted", now)
             lost_leases = self._lost_leases(run)
-        if run.cancel_requested_at is not None:
-            self._finish(run, "canceled", now)
-            return None
         run.claims += 1
         run.fencing_token = next(self._tokens)
         run.status = "running"
@@ -546,6 +539,7 @@ class MemoryBackend:
             steps=tuple(run.steps.values()),
             ready_at=ready_at,
             lost_leases=lost_leases,
+            cancel_reason=(None if run.cancel_requested_at is None else (run.cancel_reason or "")),
         )
 
     @staticmethod

@@ -401,11 +401,9 @@ class PostgresBackend:
         )
         claimed = []
         for row in rows:
-            # json_agg hands back steps as JSON: outputs as values, timestamps as text.
-            steps = tuple(
-                _step(s, None if s["output"] is None else json.dumps(s["output"]))
-                for s in (row["steps"] or ())
-            )
+            # json_agg hands back steps as JSON: outputs as their stored text (untouched),
+            # timestamps as text.
+            steps = tuple(_step(s, s["output"]) for s in (row["steps"] or ()))
             claimed.append(
                 ClaimedRun(
                     run_id=row["id"],
@@ -421,6 +419,7 @@ class PostgresBackend:
                     steps=steps,
                     ready_at=row["ready_at"],
                     lost_leases=row["lost_leases"],
+                    cancel_reason=row["cancel_reason"],
                 )
             )
         return claimed

@@ -227,7 +227,7 @@ class Engine:
             _serde.check_text(idempotency_key, what="idempotency_key")
         if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
             raise TaskDefinitionError(f"delay must be a timedelta >= 0, got {delay!r}")
-        input_json = _serde.validate(input, definition.input_type, what="input")
+        input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
         run_id = new_run_id()
         attributes = {
             **Telemetry.task_attributes(definition.name, definition.version),
@@ -241,7 +241,7 @@ class Engine:
                 task_name=definition.name,
                 task_version=definition.version,
                 input_json=input_json,
-                input_hash=_serde.input_hash(input_json),
+                input_hash=input_hash,
                 priority=priority,
                 idempotency_key=idempotency_key,
                 delay=delay,

@@ -779,6 +779,13 @@ class Execution:
 
     async def _execute(self) -> None:
         definition = self.definition
+        if self.claimed.cancel_reason is not None:
+            # Requested while an earlier execution held the run, which was cut off before it
+            # could end it: the handler does not start again.
+            self.abort("cancel", self.claimed.cancel_reason or "canceled")
+            await self._end(Ending(status="canceled", outcome="canceled"))
+            self._outcome("canceled")
+            return
         if self.claimed.lost_leases >= definition.max_lost_leases:
             await self._fail_lost_leases()
             return

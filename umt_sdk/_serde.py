@@ -43,6 +43,7 @@ __all__ = [
     "decodes_to_itself",
     "dumps",
     "encode",
+    "encode_input",
     "encode_output",
     "from_raw",
     "input_hash",
@@ -529,8 +530,14 @@ def validate(value: Any, type_: Any, *, what: str = "input") -> str:
     the CLI); rejects anything that would not decode back, naming the field, and anything a
     backend cannot store (see the module docstring).
     """
+    return encode_input(value, type_, what=what)[0]
+
+
+def encode_input(value: Any, type_: Any, *, what: str = "input") -> tuple[str, str]:
+    """`validate`, and the input hash of the same text (`input_hash`), from one parse."""
     if type_ is Any:
-        return encode(value, what=what)
+        text = encode(value, what=what)
+        return text, input_hash(text)
     try:
         raw = _converter.unstructure(value)
     except RecursionError:
@@ -543,17 +550,24 @@ def validate(value: Any, type_: Any, *, what: str = "input") -> str:
         raw = _converter.unstructure(_converter.structure(raw, type_), type_)
         text = _dumps(raw)
         _checked(text, raw, what, depth_known=True)
-        _converter.structure(json.loads(text), type_)  # what a worker will decode
+        loaded = json.loads(text)
+        _converter.structure(loaded, type_)  # what a worker will decode
     except PayloadError:
         raise
     except Exception as exc:
         raise _describe(exc, what) from exc
-    return text
+    return text, _hash_of(loaded)
 
 
 def input_hash(text: str) -> str:
     """SHA-256 of canonical JSON (sorted keys, no whitespace): compared for idempotent enqueue."""
-    canonical = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    return _hash_of(json.loads(text))
+
+
+def _hash_of(loaded: Any) -> str:
+    # Canonical form of the parsed text (not of the value before JSON: its keys may not be
+    # strings yet, and would sort differently), so the hash of stored runs never changes.
+    canonical = json.dumps(loaded, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

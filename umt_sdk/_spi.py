@@ -218,6 +218,10 @@ class ClaimedRun:
     one that recorded the newest step record and every later one); 0 for any other claim.
     The worker fails the run instead of executing it when this reaches the task's
     `max_lost_leases`."""
+    cancel_reason: str | None = None
+    """Set (the stored reason, "" if none) when the run's cancel was requested before this
+    claim: an execution that held it was cut off before it could end it. The worker ends the
+    run canceled without running the handler."""
 
 
 EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
@@ -426,8 +430,8 @@ class Backend(Protocol):
         the earlier ready, whatever pair it belongs to. So a single slot (`limit=1`) goes to
         the highest-priority ready run of all the pairs, the earliest ready among equals; the
         order in which `pairs` (or a registry) lists them never matters.
-        Runs whose lease expired are available. Never returns a run whose cancel was requested
-        (such a run is finished as canceled instead).
+        Runs whose lease expired are available. A run whose cancel was requested is claimed
+        like any other, with `ClaimedRun.cancel_reason` set: the SDK decides what that means.
 
         A claim that takes over an expired lease counts it (`RunRecord.lease_expirations`),
         marks the old execution `interrupted` and reports in `ClaimedRun.lost_leases` how many

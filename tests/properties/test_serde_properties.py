@@ -109,3 +109,15 @@ def test_the_depth_limit_holds_for_any_nesting(levels: int, objects: bool) -> No
         for refuse in (lambda: _serde.encode(value), lambda: _serde.parse_json(text)):
             with pytest.raises(PayloadError, match=f"{_serde.MAX_DEPTH} levels"):
                 refuse()
+
+
+@given(records, st.dictionaries(st.integers(), storable_text, max_size=4))
+def test_one_encode_gives_the_text_and_the_hash_of_that_text(
+    value: Record, int_keys: dict[int, str]
+) -> None:
+    """Enqueue encodes once: the hash comes from the same text, and is the one `input_hash`
+    gives that text (the hash of stored runs must not change: keys sort as JSON strings)."""
+    for payload, type_ in ((value, Record), (int_keys, Any)):
+        text, digest = _serde.encode_input(payload, type_)
+        assert text == _serde.validate(payload, type_)
+        assert digest == _serde.input_hash(text)

@@ -37,7 +37,8 @@ SET LOCAL synchronous_commit TO off;
 -- name: claim_runs
 -- Up to %(limit)s runs of the worker's pairs: per pair, ready runs by priority then FIFO, plus
 -- runs whose timer came; pairs take turns (fair slots); each claimed run gets a new token.
--- A run whose cancel was requested is finished as canceled instead of being handed out.
+-- A run whose cancel was requested is handed out like any other, with its reason: the worker
+-- ends it canceled without running the handler (the SDK decides what a cancel means).
 -- A takeover of an expired lease reports the run's lost leases (the worker applies the limit).
 -- Each pair offers up to %(scan)s (> %(limit)s) candidates, so rows that a concurrent claim
 -- locked or took meanwhile (skipped below) do not leave the batch short.
@@ -79,25 +80,23 @@ WITH pairs AS (
     FOR UPDATE OF r SKIP LOCKED
 ), claimed AS (
     UPDATE {schema}.runs r SET
-        status = CASE WHEN r.cancel_requested_at IS NULL THEN 'running' ELSE 'canceled' END,
-        claims = r.claims + CASE WHEN r.cancel_requested_at IS NULL THEN 1 ELSE 0 END,
-        fencing_token = CASE WHEN r.cancel_requested_at IS NULL
-                             THEN {schema}.next_fencing_token() ELSE r.fencing_token END,
+        status = 'running',
+        claims = r.claims + 1,
+        fencing_token = {schema}.next_fencing_token(),
         lease_expirations = r.lease_expirations
             + CASE WHEN l.previous_status = 'running' THEN 1 ELSE 0 END,
-        lease_owner = CASE WHEN r.cancel_requested_at IS NULL THEN %(worker_id)s END,
-        available_at = CASE WHEN r.cancel_requested_at IS NULL
-                            THEN now() + %(lease)s::interval END,
-        lease_expires_at = CASE WHEN r.cancel_requested_at IS NULL
-                                THEN now() + %(lease)s::interval END,
+        lease_owner = %(worker_id)s,
+        available_at = now() + %(lease)s::interval,
+        lease_expires_at = now() + %(lease)s::interval,
         wait_for = NULL,
-        finished_at = CASE WHEN r.cancel_requested_at IS NULL THEN NULL ELSE now() END,
         updated_at = now()
     FROM locked l
     WHERE r.id = l.id
     RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
-              r.claims, r.failures, r.trace_context, r.status, l.previous_status,
-              l.previous_token, l.ready_at
+              r.claims, r.failures, r.trace_context, l.previous_status,
+              l.previous_token, l.ready_at,
+              CASE WHEN r.cancel_requested_at IS NOT NULL
+                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM claimed c
@@ -106,14 +105,15 @@ WITH pairs AS (
 ), started AS (
     INSERT INTO {schema}.executions (run_id, fencing_token, worker_id, claimed_at, outcome)
     SELECT c.id, c.fencing_token, %(worker_id)s, now(), 'running'
-    FROM claimed c WHERE c.status = 'running'
+    FROM claimed c
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
+       c.cancel_reason,
        CASE WHEN c.claims > 1 THEN (
            SELECT json_agg(json_build_object(
                'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
-               'fencing_token', s.fencing_token, 'output', s.output, 'error', s.error,
+               'fencing_token', s.fencing_token, 'output', s.output::text, 'error', s.error,
                'started_at', s.started_at, 'finished_at', s.finished_at,
                'wake_at', s.wake_at) ORDER BY s.seq)
            FROM {schema}.steps s WHERE s.run_id = c.id
@@ -126,8 +126,7 @@ SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
              AND e.fencing_token >= COALESCE(
                  (SELECT max(s.fencing_token) FROM {schema}.steps s WHERE s.run_id = c.id), 0)
        ) ELSE 0 END AS lost_leases
-FROM claimed c
-WHERE c.status = 'running';
+FROM claimed c;
 
 -- name: heartbeat
 WITH beats AS (

@@ -457,6 +457,28 @@ class BackendContract:
         assert statuses.count(("second", "completed")) == 1
         assert all(s.status != "running" for s in info.timeline)
 
+    async def test_a_cancel_its_crashed_holder_never_saw_ends_the_run_at_the_next_claim(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        _gate("cc")
+        handle = await engine.enqueue(steps_task, Job(key="cc"))
+        worker_a = engine.worker(concurrency=1, lease=harness.lease)
+        await worker_a.start()
+        await _eventually(lambda: _true(BODY_RUNS[("cc", "second")] == 1))
+        simulate_crash(worker_a)
+        await worker_a.stop()
+        assert await engine.cancel(handle.run_id, reason="while it was down") == "requested"
+        await harness.advance(harness.lease * 2)
+        GATES["cc"].set()
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            with pytest.raises(RunCanceledError) as caught:
+                await handle.result(timeout=20)
+        assert caught.value.reason == "while it was down"
+        assert BODY_RUNS[("cc", "second")] == 1, "the handler does not start again"
+        info = await engine.get(handle.run_id)
+        assert [e.outcome for e in info.executions] == ["interrupted", "canceled"]
+        assert info.lease_expirations == 1
+
     async def test_repeated_step_names_get_occurrence_suffix(self, engine: Engine) -> None:
         handle = await engine.enqueue(repeats_task, Job(key="rep"))
         async with engine.worker():
