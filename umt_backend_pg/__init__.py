@@ -7,8 +7,9 @@ transactional outbox: `install_outbox` / `outbox_ddl` for the business database,
 `insert_outbox_event` for business transactions and `OutboxRelay` to turn rows into runs.
 """
 
-from umt_backend_pg._backend import PostgresBackend, PostgresLedger, install_ledger
+from umt_backend_pg._backend import PostgresBackend
 from umt_backend_pg._embedded import database_url, start_embedded
+from umt_backend_pg._ledger import PostgresLedger, install_ledger
 from umt_backend_pg._migrate import migrate, pending_migrations_sql
 from umt_backend_pg.outbox import (
     DispatchReport,

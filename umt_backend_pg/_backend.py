@@ -3,38 +3,41 @@
 Round trips (each one statement and one commit unless noted):
 - enqueue: 1 (the insert and its NOTIFY in one statement; +1 on an idempotency hit, to read
   the existing run);
-- claim: 1 for up to N runs, including their step records for replay (committed without
-  waiting for the WAL flush: a claim lost in a server crash is caught by fencing);
+- claim: 1 for up to N runs, including their step records for replay (their outputs as the
+  stored text), committed without waiting for the WAL flush: a claim lost in a server crash is
+  caught by fencing, and the token epochs never hand its token out again;
 - step checkpoint: 1 (insert the record if the token holds, extend the lease);
-- park on a sleep or a retry: 1; park on a fact: 1 (lock + park, pipelined in a transaction);
+- the ending (`end_execution`: complete, fail, retry, cancel, release, park on a sleep or a
+  step's backoff): 1; park on a fact: 1 (lock + ending, pipelined in a transaction);
 - signal: 1 (lock + insert + wake-up + NOTIFY, pipelined in a transaction);
-- complete / fail / cancel-finish / release: 1;
 - heartbeat: 1 per worker per interval, for every run it holds (also without the flush wait).
 A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete.
+
+Rooms the backend owns: `_wakeups` (the LISTEN loop and its wake-ups), `_checkpoints` (group
+commit of step records), `_ledger` (the operation ledger and the same-database probe); `_rows`
+turns rows into records.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import logging
-import secrets
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import datetime, timedelta
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
 import psycopg
-from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from umt_backend_pg._errors import wrap_exceptions
+from umt_backend_pg._checkpoints import Checkpoints
+from umt_backend_pg._errors import fenced, wrap_exceptions
+from umt_backend_pg._ledger import EngineDatabase, PostgresLedger
 from umt_backend_pg._migrate import migrate
+from umt_backend_pg._rows import _error_json, _record, _step
 from umt_backend_pg._sql import queries, render, validate_schema
+from umt_backend_pg._wakeups import Wakeups
 from umt_sdk.backend import (
     Beat,
     CancelOutcome,
@@ -43,85 +46,18 @@ from umt_sdk.backend import (
     Ending,
     EndResult,
     EnqueueResult,
-    ErrorInfo,
-    ExecutionRecord,
     Fact,
     HeartbeatResult,
     Lease,
-    LedgerEntry,
     NewRun,
     RunQuery,
     RunRecord,
     StepRecord,
     TaskPair,
 )
-from umt_sdk.exceptions import (
-    BackendError,
-    BackendUnavailableError,
-    FencingError,
-    IdempotencyConflictError,
-    RunNotFoundError,
-)
+from umt_sdk.exceptions import FencingError, IdempotencyConflictError, RunNotFoundError
 
-__all__ = ["PostgresBackend", "PostgresLedger"]
-
-_log = logging.getLogger("umt.pg")
-_CHECKPOINT_BATCH = 256
-_LISTEN_CHECK = 10.0
-"""Seconds without a notification after which the LISTEN connection is pinged."""
-_KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5}
-
-
-def _error_json(error: ErrorInfo | None) -> str | None:
-    if error is None:
-        return None
-    return json.dumps({"type": error.type, "message": error.message, "traceback": error.traceback})
-
-
-def _error(value: Any) -> ErrorInfo | None:
-    if not value:
-        return None
-    return ErrorInfo(
-        type=str(value.get("type", "")),
-        message=str(value.get("message", "")),
-        traceback=str(value.get("traceback", "")),
-    )
-
-
-def _step(row: Mapping[str, Any], output_json: str | None) -> StepRecord:
-    return StepRecord(
-        name=row["name"],
-        kind=row["kind"],
-        status=row["status"],
-        attempt=row["attempt"],
-        fencing_token=row["fencing_token"],
-        output_json=output_json,
-        error=_error(row["error"]),
-        started_at=_ts(row["started_at"]),
-        finished_at=_ts(row["finished_at"]),
-        wake_at=_ts(row["wake_at"]),
-    )
-
-
-def _checkpoint_failed(
-    item: tuple[Lease, StepRecord, asyncio.Future[bool]], exc: Exception
-) -> None:
-    """Hand a checkpoint's own failure to its writer (as a BackendError: text psycopg cannot
-    encode raises UnicodeEncodeError, which must not escape the backend)."""
-    _, step, future = item
-    if future.done():
-        return
-    if not isinstance(exc, BackendError):
-        error = BackendError(f"cannot store step {step.name!r}: {exc}")
-        error.__cause__ = exc
-        exc = error
-    future.set_exception(exc)
-
-
-def _ts(value: Any) -> datetime | None:
-    if value is None or isinstance(value, datetime):
-        return value
-    return datetime.fromisoformat(str(value))
+__all__ = ["PostgresBackend"]
 
 
 class PostgresBackend:
@@ -138,19 +74,15 @@ class PostgresBackend:
         self._q = {name: render(text, schema) for name, text in queries().items()}
         self.work_channel = f"{schema}.work"
         self.cancel_channel = f"{schema}.cancel"
-        self._listen = listen
-        self._listener: asyncio.Task[None] | None = None
-        self._work_waiters: list[tuple[frozenset[str], asyncio.Future[None]]] = []
-        self._notified: dict[str, int] = {}
-        self._seen: dict[frozenset[str], int] = {}
-        self._wanted: frozenset[str] | None = None
-        self._cancel_listeners: list[Callable[[UUID, str], None]] = []
-        self._same_database: dict[tuple[str, int, str], bool] = {}
-        self._ledger_checked: set[tuple[str, int, str]] = set()
-        self._closed = False
-        self._checkpoints: list[tuple[Lease, StepRecord, asyncio.Future[bool]]] = []
-        self._flushing = False
-        self._flusher: asyncio.Task[None] | None = None
+        self._wakeups = Wakeups(
+            url,
+            work_channel=self.work_channel,
+            cancel_channel=self.cancel_channel,
+            queries=self._q,
+            listen=listen,
+        )
+        self._checkpoints = Checkpoints(self._all)
+        self._database = EngineDatabase(pool, schema=schema, queries=self._q)
 
     @classmethod
     async def open(
@@ -179,114 +111,8 @@ class PostgresBackend:
             await pool.open(wait=True, timeout=30)
         backend = cls(url=url, pool=pool, schema=schema, listen=listen)
         if listen:
-            backend._listener = asyncio.create_task(backend._listen_loop(), name="umt-pg-listen")
+            backend._wakeups.start()
         return backend
-
-    # -- notifications ----------------------------------------------------------------------------
-
-    # Notifications are hints to look, never facts: any role that can connect to the database
-    # can NOTIFY on our channels (no privilege is needed), and a payload can be anything up to
-    # 8000 bytes. A work hint wakes a claim (which reads the runs table); a cancel hint makes
-    # the worker heartbeat now (which reads the run's stored cancel state). Nothing a payload
-    # says is acted on by itself, and a malformed one is dropped.
-
-    async def _listen_loop(self) -> None:
-        delay = 0.1
-        lost_at: float | None = None
-        while not self._closed:
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                    self.url, autocommit=True, connect_timeout=10, **_KEEPALIVES
-                ) as conn:
-                    for channel in (self.work_channel, self.cancel_channel):
-                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                    delay = 0.1
-                    if lost_at is not None:
-                        _log.warning(
-                            "LISTEN connection back after %.1f s", time.monotonic() - lost_at
-                        )
-                        lost_at = None
-                    self._wake_all()  # anything sent while we were away
-                    while not self._closed:
-                        async for note in conn.notifies(timeout=_LISTEN_CHECK):
-                            self._on_note(note.channel, note.payload)
-                        # Quiet for a while: make sure the connection is still there (a cut
-                        # that sent no reset would otherwise leave us deaf for good).
-                        await asyncio.wait_for(conn.execute(self._q["ping"]), _LISTEN_CHECK)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the database went away: reconnect with backoff
-                if self._closed:
-                    return
-                if lost_at is None:
-                    lost_at = time.monotonic()
-                    _log.warning(
-                        "LISTEN connection lost (%s: %s); workers poll until it is back "
-                        "(reconnecting with backoff up to 5 s)",
-                        type(exc).__name__,
-                        exc,
-                    )
-                else:
-                    _log.debug("LISTEN reconnect failed (%s); again in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    def _on_note(self, channel: str, payload: str) -> None:
-        try:
-            if channel == self.work_channel:
-                self._on_work(payload)
-            elif channel == self.cancel_channel:
-                self._on_cancel(payload)
-        except Exception:  # a bad hint (or a listener's bug) must not cost us the LISTEN
-            _log.exception("ignoring a notification on %s that could not be handled", channel)
-
-    def _on_work(self, payload: str) -> None:
-        # Only pairs some claim here asked for count: a payload full of made-up names must not
-        # grow `_notified` without bound. An empty payload means "look, whatever the pair".
-        wanted_pairs = self._wanted_pairs()
-        named = payload.split(",") if payload else []
-        pairs = {p for p in named if p in wanted_pairs}
-        if named and not pairs:
-            return  # about pairs nobody here serves
-        for pair in pairs or {"*"}:
-            self._notified[pair] = self._notified.get(pair, 0) + 1
-        remaining = []
-        for wanted, future in self._work_waiters:
-            if not pairs or wanted & pairs:
-                if not future.done():
-                    future.set_result(None)
-            else:
-                remaining.append((wanted, future))
-        self._work_waiters = remaining
-
-    def _wanted_pairs(self) -> frozenset[str]:
-        if self._wanted is None:
-            self._wanted = frozenset().union(*self._seen, *(k for k, _ in self._work_waiters))
-        return self._wanted
-
-    def _wake_all(self) -> None:
-        for _, future in self._work_waiters:
-            if not future.done():
-                future.set_result(None)
-        self._work_waiters = []
-
-    def _on_cancel(self, payload: str) -> None:
-        """`<run id>:<reason>`: a hint that the run's cancel may have been requested."""
-        run_id_text, _, reason = payload.partition(":")
-        if len(run_id_text) != 36:  # the canonical text form; UUID() accepts more shapes
-            return
-        try:
-            run_id = UUID(run_id_text)
-        except ValueError:
-            return
-        for listener in list(self._cancel_listeners):
-            try:
-                listener(run_id, reason)
-            except Exception:
-                _log.exception("a cancel listener failed on run %s", run_id)
-
-    def _generation(self, pairs: frozenset[str]) -> int:
-        return sum(self._notified.get(p, 0) for p in pairs) + self._notified.get("*", 0)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -324,11 +150,7 @@ class PostgresBackend:
 
     @staticmethod
     def _fenced(lease: Lease, what: str) -> FencingError:
-        return FencingError(
-            f"{what}: run {lease.run_id} is no longer held by attempt token {lease.fencing_token}",
-            run_id=lease.run_id,
-            fencing_token=lease.fencing_token,
-        )
+        return fenced(lease, what)
 
     # -- the SPI ----------------------------------------------------------------------------------
 
@@ -382,10 +204,7 @@ class PostgresBackend:
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
     ) -> Sequence[ClaimedRun]:
-        keys = frozenset(str(p) for p in pairs)
-        if keys not in self._seen:
-            self._wanted = None
-        self._seen[keys] = self._generation(keys)
+        self._wakeups.claiming(pairs)
         rows = await self._all_async_commit(
             "claim_runs",
             {
@@ -450,79 +269,8 @@ class PostgresBackend:
         """Group commit: checkpoints that arrive while one is being written go together in the
         next statement (one commit for all), so a busy worker pays well under one server
         transaction per step, and an idle one pays no extra wait."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._checkpoints.append((lease, step, future))
-        if not self._flushing:
-            self._flushing = True
-            self._flusher = asyncio.create_task(
-                self._flush_checkpoints(), name="umt-pg-checkpoints"
-            )
-        if not await future:
+        if not await self._checkpoints.record(lease, step):
             raise self._fenced(lease, f"recording step {step.name!r}")
-
-    async def _flush_checkpoints(self) -> None:
-        try:
-            while self._checkpoints:
-                batch = self._checkpoints[:_CHECKPOINT_BATCH]
-                del self._checkpoints[:_CHECKPOINT_BATCH]
-                try:
-                    accepted = await self._write_checkpoints(batch)
-                except BackendUnavailableError as exc:  # the connection is gone: all stop
-                    for _, _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                except Exception as exc:
-                    if len(batch) == 1:
-                        _checkpoint_failed(batch[0], exc)
-                    else:
-                        # One member's data can fail the shared statement (a value Postgres
-                        # cannot store): write each alone, so that only its own writer gets the
-                        # error and no other run is failed or charged for it.
-                        await self._write_checkpoints_one_by_one(batch)
-                    continue
-                for lease, step, future in batch:
-                    if not future.done():
-                        future.set_result((lease.run_id, step.name, step.attempt) in accepted)
-        finally:
-            self._flushing = False
-
-    async def _write_checkpoints_one_by_one(
-        self, batch: Sequence[tuple[Lease, StepRecord, asyncio.Future[bool]]]
-    ) -> None:
-        for item in batch:
-            lease, step, future = item
-            if future.done():  # its writer is gone (canceled)
-                continue
-            try:
-                accepted = await self._write_checkpoints([item])
-            except Exception as exc:
-                _checkpoint_failed(item, exc)
-                continue
-            if not future.done():
-                future.set_result((lease.run_id, step.name, step.attempt) in accepted)
-
-    async def _write_checkpoints(
-        self, batch: Sequence[tuple[Lease, StepRecord, asyncio.Future[bool]]]
-    ) -> set[tuple[UUID, str, int]]:
-        rows = await self._all(
-            "record_steps",
-            {
-                "run_ids": [lease.run_id for lease, _, _ in batch],
-                "tokens": [lease.fencing_token for lease, _, _ in batch],
-                "leases": [lease.duration for lease, _, _ in batch],
-                "names": [step.name for _, step, _ in batch],
-                "attempts": [step.attempt for _, step, _ in batch],
-                "kinds": [step.kind for _, step, _ in batch],
-                "statuses": [step.status for _, step, _ in batch],
-                "outputs": [step.output_json for _, step, _ in batch],
-                "errors": [_error_json(step.error) for _, step, _ in batch],
-                "started": [step.started_at for _, step, _ in batch],
-                "finished": [step.finished_at for _, step, _ in batch],
-                "wakes": [step.wake_at for _, step, _ in batch],
-            },
-        )
-        return {(r["run_id"], r["name"], r["attempt"]) for r in rows}
 
     async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
         step = ending.step
@@ -632,57 +380,7 @@ class PostgresBackend:
                 steps = await cur.fetchall()
                 await cur.execute(self._q["get_executions"], {"run_id": run_id})
                 executions = await cur.fetchall()
-        return self._record(row, steps, executions)
-
-    def _record(
-        self,
-        row: dict[str, Any],
-        steps: Sequence[dict[str, Any]] = (),
-        executions: Sequence[dict[str, Any]] = (),
-    ) -> RunRecord:
-        now = row["db_now"]
-        records = []
-        for e in executions:
-            outcome = e["outcome"]  # as stored: the SDK reads a lapsed `running` (`_views`)
-            records.append(
-                ExecutionRecord(
-                    fencing_token=e["fencing_token"],
-                    worker_id=e["worker_id"],
-                    claimed_at=e["claimed_at"],
-                    ended_at=e["ended_at"],
-                    outcome=outcome,
-                    current_step=e["current_step"],
-                    step_started_at=e["step_started_at"],
-                )
-            )
-        return RunRecord(
-            run_id=row["id"],
-            task_name=row["task_name"],
-            task_version=row["task_version"],
-            status=row["status"],
-            priority=row["priority"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            available_at=row["available_at"] if row["status"] != "running" else None,
-            input_json=row["input"],
-            idempotency_key=row["idempotency_key"],
-            output_json=row["output"],
-            error=_error(row["error"]),
-            claims=row["claims"],
-            failures=row["failures"],
-            lease_expirations=row["lease_expirations"],
-            fencing_token=row["fencing_token"],
-            lease_owner=row["lease_owner"],
-            lease_expires_at=row["lease_expires_at"],
-            finished_at=row["finished_at"],
-            cancel_requested_at=row["cancel_requested_at"],
-            cancel_reason=row["cancel_reason"],
-            wait_for=row["wait_for"],
-            trace_context=row["trace_context"] or {},
-            steps=tuple(_step(s, s["output"]) for s in steps),
-            executions=tuple(records),
-            observed_at=now,
-        )
+        return _record(row, steps, executions)
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
         rows = await self._all(
@@ -695,7 +393,7 @@ class PostgresBackend:
                 "limit": query.limit,
             },
         )
-        return [self._record(r) for r in rows]
+        return [_record(r) for r in rows]
 
     async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
         rows = await self._all(
@@ -708,34 +406,13 @@ class PostgresBackend:
         return depths
 
     async def wait_for_work(self, *, pairs: Sequence[TaskPair], timeout: float) -> None:
-        if not self._listen or self._listener is None:
-            await asyncio.sleep(timeout)
-            return
-        keys = frozenset(str(p) for p in pairs)
-        if self._generation(keys) != self._seen.get(keys, -1):
-            return  # a notification came since the last claim: claim again now
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not keys <= self._wanted_pairs():
-            self._wanted = None
-        self._work_waiters.append((keys, future))
-        try:
-            await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._work_waiters = [(k, f) for k, f in self._work_waiters if f is not future]
+        await self._wakeups.wait_for_work(pairs=pairs, timeout=timeout)
 
     async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
         await asyncio.sleep(min(timeout, 0.05))
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
-        self._cancel_listeners.append(listener)
-
-        def remove() -> None:
-            if listener in self._cancel_listeners:
-                self._cancel_listeners.remove(listener)
-
-        return remove
+        return self._wakeups.add_cancel_listener(listener)
 
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):
@@ -743,7 +420,7 @@ class PostgresBackend:
                 "with_attempt_token on Postgres takes a psycopg.AsyncConnection to your "
                 f"business database, got {type(conn).__name__}"
             )
-        return PostgresLedger(self, conn)
+        return PostgresLedger(self._database, conn)
 
     async def shares_database_with(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Whether `conn` is on the engine's database: the same server and the same database.
@@ -755,176 +432,9 @@ class PostgresBackend:
         answer is cached per (host, port, database) of `conn`. Used by the ledger and the
         outbox alike.
         """
-        info = conn.info
-        where = (info.host, info.port, info.dbname)
-        same = self._same_database.get(where)
-        if same is None:
-            keys = {"k1": secrets.randbelow(2**31 - 1) + 1, "k2": secrets.randbelow(2**31 - 1) + 1}
-            with wrap_exceptions():
-                cur = await conn.execute(self._q["probe_lock"], keys)
-                row = await cur.fetchone()
-                assert row is not None
-                try:
-                    async with self._pool.connection() as engine_conn:
-                        cur = await engine_conn.execute(
-                            self._q["probe_see"], {**keys, "pid": row[1]}
-                        )
-                        seen = await cur.fetchone()
-                finally:
-                    await conn.execute(self._q["probe_unlock"], keys)
-            same = bool(seen and seen[0])
-            self._same_database[where] = same
-        return same
-
-    async def _ledger_database(self, conn: psycopg.AsyncConnection[Any]) -> bool:
-        """Whether the ledger on `conn` is in the engine's database; refuses a database
-        without a ledger, saying how to install one."""
-        same = await self.shares_database_with(conn)
-        where = (conn.info.host, conn.info.port, conn.info.dbname)
-        if where not in self._ledger_checked:
-            with wrap_exceptions():
-                cur = await conn.execute(self._q["ledger_here"])
-                row = await cur.fetchone()
-            if row is None or not row[0]:
-                raise BackendError(
-                    f"no operation ledger in schema {self.schema!r} of database "
-                    f"{conn.info.dbname!r}: install it there with umt_backend_pg.install_ledger"
-                    f"(conn, schema={self.schema!r}), or use a connection to the "
-                    "engine's database"
-                )
-            self._ledger_checked.add(where)
-        return same
+        return await self._database.shares_database_with(conn)
 
     async def close(self) -> None:
-        self._closed = True
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._listener
-            self._listener = None
-        self._wake_all()
-        if self._flusher is not None:  # let the checkpoints already handed over be written
-            with contextlib.suppress(Exception):
-                await self._flusher
+        await self._wakeups.close()
+        await self._checkpoints.close()
         await self._pool.close()
-
-
-class PostgresLedger:
-    """The operation ledger (`<schema>.op_ledger`) on the caller's business connection.
-
-    Two layouts, found by looking for the engine's runs table on `conn` (once per database):
-    - the business tables share the engine's database: the ledger is the engine schema's;
-    - the business database is another one: install the ledger there with
-      `umt_backend_pg.install_ledger(conn, schema=<the engine's schema name>)`.
-    Either way the fence is the ledger row of the op key: a begin raises the op's token to the
-    caller's (never lowers it), and a commit lands only under the token that last began the
-    op, checked by the last statement before the commit (`ledger_finish`). The run itself is
-    only read (on `conn`, or through the engine's pool for a separate database), never locked:
-    at begin, before the commit callback and before the result is recorded, so an attempt
-    whose lease is already lost is refused even before a newer attempt reaches the operation.
-    No lock is held on engine rows while your code runs: a frozen commit cannot hold up a
-    takeover, a cancel or a heartbeat. (The rows your callback writes stay locked by its open
-    transaction until it ends, like any transaction of yours.)
-
-    The connection should not be inside a transaction of the caller's: `begin` must commit
-    before the side effect runs. `commit(tx, result)` receives the connection itself, inside
-    the fenced transaction.
-    """
-
-    def __init__(self, backend: PostgresBackend, conn: psycopg.AsyncConnection[Any]) -> None:
-        self._backend = backend
-        self._conn = conn
-
-    async def _holds_run(self, params: Mapping[str, Any]) -> bool:
-        if await self._backend._ledger_database(self._conn):
-            cur = await self._conn.execute(self._backend._q["ledger_check_run"], params)
-            return await cur.fetchone() is not None
-        return await self._backend._one("ledger_check_run", params) is not None
-
-    async def _fence(self, lease: Lease, params: Mapping[str, Any], what: str) -> None:
-        """Refuse a stale attempt before its commit callback runs (plain reads, no locks)."""
-        if not await self._holds_run(params):
-            raise PostgresBackend._fenced(lease, what)
-        cur = await self._conn.execute(self._backend._q["ledger_peek"], params)
-        row = await cur.fetchone()
-        if row is None or row[0] != lease.fencing_token or row[1]:
-            raise PostgresBackend._fenced(
-                lease, f"{what} (a newer attempt began it, or it finished elsewhere)"
-            )
-
-    async def begin(self, *, op_key: str, lease: Lease) -> LedgerEntry:
-        q = self._backend._q
-        conn = self._conn
-        params = {"op_key": op_key, "run_id": lease.run_id, "token": lease.fencing_token}
-        with wrap_exceptions():
-            async with conn.transaction():
-                if not await self._holds_run(params):
-                    raise PostgresBackend._fenced(lease, f"beginning {op_key!r}")
-                cur = await conn.execute(q["ledger_get"], params)
-                existing = await cur.fetchone()
-                if existing is not None and existing[1] is not None:
-                    return LedgerEntry(result_json=existing[1], resumed=False)
-                cur = await conn.execute(q["ledger_begin"], params)
-                if await cur.fetchone() is None:
-                    raise PostgresBackend._fenced(
-                        lease, f"beginning {op_key!r} (a newer attempt has)"
-                    )
-        return LedgerEntry(result_json=None, resumed=existing is not None)
-
-    async def finish(
-        self,
-        *,
-        op_key: str,
-        lease: Lease,
-        result_json: str,
-        commit: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        q = self._backend._q
-        conn = self._conn
-        what = f"committing {op_key!r}"
-        params = {
-            "op_key": op_key,
-            "run_id": lease.run_id,
-            "token": lease.fencing_token,
-            "result": result_json,
-        }
-        try:
-            with wrap_exceptions():
-                async with conn.transaction():
-                    await self._fence(lease, params, what)  # fence first
-                    await commit(conn)
-                    if not await self._holds_run(params):
-                        raise PostgresBackend._fenced(lease, what)
-                    cur = await conn.execute(q["ledger_finish"], params)
-                    if await cur.fetchone() is None:
-                        raise PostgresBackend._fenced(
-                            lease, f"{what} (a newer attempt began it, or it finished elsewhere)"
-                        )
-        except FencingError:
-            raise
-        except Exception as exc:
-            # The callback (or the connection) failed. If that is because a newer attempt took
-            # over (say, its business row hit your unique key), the answer is FencingError.
-            if await self._stale(lease, params, what):
-                raise PostgresBackend._fenced(lease, what) from exc
-            raise
-
-    async def _stale(self, lease: Lease, params: Mapping[str, Any], what: str) -> bool:
-        try:
-            with wrap_exceptions():
-                await self._fence(lease, params, what)
-        except FencingError:
-            return True
-        except Exception:  # cannot tell (the connection is gone): report the original error
-            return False
-        return False
-
-
-async def install_ledger(conn: psycopg.AsyncConnection[Any], *, schema: str = "umt") -> None:
-    """Create the operation ledger in a business database separate from the engine's.
-
-    Use the engine's schema name, so that `with_attempt_token` finds it there.
-    """
-    with wrap_exceptions():
-        async with conn.transaction():
-            await conn.execute(render(queries()["install_ledger"], schema))

@@ -1,4 +1,5 @@
-"""Driver errors never escape the backend: they become umt's BackendError."""
+"""Driver errors never escape the backend: they become umt's BackendError (and a lost lease
+its FencingError)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from contextlib import contextmanager
 
 import psycopg
 
-from umt_sdk.exceptions import BackendError, BackendUnavailableError
+from umt_sdk.backend import Lease
+from umt_sdk.exceptions import BackendError, BackendUnavailableError, FencingError
 
-__all__ = ["wrap_exceptions"]
+__all__ = ["fenced", "wrap_exceptions"]
 
 
 @contextmanager
@@ -40,3 +42,12 @@ def _unreachable(exc: psycopg.OperationalError) -> bool:
     an operational error of a statement (a timeout, a resource limit) that would recur."""
     sqlstate = exc.sqlstate
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in _UNREACHABLE_STATES
+
+
+def fenced(lease: Lease, what: str) -> FencingError:
+    """The error of a write refused because `lease` no longer holds its run."""
+    return FencingError(
+        f"{what}: run {lease.run_id} is no longer held by attempt token {lease.fencing_token}",
+        run_id=lease.run_id,
+        fencing_token=lease.fencing_token,
+    )

@@ -192,10 +192,11 @@ async def test_forged_cancel_notifications_cancel_nothing(
         record = await backend.get_run(handle.run_id)
         assert record is not None
         assert (record.status, record.cancel_requested_at) == ("running", None)
-        assert backend._listener is not None
-        assert not backend._listener.done(), "the LISTEN loop died on a hostile payload"
+        wakeups = backend._wakeups
+        assert wakeups._listener is not None
+        assert not wakeups._listener.done(), "the LISTEN loop died on a hostile payload"
         # Made-up pair names are not remembered (they would grow memory without bound).
-        assert set(backend._notified) <= {"*", "hostile.hold@1"}, sorted(backend._notified)[:5]
+        assert set(wakeups._notified) <= {"*", "hostile.hold@1"}, sorted(wakeups._notified)[:5]
 
         _event(RELEASE, "victim").set()
         assert await handle.result(timeout=30) == "held"

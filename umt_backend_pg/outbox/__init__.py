@@ -21,10 +21,12 @@ Two layouts:
 backend (`PostgresBackend.shares_database_with`, an advisory lock its pool must see).
 
 Rooms: `_schema` (the DDL, `install_outbox`, `insert_outbox_event`), `_relay` (the relay: its
-loop, listening, claim and dispatch).
+lifecycle, loop, outages, listening and connections), `_dispatch` (claiming a batch and
+dispatching its rows, with their spans; `DispatchReport`).
 """
 
-from umt_backend_pg.outbox._relay import DispatchReport, OutboxRelay
+from umt_backend_pg.outbox._dispatch import DispatchReport
+from umt_backend_pg.outbox._relay import OutboxRelay
 from umt_backend_pg.outbox._schema import insert_outbox_event, install_outbox, outbox_ddl
 
 __all__ = ["DispatchReport", "OutboxRelay", "insert_outbox_event", "install_outbox", "outbox_ddl"]

@@ -1,4 +1,4 @@
-"""The outbox relay: claims due rows, routes them to tasks, enqueues, marks them."""
+"""The outbox relay's lifecycle: start and stop, its loop, outages, listening and connections."""
 
 from __future__ import annotations
 
@@ -13,29 +13,21 @@ from typing import Any, Literal, TypeAlias
 from uuid import UUID
 
 import psycopg
-from attrs import frozen
-from opentelemetry import propagate, trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.trace import TracerProvider
 from psycopg import sql
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from umt_backend_pg._backend import PostgresBackend
 from umt_backend_pg._sql import blocks
+from umt_backend_pg.outbox._dispatch import Dispatcher, DispatchReport, TaskRef
 from umt_backend_pg.outbox._schema import channel_name, outbox_sql
-from umt_sdk import Engine, TaskDefinition
-from umt_sdk.exceptions import (
-    BackendError,
-    BackendUnavailableError,
-    IdempotencyConflictError,
-    PayloadError,
-)
+from umt_sdk import Engine
+from umt_sdk.exceptions import BackendError
 
-__all__ = ["DispatchReport", "OutboxRelay"]
+__all__ = ["OutboxRelay"]
 
 _log = logging.getLogger("umt.outbox")
 
-TaskRef: TypeAlias = "TaskDefinition[Any, Any] | str"
 Route: TypeAlias = "TaskRef | tuple[TaskRef, Callable[[Any], Any]]"
 RelayMode: TypeAlias = Literal["auto", "same_database", "separate"]
 ConnOrPool: TypeAlias = "str | psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any]"
@@ -44,36 +36,6 @@ ConnOrPool: TypeAlias = "str | psycopg.AsyncConnection[Any] | AsyncConnectionPoo
 def _backoff(failures: int) -> float:
     """The relay's pause after its n-th failure in a row: 0.4 s doubling, at most 30 s."""
     return float(min(0.2 * 2 ** min(failures, 8), 30.0))
-
-
-@frozen(kw_only=True)
-class DispatchReport:
-    """What one `run_once` did."""
-
-    claimed: int = 0
-    dispatched: int = 0
-    """Rows marked dispatched (their run was created, or already existed under the key)."""
-    created: int = 0
-    """Of those, how many runs this dispatch created."""
-    retried: int = 0
-    """Rows that failed and were scheduled again (backoff)."""
-    dead: int = 0
-    """Rows marked dead (unknown type, invalid payload, or out of attempts)."""
-    engine_unavailable: bool = False
-    """The engine's database could not be reached; the untouched rows stay pending."""
-
-
-@frozen
-class _Outcome:
-    row_id: int
-    ok: bool
-    created: bool = False
-    error: str = ""
-    dead: bool = False
-
-
-class _Unavailable(Exception):
-    pass
 
 
 class _Outage:
@@ -206,7 +168,7 @@ class OutboxRelay:
         self.concurrency = concurrency
         self._same_database: bool | None = False if mode == "separate" else None
         self._listen = listen
-        self._tracer = trace.get_tracer("umt.outbox", tracer_provider=tracer_provider)
+        self._dispatcher = Dispatcher(self, queries=self._q, tracer_provider=tracer_provider)
         self._own_conn: psycopg.AsyncConnection[Any] | None = None
         self._batch_lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -316,7 +278,7 @@ class OutboxRelay:
                 self._same_database = await self._detect(conn)
             if self._install_id is None:
                 self._install_id, self._legacy_keys_below = await self._read_install_id(conn)
-            report = await self._dispatch_batch(conn, same_database=self._same_database)
+            report = await self._dispatcher.dispatch_batch(conn, same_database=self._same_database)
         t = self.totals
         self.totals = DispatchReport(
             claimed=t.claimed + report.claimed,
@@ -502,144 +464,3 @@ class OutboxRelay:
             else "separate databases (enqueue, then mark dispatched)",
         )
         return same
-
-    # -- dispatch -------------------------------------------------------------------------------
-
-    async def _dispatch_batch(
-        self, conn: psycopg.AsyncConnection[Any], *, same_database: bool
-    ) -> DispatchReport:
-        outcomes: list[_Outcome] = []
-        unavailable = False
-        async with conn.transaction():
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(self._q["claim"], {"limit": self.batch_size})
-            rows = await cur.fetchall()
-            if same_database or self.concurrency == 1:
-                for row in rows:
-                    try:
-                        outcomes.append(await self._dispatch_row(conn, row, same_database))
-                    except _Unavailable:
-                        unavailable = True
-                        break
-            else:
-                slots = asyncio.Semaphore(self.concurrency)
-
-                async def dispatch(row: dict[str, Any]) -> _Outcome | None:
-                    nonlocal unavailable
-                    async with slots:
-                        if unavailable:
-                            return None
-                        try:
-                            return await self._dispatch_row(conn, row, same_database)
-                        except _Unavailable:
-                            unavailable = True
-                            return None
-
-                results = await asyncio.gather(*(dispatch(row) for row in rows))
-                outcomes = [o for o in results if o is not None]
-            done = [o.row_id for o in outcomes if o.ok]
-            if done:
-                await conn.execute(self._q["mark_dispatched"], {"ids": done})
-            failed = [o for o in outcomes if not o.ok]
-            statuses: dict[int, str] = {}
-            if failed:
-                marked = conn.cursor()
-                await marked.execute(
-                    self._q["mark_failed"],
-                    {
-                        "ids": [o.row_id for o in failed],
-                        "errors": [o.error[:4000] for o in failed],
-                        "dead": [o.dead for o in failed],
-                        "max_attempts": self.max_attempts,
-                        "base": self.backoff,
-                        "cap": self.max_backoff,
-                    },
-                )
-                statuses = {r[0]: r[1] for r in await marked.fetchall()}
-        dead = sum(1 for s in statuses.values() if s == "dead")
-        for outcome in failed:
-            _log.warning(
-                "outbox event %s %s: %s",
-                outcome.row_id,
-                "is dead" if statuses.get(outcome.row_id) == "dead" else "will be retried",
-                outcome.error,
-            )
-        return DispatchReport(
-            claimed=len(rows),
-            dispatched=len(done),
-            created=sum(1 for o in outcomes if o.ok and o.created),
-            retried=len(failed) - dead,
-            dead=dead,
-            engine_unavailable=unavailable,
-        )
-
-    async def _dispatch_row(
-        self, conn: psycopg.AsyncConnection[Any], row: dict[str, Any], same_database: bool
-    ) -> _Outcome:
-        row_id: int = row["id"]
-        event_type: str = row["type"]
-        key: str = row["idempotency_key"] or self.default_key(row_id)
-        links = []
-        if row["trace_context"]:
-            writer = trace.get_current_span(
-                propagate.extract(dict(row["trace_context"]))
-            ).get_span_context()
-            if writer.is_valid:
-                links.append(Link(writer))
-        attributes: dict[str, Any] = {
-            "messaging.system": "umt.outbox",
-            "messaging.operation.type": "process",
-            "messaging.destination.name": f"{self.schema}.{self.table}",
-            "messaging.message.id": str(row_id),
-            "umt.outbox.event.id": row_id,
-            "umt.outbox.event.type": event_type,
-            "umt.outbox.attempt": row["attempts"] + 1,
-            "umt.outbox.idempotency_key": key,
-            "umt.outbox.same_database": same_database,
-        }
-        with self._tracer.start_as_current_span(
-            f"umt.outbox.dispatch {event_type}",
-            kind=SpanKind.CONSUMER,
-            links=links,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            route = self.routes.get(event_type)
-            if route is None:
-                known = ", ".join(sorted(self.routes)) or "none"
-                error = f"no route for outbox event type {event_type!r} (routes: {known})"
-                span.set_status(Status(StatusCode.ERROR, error))
-                span.set_attribute("umt.outbox.outcome", "dead")
-                return _Outcome(row_id, ok=False, error=error, dead=True)
-            target, mapper = route
-            try:
-                payload = row["payload"]
-                value = mapper(payload) if mapper is not None else payload
-                if same_database:
-                    async with conn.transaction():  # a savepoint: a failed enqueue undoes itself
-                        handle = await self.engine.enqueue(
-                            target, value, idempotency_key=key, conn=conn
-                        )
-                else:
-                    handle = await self.engine.enqueue(target, value, idempotency_key=key)
-            except BackendUnavailableError as exc:
-                if same_database:
-                    raise  # the relay's own connection: the whole batch rolls back
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, f"engine unavailable: {exc}"))
-                span.set_attribute("umt.outbox.outcome", "deferred")
-                raise _Unavailable from exc
-            except Exception as exc:
-                # Retrying cannot fix an input the task refuses, nor a key that names a run
-                # with another input: those are dead at once; anything else backs off.
-                permanent = isinstance(exc, PayloadError | IdempotencyConflictError)
-                error = f"{type(exc).__name__}: {exc}"
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, error))
-                span.set_attribute("umt.outbox.outcome", "dead" if permanent else "failed")
-                return _Outcome(row_id, ok=False, error=error, dead=permanent)
-            span.set_attribute("umt.run.id", str(handle.run_id))
-            span.set_attribute("umt.run.created", handle.created)
-            span.set_attribute("umt.outbox.outcome", "dispatched")
-            return _Outcome(row_id, ok=True, created=handle.created)

@@ -1,0 +1,99 @@
+"""Row decoding: the rows of the runs, steps and executions tables as umt's records."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from umt_sdk.backend import ErrorInfo, ExecutionRecord, RunRecord, StepRecord
+
+__all__ = ["_error", "_error_json", "_record", "_step", "_ts"]
+
+
+def _error_json(error: ErrorInfo | None) -> str | None:
+    if error is None:
+        return None
+    return json.dumps({"type": error.type, "message": error.message, "traceback": error.traceback})
+
+
+def _error(value: Any) -> ErrorInfo | None:
+    if not value:
+        return None
+    return ErrorInfo(
+        type=str(value.get("type", "")),
+        message=str(value.get("message", "")),
+        traceback=str(value.get("traceback", "")),
+    )
+
+
+def _step(row: Mapping[str, Any], output_json: str | None) -> StepRecord:
+    return StepRecord(
+        name=row["name"],
+        kind=row["kind"],
+        status=row["status"],
+        attempt=row["attempt"],
+        fencing_token=row["fencing_token"],
+        output_json=output_json,
+        error=_error(row["error"]),
+        started_at=_ts(row["started_at"]),
+        finished_at=_ts(row["finished_at"]),
+        wake_at=_ts(row["wake_at"]),
+    )
+
+
+def _ts(value: Any) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value))
+
+
+def _record(
+    row: dict[str, Any],
+    steps: Sequence[dict[str, Any]] = (),
+    executions: Sequence[dict[str, Any]] = (),
+) -> RunRecord:
+    now = row["db_now"]
+    records = []
+    for e in executions:
+        outcome = e["outcome"]  # as stored: the SDK reads a lapsed `running` (`_views`)
+        records.append(
+            ExecutionRecord(
+                fencing_token=e["fencing_token"],
+                worker_id=e["worker_id"],
+                claimed_at=e["claimed_at"],
+                ended_at=e["ended_at"],
+                outcome=outcome,
+                current_step=e["current_step"],
+                step_started_at=e["step_started_at"],
+            )
+        )
+    return RunRecord(
+        run_id=row["id"],
+        task_name=row["task_name"],
+        task_version=row["task_version"],
+        status=row["status"],
+        priority=row["priority"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        available_at=row["available_at"] if row["status"] != "running" else None,
+        input_json=row["input"],
+        idempotency_key=row["idempotency_key"],
+        output_json=row["output"],
+        error=_error(row["error"]),
+        claims=row["claims"],
+        failures=row["failures"],
+        lease_expirations=row["lease_expirations"],
+        fencing_token=row["fencing_token"],
+        lease_owner=row["lease_owner"],
+        lease_expires_at=row["lease_expires_at"],
+        finished_at=row["finished_at"],
+        cancel_requested_at=row["cancel_requested_at"],
+        cancel_reason=row["cancel_reason"],
+        wait_for=row["wait_for"],
+        trace_context=row["trace_context"] or {},
+        steps=tuple(_step(s, s["output"]) for s in steps),
+        executions=tuple(records),
+        observed_at=now,
+    )
