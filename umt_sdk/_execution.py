@@ -1,31 +1,27 @@
-"""One execution of a run's handler: replay by step name, durable waits, retries, fencing.
+"""One execution of a run's handler: its lease, its abort state, and the one ending write.
 
-An execution replays the run's recorded steps (a completed step returns its record, a failed
-one raises it), runs the first unrecorded step, and records it under its lease. It ends in one of
-four ways: the handler returns (complete), raises (retry later or fail), parks (a sleep, a fact
-wait or a step's retry backoff: the slot is released), or stops writing because the lease was
-lost or the process is going away.
+An execution replays the run's recorded steps and runs the next ones (`_steps.Steps`, over the
+run's `_history.History`), and ends in one of four ways, each stored by one `end_execution`
+write that carries the SDK's decision (`Ending`): the handler returns (complete), raises (retry
+later or fail, or canceled when its cancel was requested), parks (a sleep, a fact wait or a
+step's retry backoff: the slot is released), or stops writing because the lease was lost or the
+process is going away. Its telemetry lives behind one seam, `ExecutionTelemetry`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Literal, TypeVar
-
-from opentelemetry import trace
+from typing import Any, TypeVar
 
 from umt_sdk import _serde
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
+from umt_sdk._history import History
 from umt_sdk._logging import RunLogger
-from umt_sdk._names import check_name
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import (
     Backend,
@@ -33,72 +29,28 @@ from umt_sdk._spi import (
     ClaimedRun,
     Ending,
     EndResult,
-    ErrorInfo,
     ExecutionOutcome,
-    Fact,
     Lease,
     SimulatedCrash,
-    StepKind,
     StepRecord,
 )
+from umt_sdk._steps import AbortKind, Release, Steps, Stop, Suspend, error_info
 from umt_sdk._task import TaskDefinition
-from umt_sdk._telemetry import Telemetry
+from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
 from umt_sdk.exceptions import (
     BackendError,
     BackendUnavailableError,
     CanceledError,
-    FactTimeoutError,
     FencingError,
     LeaseLostTooOftenError,
-    NonDeterminismError,
     PayloadError,
-    StepFailedError,
 )
 
-__all__ = ["Execution", "error_info"]
+__all__ = ["Execution"]
 
 T = TypeVar("T")
 
 _log = logging.getLogger("umt.worker")
-
-
-class _Suspend(BaseException):
-    """The run is parked; unwind the handler without recording anything else."""
-
-
-class _Stop(BaseException):
-    """This execution must stop writing: its lease is lost or its process is going away."""
-
-
-class _Release(BaseException):
-    """The worker is shutting down: give the run back at the next step boundary."""
-
-
-_STEP_OUTCOMES: dict[type[BaseException], str] = {_Suspend: "retrying", _Release: "released"}
-
-AbortKind = Literal["cancel", "lease_lost", "shutdown", "crash"]
-
-
-def error_info(exc: BaseException) -> ErrorInfo:
-    """How an exception is recorded: qualified type, message, formatted traceback.
-
-    Ours to store, so never refused: NUL and lone surrogates (which Postgres cannot hold) are
-    replaced by visible escapes, and a step whose error message holds them fails normally.
-    """
-    kind = type(exc)
-    name = (
-        kind.__qualname__
-        if kind.__module__ == "builtins"
-        else f"{kind.__module__}.{kind.__qualname__}"
-    )
-    message = str(exc)
-    if isinstance(exc, StepFailedError) and exc.error_type:
-        message = f"{exc.step_name}: {exc.error_type}: {exc.error_message}"
-    return ErrorInfo(
-        type=_serde.clean_text(name),
-        message=_serde.clean_text(message),
-        traceback=_serde.clean_text("".join(traceback.format_exception(exc))[-8000:]),
-    )
 
 
 class Execution:
@@ -116,7 +68,6 @@ class Execution:
         telemetry: Telemetry,
     ) -> None:
         self.backend = backend
-        self.telemetry = telemetry
         self.claimed = claimed
         self.definition = definition
         self.loop = loop
@@ -126,49 +77,23 @@ class Execution:
             worker_id=worker_id,
             duration=lease_duration,
         )
-        self._records: dict[str, list[StepRecord]] = {}
-        for record in claimed.steps:
-            self._records.setdefault(record.name, []).append(record)
-        for records in self._records.values():
-            records.sort(key=lambda r: r.attempt)
-        self._occurrences: dict[str, int] = {}
+        self.telemetry = ExecutionTelemetry(telemetry, claimed, worker_id)
+        self.history = History(claimed.run_id, claimed.steps)
+        self.steps = Steps(self, self.history, self.telemetry)
         self._started_monotonic = time.monotonic()
         self._loop_thread = threading.get_ident()
         self.abort_event = asyncio.Event()
         self.abort_reason: str | None = None
         self.abort_kind: AbortKind | None = None
         self.cancel_requested = False
-        self.current_step: str | None = None
-        self.current_step_started_at: datetime | None = None
-        # The step a cancel cut off (the handler may still be cleaning up): heartbeats keep
-        # naming it, so the timeline shows it as canceled.
-        self.canceled_step: tuple[str, datetime] | None = None
-        # What the last heartbeat that reached the backend said about the step, and who wants
-        # to know when a step starts (the worker, to name it in a prompt beat).
+        # What the last heartbeat that reached the backend said about the step.
         self.beaten_step: tuple[str, datetime] | None = None
-        self.on_step_start: Callable[[], None] | None = None
         self.stopped = False
-        # Set while the write that hands the run back (park, complete, fail, ...) is in flight:
-        # a heartbeat racing with it may find the run released, which is not a lost lease.
+        # Set while the write that hands the run back (the ending) is in flight: a heartbeat
+        # racing with it may find the run released, which is not a lost lease.
         self.letting_go = False
         # Replaying until the first step the last execution did not finish: logs stay quiet.
         self.replaying = bool(claimed.steps)
-        self.attributes = {
-            **Telemetry.task_attributes(claimed.task_name, claimed.task_version),
-            "umt.run.id": str(claimed.run_id),
-            "umt.attempt": claimed.claims,
-            "umt.priority": claimed.priority,
-            "umt.worker.id": worker_id,
-        }
-        self.span = telemetry.execution_span(
-            task_name=claimed.task_name,
-            parent=telemetry.extract(claimed.trace_context),
-            attributes=self.attributes,
-        )
-        span_context = self.span.get_span_context()
-        self.trace_id = (
-            format(span_context.trace_id, "032x") if span_context.is_valid else _trace_id(claimed)
-        )
         self.logger = RunLogger(
             logging.getLogger("umt.task"),
             {
@@ -182,27 +107,42 @@ class Execution:
         )
         self.task: asyncio.Task[None] | None = None
 
+    # -- what others read ---------------------------------------------------------------------
+
+    @property
+    def trace_id(self) -> str:
+        return self.telemetry.trace_id
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        return self.telemetry.attributes
+
+    @property
+    def default_retry(self) -> RetryPolicy:
+        return self.definition.retry
+
+    @property
+    def on_step_start(self) -> Callable[[], None] | None:
+        return self.steps.on_step_start
+
+    @on_step_start.setter
+    def on_step_start(self, callback: Callable[[], None] | None) -> None:
+        self.steps.on_step_start = callback
+
     def _log_context(self) -> dict[str, object]:
-        span_context = trace.get_current_span().get_span_context()
         return {
-            "umt_step": self.current_step,
-            "umt_span_id": format(span_context.span_id, "016x") if span_context.is_valid else None,
+            "umt_step": self.steps.current_step,
+            "umt_span_id": ExecutionTelemetry.current_span_id(),
         }
 
     def step_for_beat(self) -> tuple[str, datetime] | None:
         """The step a heartbeat names: the one running, else the one a cancel cut off."""
-        if self.current_step is not None and self.current_step_started_at is not None:
-            return (self.current_step, self.current_step_started_at)
-        return self.canceled_step
+        return self.steps.step_for_beat()
 
     def needs_step_beat(self) -> bool:
         """A step runs that no heartbeat has named yet."""
         step = self.step_for_beat()
         return step is not None and step != self.beaten_step and not self.stopped
-
-    def event(self, name: str, **attributes: Any) -> None:
-        """An event on the execution span."""
-        self.span.add_event(name, {k: v for k, v in attributes.items() if v is not None})
 
     # -- time and signals -------------------------------------------------------------------
 
@@ -219,9 +159,9 @@ class Execution:
         """Fire the abort signal. Lease loss, shutdown and crashes also stop all writes."""
         if kind == "cancel":
             self.cancel_requested = True
-            self.event("umt.cancel_requested", **{"umt.cancel.reason": reason})
+            self.telemetry.event("umt.cancel_requested", **{"umt.cancel.reason": reason})
         elif kind == "lease_lost":
-            self.event("umt.lease_lost", **{"umt.reason": reason})
+            self.telemetry.event("umt.lease_lost", **{"umt.reason": reason})
         if kind in ("lease_lost", "crash"):
             self.stopped = True
         if self.abort_kind is None or kind in ("lease_lost", "crash"):
@@ -231,14 +171,19 @@ class Execution:
         if kind in ("lease_lost", "crash") and self.task is not None:
             self.loop.call_soon_threadsafe(self.task.cancel)
 
-    def _check_before_step(self) -> None:
+    def check_before_step(self) -> None:
+        """Raise what must happen instead of the next step: stop, release, or the cancel."""
         if self.stopped:
-            raise _Stop
+            raise Stop
         if self.abort_kind == "shutdown":
-            raise _Release
+            raise Release
         if self.cancel_requested:
             reason = self.abort_reason or "canceled"
             raise CanceledError(f"run {self.claimed.run_id} canceled: {reason}", reason=reason)
+
+    def go_live(self) -> None:
+        """The first step the last execution did not finish: from here on, logs speak."""
+        self.replaying = False
 
     # -- threads --------------------------------------------------------------------------------
 
@@ -256,46 +201,59 @@ class Execution:
         finally:
             _CURRENT.reset(token)
 
-    # -- records ----------------------------------------------------------------------------------
+    # -- the steps (what a task's context calls) --------------------------------------------------
 
-    def _occurrence(self, name: str) -> str:
-        count = self._occurrences.get(name, 0) + 1
-        self._occurrences[name] = count
-        return name if count == 1 else f"{name}#{count}"
+    def run_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Coroutine[Any, Any, Any]:
+        return self.steps.run_step(name, fn, args, kwargs, retry, output_type)
 
-    def _last(self, name: str, kind: StepKind) -> StepRecord | None:
-        records = self._records.get(name)
-        if not records:
-            return None
-        last = records[-1]
-        if last.kind != kind:
-            raise NonDeterminismError(
-                f"step {name!r} of run {self.claimed.run_id} was recorded as a {last.kind!r} "
-                f"but the code now makes it a {kind!r}; bump the task's version for "
-                "incompatible changes and keep the old version registered until its runs drain",
-                step_name=name,
-                recorded_kind=last.kind,
-                current_kind=kind,
-            )
-        return last
+    def run_step_from_thread(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any:
+        return self.steps.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
 
-    def _remember(self, record: StepRecord) -> None:
-        records = self._records.setdefault(record.name, [])
-        records[:] = [r for r in records if r.attempt != record.attempt]
-        records.append(record)
-        records.sort(key=lambda r: r.attempt)
+    async def sleep(self, name: str, duration: timedelta) -> None:
+        await self.steps.sleep(name, duration)
 
-    async def _guard(self, awaitable: Awaitable[T], *, final: bool = False) -> T:
+    async def wait_for_fact(
+        self,
+        name: str,
+        *,
+        timeout: timedelta | None,
+        check: Callable[[], Any] | None,
+        payload_type: Any,
+        poll: timedelta | None,
+    ) -> Any:
+        return await self.steps.wait_for_fact(
+            name, timeout=timeout, check=check, payload_type=payload_type, poll=poll
+        )
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    async def guard(self, awaitable: Awaitable[T], *, final: bool = False) -> T:
         """Await a fenced backend write; on a lost lease, stop this execution."""
         if self.stopped:
-            raise _Stop
+            raise Stop
         if final:
             self.letting_go = True
         try:
             return await awaitable
         except FencingError:
-            self._fenced()
-            raise _Stop from None
+            self.fenced()
+            raise Stop from None
         except BackendUnavailableError as exc:
             # Whether the write landed is unknown, and an outage is not the handler's failure:
             # stop writing (like a crash); the run resumes from its records after its lease.
@@ -306,42 +264,25 @@ class Execution:
                 exc,
             )
             self.abort("crash", f"backend unavailable: {exc}")
-            raise _Stop from None
+            raise Stop from None
         except SimulatedCrash:
             self.abort("crash", "simulated crash")
-            raise _Stop from None
+            raise Stop from None
 
-    def _fenced(self) -> None:
-        self.telemetry.fencing_rejections.add(1, self.attributes)
-        self.event("umt.fencing_rejected", **{"umt.step.name": self.current_step})
+    def fenced(self) -> None:
+        """A write was refused: another attempt holds the run. Stop writing."""
+        self.telemetry.fenced(self.steps.current_step)
         self.abort("lease_lost", "lease lost: another attempt holds the run")
-
-    def _replayed(self, record: StepRecord) -> None:
-        self.event(
-            "umt.step.replayed",
-            **{
-                "umt.step.name": record.name,
-                "umt.step.kind": record.kind,
-                "umt.step.attempt": record.attempt,
-            },
-        )
-
-    def _live(self) -> None:
-        self.replaying = False
-
-    async def _record(self, record: StepRecord) -> None:
-        await self._guard(self.backend.record_step(self.lease, record))
-        self._remember(record)
 
     async def _end(self, ending: Ending) -> EndResult:
         """The one ending write: the SDK's decision, stored by the backend as given."""
-        result = await self._guard(self.backend.end_execution(self.lease, ending), final=True)
+        result = await self.guard(self.backend.end_execution(self.lease, ending), final=True)
         self.letting_go = result == "ended"
         if result == "ended" and ending.step is not None:
-            self._remember(ending.step)
+            self.history.remember(ending.step)
         return result
 
-    async def _park(
+    async def park(
         self,
         *,
         outcome: ExecutionOutcome,
@@ -363,7 +304,7 @@ class Execution:
         )
         if result == "cancel_requested":
             await self._learn_cancel()
-            self._check_before_step()
+            self.check_before_step()
         return result == "ended"
 
     async def _learn_cancel(self) -> None:
@@ -379,403 +320,28 @@ class Execution:
                 reason = record.cancel_reason
         self.abort("cancel", reason)
 
-    def _step_record(self, name: str, kind: StepKind, **fields: Any) -> StepRecord:
-        return StepRecord(name=name, kind=kind, fencing_token=self.lease.fencing_token, **fields)
-
-    # -- steps ----------------------------------------------------------------------------------
-
-    def run_step(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Coroutine[Any, Any, Any]:
-        return self._run_step(name, fn, args, kwargs, retry, output_type)
-
-    def run_step_from_thread(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any:
-        return self.call_from_thread(self._run_step(name, fn, args, kwargs, retry, output_type))
-
-    async def _run_step(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any:
-        full = self._occurrence(name)
-        last = self._last(full, "step")
-        if last is not None:
-            if last.status == "completed":
-                self._replayed(last)
-                return _serde.decode(
-                    last.output_json or "null", output_type, what=f"output of step {full!r}"
-                )
-            if last.status == "failed":
-                self._replayed(last)
-                raise _step_failed(full, last.error)
-        attempt = (last.attempt + 1) if last is not None else 1
-        self._check_before_step()
-        self._live()
-        with self.telemetry.tracer.start_as_current_span(
-            f"umt.step {full}",
-            attributes={
-                **self.attributes,
-                "umt.step.name": full,
-                "umt.step.kind": "step",
-                "umt.step.attempt": attempt,
-            },
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            started_clock = time.monotonic()
-            try:
-                value = await self._execute_step(
-                    full, attempt, fn, args, kwargs, retry, output_type
-                )
-                span.set_attribute("umt.step.outcome", "completed")
-                return value
-            except BaseException as exc:
-                if isinstance(exc, Exception):
-                    span.set_attribute("umt.step.outcome", "failed")
-                    Telemetry.fail(span, exc)
-                else:
-                    span.set_attribute(
-                        "umt.step.outcome", _STEP_OUTCOMES.get(type(exc), "interrupted")
-                    )
-                raise
-            finally:
-                self.telemetry.step_duration.record(
-                    time.monotonic() - started_clock,
-                    {
-                        **Telemetry.task_attributes(
-                            self.claimed.task_name, self.claimed.task_version
-                        ),
-                        "umt.step.kind": "step",
-                    },
-                )
-
-    async def _execute_step(
-        self,
-        full: str,
-        attempt: int,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any:
-        started = self.now()
-        self.current_step, self.current_step_started_at = full, started
-        if self.on_step_start is not None:
-            self.on_step_start()
-        try:
-            if inspect.iscoroutinefunction(fn):
-                value = await fn(*args, **kwargs)
-            else:
-                # Plain bodies run in a thread (the handler's own thread already, for plain
-                # tasks: the loop never blocks on user code).
-                value = await asyncio.to_thread(fn, *args, **kwargs)
-                if inspect.isawaitable(value):
-                    value = await value
-        except (_Stop, _Suspend, _Release, SimulatedCrash, asyncio.CancelledError):
-            raise
-        except FencingError:
-            self._fenced()
-            raise _Stop from None
-        except Exception as exc:
-            if self.stopped:
-                raise _Stop from None
-            if self.abort_kind == "shutdown":
-                raise _Release from None
-            if isinstance(exc, CanceledError) and self.cancel_requested:
-                self.canceled_step = (full, started)
-                raise  # the run ends canceled; the step is not recorded as failed
-            policy = retry or self.definition.retry
-            info = error_info(exc)
-            if policy.should_retry(exc, attempt) and not self.cancel_requested:
-                now = self.now()
-                record = self._step_record(
-                    full,
-                    "step",
-                    status="retrying",
-                    attempt=attempt,
-                    error=info,
-                    started_at=started,
-                    finished_at=now,
-                )
-                retry_at = now + policy.delay_before(attempt + 1)
-                try:
-                    await self._park(outcome="retrying", step=record, available_at=retry_at)
-                except CanceledError:
-                    self.canceled_step = (full, started)
-                    raise
-                self.event(
-                    "umt.step.retry_scheduled",
-                    **{
-                        "umt.step.name": full,
-                        "umt.step.attempt": attempt,
-                        "umt.retry_at": retry_at.isoformat(),
-                    },
-                )
-                raise _Suspend from None
-            record = self._step_record(
-                full,
-                "step",
-                status="failed",
-                attempt=attempt,
-                error=info,
-                started_at=started,
-                finished_at=self.now(),
-            )
-            await self._record(record)
-            raise _step_failed(full, info) from exc
-        finally:
-            self.current_step = self.current_step_started_at = None
-        try:
-            # The value every replay decodes is the one this execution returns too.
-            output_json, value = _serde.encode_output(
-                value, output_type, what=f"output of step {full!r}"
-            )
-        except PayloadError as exc:
-            # Deterministic: the same body would return the same value, so no retry.
-            info = error_info(exc)
-            await self._record(
-                self._step_record(
-                    full,
-                    "step",
-                    status="failed",
-                    attempt=attempt,
-                    error=info,
-                    started_at=started,
-                    finished_at=self.now(),
-                )
-            )
-            raise _step_failed(full, info) from exc
-        await self._record(
-            self._step_record(
-                full,
-                "step",
-                status="completed",
-                attempt=attempt,
-                output_json=output_json,
-                started_at=started,
-                finished_at=self.now(),
-            )
-        )
-        return value
-
-    async def sleep(self, name: str, duration: timedelta) -> None:
-        if not isinstance(duration, timedelta):
-            raise TypeError(f"sleep {name!r}: duration must be a timedelta, got {duration!r}")
-        full = self._occurrence(name)
-        last = self._last(full, "sleep")
-        if last is not None and last.status == "completed":
-            self._replayed(last)
-            return
-        self._check_before_step()
-        self._live()
-        now = self.now()
-        if last is None:
-            if duration <= timedelta(0):
-                await self._record(
-                    self._step_record(
-                        full,
-                        "sleep",
-                        status="completed",
-                        started_at=now,
-                        finished_at=now,
-                        wake_at=now,
-                    )
-                )
-                return
-            wake_at = now + duration
-            waiting = self._step_record(
-                full, "sleep", status="waiting", started_at=now, wake_at=wake_at
-            )
-            await self._park(outcome="waiting", step=waiting, available_at=wake_at)
-            self.event(
-                "umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()}
-            )
-            raise _Suspend
-        wake_at = last.wake_at or now
-        if wake_at <= now:
-            await self._record(
-                self._step_record(
-                    full,
-                    "sleep",
-                    status="completed",
-                    started_at=last.started_at,
-                    finished_at=now,
-                    wake_at=wake_at,
-                )
-            )
-            self.event("umt.sleep.done", **{"umt.step.name": full})
-            return
-        await self._park(outcome="waiting", step=None, available_at=wake_at)
-        self.event("umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()})
-        raise _Suspend
-
-    async def wait_for_fact(
-        self,
-        name: str,
-        *,
-        timeout: timedelta | None,
-        check: Callable[[], Any] | None,
-        payload_type: Any,
-        poll: timedelta | None,
-    ) -> Any:
-        check_name("fact", name)
-        full = self._occurrence(name)
-        last = self._last(full, "fact")
-        if last is not None and last.status == "completed":
-            self._replayed(last)
-            return _fact_outcome(full, name, last.output_json, payload_type)
-        self._check_before_step()
-        self._live()
-        started = last.started_at if last is not None and last.started_at else self.now()
-        deadline: datetime | None
-        if last is not None:
-            deadline = last.wake_at
-        else:
-            deadline = started + timeout if timeout is not None else None
-        while True:
-            now = self.now()
-            if check is not None:
-                if inspect.iscoroutinefunction(check):
-                    value = await check()
-                else:
-                    value = await asyncio.to_thread(check)
-                    if inspect.isawaitable(value):
-                        value = await value
-                if value is not None:
-                    text = _serde.encode(value, payload_type, what=f"fact {name!r} from check()")
-                    output = '{"fact":' + text + ',"source":"check"}'
-                    await self._record(
-                        self._step_record(
-                            full,
-                            "fact",
-                            status="completed",
-                            started_at=started,
-                            finished_at=now,
-                            output_json=output,
-                        )
-                    )
-                    self.event(
-                        "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "check"}
-                    )
-                    return _fact_outcome(full, name, output, payload_type)  # as a replay sees it
-            fact = _visible_fact(
-                await self._guard(self.backend.get_facts(run_id=self.claimed.run_id, name=name))
-            )
-            if fact is not None:
-                output = '{"fact":' + fact.payload_json + ',"source":"signal"}'
-                await self._record(
-                    self._step_record(
-                        full,
-                        "fact",
-                        status="completed",
-                        started_at=started,
-                        finished_at=now,
-                        output_json=output,
-                    )
-                )
-                self.event(
-                    "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "signal"}
-                )
-                return _fact_outcome(full, name, output, payload_type)
-            if deadline is not None and now >= deadline:
-                await self._record(
-                    self._step_record(
-                        full,
-                        "fact",
-                        status="completed",
-                        started_at=started,
-                        finished_at=now,
-                        wake_at=deadline,
-                        output_json='{"timeout":true}',
-                    )
-                )
-                self.event("umt.fact.timeout", **{"umt.fact.name": name})
-                return _fact_outcome(full, name, '{"timeout":true}', payload_type)
-            wake_at = deadline
-            if poll is not None:
-                wake_at = now + poll if wake_at is None else min(wake_at, now + poll)
-            waiting = (
-                None
-                if last is not None
-                else self._step_record(
-                    full, "fact", status="waiting", started_at=started, wake_at=deadline
-                )
-            )
-            if await self._park(
-                outcome="waiting", step=waiting, available_at=wake_at, wait_for=name
-            ):
-                self.event(
-                    "umt.wait_for_fact",
-                    **{
-                        "umt.fact.name": name,
-                        "umt.fact.deadline": deadline.isoformat() if deadline else None,
-                    },
-                )
-                raise _Suspend
-            # The fact arrived between our look and the park: go round again.
-
     # -- the handler ------------------------------------------------------------------------------
 
     async def execute(self) -> None:
         """Run the handler to its next durable boundary and record how it ended."""
         token = _CURRENT.set(self)
-        telemetry = self.telemetry
-        task_attributes = Telemetry.task_attributes(
-            self.claimed.task_name, self.claimed.task_version
-        )
-        telemetry.runs_started.add(1, task_attributes)
-        if self.claimed.ready_at is not None:
-            telemetry.claim_latency.record(
-                max(0.0, (self.claimed.claimed_at - self.claimed.ready_at).total_seconds()),
-                task_attributes,
-            )
         try:
-            with trace.use_span(self.span, end_on_exit=True):
+            with self.telemetry.running():
                 try:
                     await self._execute()
-                except _Suspend:
-                    self.span.set_attribute("umt.outcome", "parked")
-                except (_Stop, SimulatedCrash):
-                    self.span.set_attribute("umt.outcome", "stopped")
+                except Suspend:
+                    self.telemetry.outcome("parked")
+                except (Stop, SimulatedCrash):
+                    self.telemetry.outcome("stopped")
                 except asyncio.CancelledError:
-                    self.span.set_attribute("umt.outcome", "stopped")
+                    self.telemetry.outcome("stopped")
                     if not self.stopped:
                         raise
         finally:
             _CURRENT.reset(token)
 
     def _outcome(self, outcome: str, error: BaseException | None = None) -> None:
-        attributes = Telemetry.task_attributes(self.claimed.task_name, self.claimed.task_version)
-        self.span.set_attribute("umt.outcome", outcome)
-        if outcome == "completed":
-            self.telemetry.runs_completed.add(1, attributes)
-        elif outcome == "failed":
-            self.telemetry.runs_failed.add(1, attributes)
-        elif outcome == "canceled":
-            self.telemetry.runs_canceled.add(1, attributes)
-        if error is not None and outcome in ("failed", "retrying"):
-            Telemetry.fail(self.span, error)
-        elif error is not None:
-            self.span.record_exception(error)
+        self.telemetry.outcome(outcome, error)
 
     async def _execute(self) -> None:
         definition = self.definition
@@ -804,9 +370,9 @@ class Execution:
                 output, definition.output_type
             ):  # what result() will decode: if that would fail, fail the run now
                 _serde.decode(output_json, definition.output_type, what="task output")
-        except (_Stop, _Suspend, SimulatedCrash):
+        except (Stop, Suspend, SimulatedCrash):
             raise
-        except _Release:
+        except Release:
             await self._release()
             return
         except asyncio.CancelledError:
@@ -818,7 +384,7 @@ class Execution:
             raise
         except Exception as exc:
             if self.stopped:
-                raise _Stop from None
+                raise Stop from None
             await self._finish_failed(exc)
             return
         await self._end(Ending(status="completed", outcome="completed", output_json=output_json))
@@ -908,7 +474,7 @@ class Execution:
     async def _name_canceled_step(self) -> None:
         """Make sure the backend knows the step the cancel cut off before the run finishes
         (it keeps it on the canceled execution); one beat, only if no heartbeat said it."""
-        step = self.canceled_step
+        step = self.steps.canceled_step
         if step is None or step == self.beaten_step or self.stopped:
             return
         beat = Beat(
@@ -926,42 +492,3 @@ class Execution:
             return
         if self.claimed.run_id not in result.lost:
             self.beaten_step = step
-
-
-def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:
-    error_type = error.type if error else "Error"
-    message = error.message if error else ""
-    return StepFailedError(
-        f"step {name!r} failed after its last attempt: {error_type}: {message}",
-        step_name=name,
-        error_type=error_type,
-        error_message=message,
-    )
-
-
-def _visible_fact(facts: Sequence[Fact]) -> Fact | None:
-    """The fact a wait receives: the run's own, else the broadcast one."""
-    for fact in facts:
-        if fact.run_id is not None:
-            return fact
-    return facts[0] if facts else None
-
-
-def _fact_outcome(
-    step_name: str, fact_name: str, output_json: str | None, payload_type: Any
-) -> Any:
-    raw = json.loads(output_json or "{}")
-    if raw.get("timeout"):
-        raise FactTimeoutError(
-            f"no fact {fact_name!r} arrived before the wait {step_name!r} timed out",
-            fact_name=fact_name,
-        )
-    return _serde.from_raw(raw.get("fact"), payload_type, what=f"fact {fact_name!r}")
-
-
-def _trace_id(claimed: ClaimedRun) -> str:
-    traceparent = claimed.trace_context.get("traceparent", "")
-    parts = traceparent.split("-")
-    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
-        return parts[1]
-    return claimed.run_id.hex

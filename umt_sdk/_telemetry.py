@@ -10,6 +10,7 @@ step is only an event on the execution span, so traces stay honest across resume
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -19,9 +20,9 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from umt_sdk._spi import TaskPair
+from umt_sdk._spi import ClaimedRun, StepRecord, TaskPair
 
-__all__ = ["Telemetry"]
+__all__ = ["ExecutionTelemetry", "Telemetry"]
 
 _SYSTEM = "umt"
 
@@ -132,3 +133,130 @@ class Telemetry:
     def fail(span: Span, error: BaseException) -> None:
         span.record_exception(error)
         span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+
+
+class ExecutionTelemetry:
+    """The telemetry of one execution behind one seam: its span (a child of the enqueuer's
+    context), the events on it, the step spans, and the run and step metrics. The execution
+    and its steps say what happened; only this class knows how that is traced and counted."""
+
+    def __init__(self, telemetry: Telemetry, claimed: ClaimedRun, worker_id: str) -> None:
+        self._telemetry = telemetry
+        self._claimed = claimed
+        self.task_attributes = Telemetry.task_attributes(claimed.task_name, claimed.task_version)
+        self.attributes: dict[str, Any] = {
+            **self.task_attributes,
+            "umt.run.id": str(claimed.run_id),
+            "umt.attempt": claimed.claims,
+            "umt.priority": claimed.priority,
+            "umt.worker.id": worker_id,
+        }
+        self.span = telemetry.execution_span(
+            task_name=claimed.task_name,
+            parent=telemetry.extract(claimed.trace_context),
+            attributes=self.attributes,
+        )
+        span_context = self.span.get_span_context()
+        self.trace_id = (
+            format(span_context.trace_id, "032x") if span_context.is_valid else _trace_id(claimed)
+        )
+
+    def event(self, name: str, **attributes: Any) -> None:
+        """An event on the execution span (attributes that are None are left out)."""
+        self.span.add_event(name, {k: v for k, v in attributes.items() if v is not None})
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """The execution's span is current while the handler runs, and ends with it."""
+        self._telemetry.runs_started.add(1, self.task_attributes)
+        claimed = self._claimed
+        if claimed.ready_at is not None:
+            self._telemetry.claim_latency.record(
+                max(0.0, (claimed.claimed_at - claimed.ready_at).total_seconds()),
+                self.task_attributes,
+            )
+        with trace.use_span(self.span, end_on_exit=True):
+            yield
+
+    def outcome(self, outcome: str, error: BaseException | None = None) -> None:
+        """How the execution ended: the span's `umt.outcome`, and the run counters."""
+        self.span.set_attribute("umt.outcome", outcome)
+        counter = {
+            "completed": self._telemetry.runs_completed,
+            "failed": self._telemetry.runs_failed,
+            "canceled": self._telemetry.runs_canceled,
+        }.get(outcome)
+        if counter is not None:
+            counter.add(1, self.task_attributes)
+        if error is not None and outcome in ("failed", "retrying"):
+            Telemetry.fail(self.span, error)
+        elif error is not None:
+            self.span.record_exception(error)
+
+    def fenced(self, step_name: str | None) -> None:
+        """A write of this execution was refused: another attempt holds the run."""
+        self._telemetry.fencing_rejections.add(1, self.attributes)
+        self.event("umt.fencing_rejected", **{"umt.step.name": step_name})
+
+    def lease_lost(self) -> None:
+        """The worker saw this execution's lease lost (its heartbeat was refused)."""
+        self._telemetry.lease_expirations.add(1, self.attributes)
+
+    def replayed(self, record: StepRecord) -> None:
+        self.event(
+            "umt.step.replayed",
+            **{
+                "umt.step.name": record.name,
+                "umt.step.kind": record.kind,
+                "umt.step.attempt": record.attempt,
+            },
+        )
+
+    @contextmanager
+    def step(self, name: str, attempt: int) -> Iterator[None]:
+        """A step that really executes: a child span, its outcome, and its duration. Control
+        flow that unwinds through it (a park, a release, a crash) names its own outcome in a
+        `step_outcome` attribute; anything else without one reads `interrupted`."""
+        started = time.monotonic()
+        with self._telemetry.tracer.start_as_current_span(
+            f"umt.step {name}",
+            attributes={
+                **self.attributes,
+                "umt.step.name": name,
+                "umt.step.kind": "step",
+                "umt.step.attempt": attempt,
+            },
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield
+                span.set_attribute("umt.step.outcome", "completed")
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    span.set_attribute("umt.step.outcome", "failed")
+                    Telemetry.fail(span, exc)
+                else:
+                    span.set_attribute(
+                        "umt.step.outcome", getattr(exc, "step_outcome", "interrupted")
+                    )
+                raise
+            finally:
+                self._telemetry.step_duration.record(
+                    time.monotonic() - started, {**self.task_attributes, "umt.step.kind": "step"}
+                )
+
+    @staticmethod
+    def current_span_id() -> str | None:
+        """The id of the current span (a step's, else the execution's), for log records."""
+        span_context = trace.get_current_span().get_span_context()
+        return format(span_context.span_id, "016x") if span_context.is_valid else None
+
+
+def _trace_id(claimed: ClaimedRun) -> str:
+    """Without a tracer, the enqueuer's trace id from the stored context, else the run's id."""
+    traceparent = claimed.trace_context.get("traceparent", "")
+    parts = traceparent.split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+        return parts[1]
+    return claimed.run_id.hex

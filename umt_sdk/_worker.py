@@ -10,16 +10,14 @@ import time
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from uuid import UUID
 
 from umt_sdk._execution import Execution
 from umt_sdk._spi import Backend, Beat, ClaimedRun, TaskPair
+from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import BackendError, TaskDefinitionError
-
-if TYPE_CHECKING:
-    from umt_sdk._task import Registry
 
 __all__ = ["Worker"]
 
@@ -335,7 +333,7 @@ class Worker:
                     continue  # it handed the run back while the heartbeat was on its way
                 if run_id in result.lost:
                     _log.warning("lost the lease of run %s; stopping its execution", run_id)
-                    self.telemetry.lease_expirations.add(1, execution.attributes)
+                    execution.telemetry.lease_lost()
                     execution.abort("lease_lost", "lease lost: another attempt holds the run")
                 elif run_id in result.cancel_requested:
                     # The one place a cancel takes effect: the backend read it from what is

@@ -41,6 +41,7 @@ from umt_sdk import (
     task,
     with_attempt_token,
 )
+from umt_sdk._engine import new_run_id
 from umt_sdk._spi import Ending, Lease, StepRecord
 from umt_sdk.exceptions import FencingError, NotInTaskError, RunNotFoundError, UsageError
 from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats, simulate_crash
@@ -421,8 +422,6 @@ class BackendContract:
         assert len(page) == 0
 
     async def test_get_unknown_run(self, engine: Engine) -> None:
-        from umt_sdk._engine import new_run_id
-
         with pytest.raises(RunNotFoundError):
             await engine.get(new_run_id())
 

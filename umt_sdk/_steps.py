@@ -1,0 +1,504 @@
+"""Step semantics over a run's `History`: run a step or replay its record, durable sleeps and
+fact waits, step retries.
+
+A step that completed returns its record (decoded as every replay decodes it, the first
+execution included), one that failed raises it, and the first unrecorded one runs and is
+recorded under the execution's lease. What a step needs of the execution running it (its
+lease, its abort state, its fenced writes, the one ending write that parks the run) is the
+small `StepHost` protocol: this module never imports the execution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from datetime import datetime, timedelta
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
+
+from umt_sdk import _serde
+from umt_sdk._history import History
+from umt_sdk._names import check_name
+from umt_sdk._retry import RetryPolicy
+from umt_sdk._spi import (
+    Backend,
+    ClaimedRun,
+    ErrorInfo,
+    ExecutionOutcome,
+    Fact,
+    Lease,
+    SimulatedCrash,
+    StepKind,
+    StepRecord,
+)
+from umt_sdk._telemetry import ExecutionTelemetry
+from umt_sdk.exceptions import (
+    CanceledError,
+    FactTimeoutError,
+    FencingError,
+    PayloadError,
+    StepFailedError,
+)
+
+__all__ = ["AbortKind", "StepHost", "Steps", "Stop", "Suspend", "Release", "error_info"]
+
+T = TypeVar("T")
+
+AbortKind = Literal["cancel", "lease_lost", "shutdown", "crash"]
+
+
+class Suspend(BaseException):
+    """The run is parked; unwind the handler without recording anything else."""
+
+    step_outcome: ClassVar[str] = "retrying"
+
+
+class Stop(BaseException):
+    """This execution must stop writing: its lease is lost or its process is going away."""
+
+
+class Release(BaseException):
+    """The worker is shutting down: give the run back at the next step boundary."""
+
+    step_outcome: ClassVar[str] = "released"
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """How an exception is recorded: qualified type, message, formatted traceback.
+
+    Ours to store, so never refused: NUL and lone surrogates (which Postgres cannot hold) are
+    replaced by visible escapes, and a step whose error message holds them fails normally.
+    """
+    kind = type(exc)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    message = str(exc)
+    if isinstance(exc, StepFailedError) and exc.error_type:
+        message = f"{exc.step_name}: {exc.error_type}: {exc.error_message}"
+    return ErrorInfo(
+        type=_serde.clean_text(name),
+        message=_serde.clean_text(message),
+        traceback=_serde.clean_text("".join(traceback.format_exception(exc))[-8000:]),
+    )
+
+
+class StepHost(Protocol):
+    """What the steps ask of the execution running them; the one arrow runs from the
+    execution to the steps."""
+
+    @property
+    def claimed(self) -> ClaimedRun: ...
+    @property
+    def lease(self) -> Lease: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def default_retry(self) -> RetryPolicy: ...
+    @property
+    def stopped(self) -> bool: ...
+    @property
+    def abort_kind(self) -> AbortKind | None: ...
+    @property
+    def cancel_requested(self) -> bool: ...
+
+    def now(self) -> datetime: ...
+    def check_before_step(self) -> None: ...
+    def go_live(self) -> None: ...
+    def fenced(self) -> None: ...
+    def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
+    async def guard(self, awaitable: Awaitable[T]) -> T: ...
+    async def park(
+        self,
+        *,
+        outcome: ExecutionOutcome,
+        step: StepRecord | None,
+        available_at: datetime | None,
+        wait_for: str | None = None,
+    ) -> bool: ...
+
+
+class Steps:
+    """The steps of one execution: replay from `history`, run and record the rest."""
+
+    def __init__(self, host: StepHost, history: History, telemetry: ExecutionTelemetry) -> None:
+        self._host = host
+        self.history = history
+        self._telemetry = telemetry
+        self.current_step: str | None = None
+        self.current_step_started_at: datetime | None = None
+        # The step a cancel cut off (the handler may still be cleaning up): heartbeats keep
+        # naming it, so the timeline shows it as canceled.
+        self.canceled_step: tuple[str, datetime] | None = None
+        # Who wants to know when a step starts (the worker, to name it in a prompt beat).
+        self.on_step_start: Callable[[], None] | None = None
+
+    def step_for_beat(self) -> tuple[str, datetime] | None:
+        """The step a heartbeat names: the one running, else the one a cancel cut off."""
+        if self.current_step is not None and self.current_step_started_at is not None:
+            return (self.current_step, self.current_step_started_at)
+        return self.canceled_step
+
+    async def _record(self, record: StepRecord) -> None:
+        await self._host.guard(self._host.backend.record_step(self._host.lease, record))
+        self.history.remember(record)
+
+    def _step_record(self, name: str, kind: StepKind, **fields: Any) -> StepRecord:
+        return StepRecord(
+            name=name, kind=kind, fencing_token=self._host.lease.fencing_token, **fields
+        )
+
+    def run_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Coroutine[Any, Any, Any]:
+        return self._run_step(name, fn, args, kwargs, retry, output_type)
+
+    def run_step_from_thread(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any:
+        return self._host.call_from_thread(
+            self._run_step(name, fn, args, kwargs, retry, output_type)
+        )
+
+    async def _run_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any:
+        full = self.history.occurrence(name)
+        last = self.history.last(full, "step")
+        if last is not None:
+            if last.status == "completed":
+                self._telemetry.replayed(last)
+                return _serde.decode(
+                    last.output_json or "null", output_type, what=f"output of step {full!r}"
+                )
+            if last.status == "failed":
+                self._telemetry.replayed(last)
+                raise _step_failed(full, last.error)
+        attempt = (last.attempt + 1) if last is not None else 1
+        self._host.check_before_step()
+        self._host.go_live()
+        with self._telemetry.step(full, attempt):
+            return await self._execute_step(full, attempt, fn, args, kwargs, retry, output_type)
+
+    async def _execute_step(
+        self,
+        full: str,
+        attempt: int,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> Any:
+        started = self._host.now()
+        self.current_step, self.current_step_started_at = full, started
+        if self.on_step_start is not None:
+            self.on_step_start()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                value = await fn(*args, **kwargs)
+            else:
+                # Plain bodies run in a thread (the handler's own thread already, for plain
+                # tasks: the loop never blocks on user code).
+                value = await asyncio.to_thread(fn, *args, **kwargs)
+                if inspect.isawaitable(value):
+                    value = await value
+        except (Stop, Suspend, Release, SimulatedCrash, asyncio.CancelledError):
+            raise
+        except FencingError:
+            self._host.fenced()
+            raise Stop from None
+        except Exception as exc:
+            if self._host.stopped:
+                raise Stop from None
+            if self._host.abort_kind == "shutdown":
+                raise Release from None
+            if isinstance(exc, CanceledError) and self._host.cancel_requested:
+                self.canceled_step = (full, started)
+                raise  # the run ends canceled; the step is not recorded as failed
+            policy = retry or self._host.default_retry
+            info = error_info(exc)
+            if policy.should_retry(exc, attempt) and not self._host.cancel_requested:
+                now = self._host.now()
+                record = self._step_record(
+                    full,
+                    "step",
+                    status="retrying",
+                    attempt=attempt,
+                    error=info,
+                    started_at=started,
+                    finished_at=now,
+                )
+                retry_at = now + policy.delay_before(attempt + 1)
+                try:
+                    await self._host.park(outcome="retrying", step=record, available_at=retry_at)
+                except CanceledError:
+                    self.canceled_step = (full, started)
+                    raise
+                self._telemetry.event(
+                    "umt.step.retry_scheduled",
+                    **{
+                        "umt.step.name": full,
+                        "umt.step.attempt": attempt,
+                        "umt.retry_at": retry_at.isoformat(),
+                    },
+                )
+                raise Suspend from None
+            record = self._step_record(
+                full,
+                "step",
+                status="failed",
+                attempt=attempt,
+                error=info,
+                started_at=started,
+                finished_at=self._host.now(),
+            )
+            await self._record(record)
+            raise _step_failed(full, info) from exc
+        finally:
+            self.current_step = self.current_step_started_at = None
+        try:
+            # The value every replay decodes is the one this execution returns too.
+            output_json, value = _serde.encode_output(
+                value, output_type, what=f"output of step {full!r}"
+            )
+        except PayloadError as exc:
+            # Deterministic: the same body would return the same value, so no retry.
+            info = error_info(exc)
+            await self._record(
+                self._step_record(
+                    full,
+                    "step",
+                    status="failed",
+                    attempt=attempt,
+                    error=info,
+                    started_at=started,
+                    finished_at=self._host.now(),
+                )
+            )
+            raise _step_failed(full, info) from exc
+        await self._record(
+            self._step_record(
+                full,
+                "step",
+                status="completed",
+                attempt=attempt,
+                output_json=output_json,
+                started_at=started,
+                finished_at=self._host.now(),
+            )
+        )
+        return value
+
+    async def sleep(self, name: str, duration: timedelta) -> None:
+        if not isinstance(duration, timedelta):
+            raise TypeError(f"sleep {name!r}: duration must be a timedelta, got {duration!r}")
+        full = self.history.occurrence(name)
+        last = self.history.last(full, "sleep")
+        if last is not None and last.status == "completed":
+            self._telemetry.replayed(last)
+            return
+        self._host.check_before_step()
+        self._host.go_live()
+        now = self._host.now()
+        if last is None:
+            if duration <= timedelta(0):
+                await self._record(
+                    self._step_record(
+                        full,
+                        "sleep",
+                        status="completed",
+                        started_at=now,
+                        finished_at=now,
+                        wake_at=now,
+                    )
+                )
+                return
+            wake_at = now + duration
+            waiting = self._step_record(
+                full, "sleep", status="waiting", started_at=now, wake_at=wake_at
+            )
+            await self._host.park(outcome="waiting", step=waiting, available_at=wake_at)
+            self._telemetry.event(
+                "umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()}
+            )
+            raise Suspend
+        wake_at = last.wake_at or now
+        if wake_at <= now:
+            await self._record(
+                self._step_record(
+                    full,
+                    "sleep",
+                    status="completed",
+                    started_at=last.started_at,
+                    finished_at=now,
+                    wake_at=wake_at,
+                )
+            )
+            self._telemetry.event("umt.sleep.done", **{"umt.step.name": full})
+            return
+        await self._host.park(outcome="waiting", step=None, available_at=wake_at)
+        self._telemetry.event(
+            "umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()}
+        )
+        raise Suspend
+
+    async def wait_for_fact(
+        self,
+        name: str,
+        *,
+        timeout: timedelta | None,
+        check: Callable[[], Any] | None,
+        payload_type: Any,
+        poll: timedelta | None,
+    ) -> Any:
+        check_name("fact", name)
+        full = self.history.occurrence(name)
+        last = self.history.last(full, "fact")
+        if last is not None and last.status == "completed":
+            self._telemetry.replayed(last)
+            return _fact_outcome(full, name, last.output_json, payload_type)
+        self._host.check_before_step()
+        self._host.go_live()
+        started = last.started_at if last is not None and last.started_at else self._host.now()
+        deadline: datetime | None
+        if last is not None:
+            deadline = last.wake_at
+        else:
+            deadline = started + timeout if timeout is not None else None
+        while True:
+            now = self._host.now()
+            if check is not None:
+                if inspect.iscoroutinefunction(check):
+                    value = await check()
+                else:
+                    value = await asyncio.to_thread(check)
+                    if inspect.isawaitable(value):
+                        value = await value
+                if value is not None:
+                    text = _serde.encode(value, payload_type, what=f"fact {name!r} from check()")
+                    output = '{"fact":' + text + ',"source":"check"}'
+                    await self._record(
+                        self._step_record(
+                            full,
+                            "fact",
+                            status="completed",
+                            started_at=started,
+                            finished_at=now,
+                            output_json=output,
+                        )
+                    )
+                    self._telemetry.event(
+                        "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "check"}
+                    )
+                    return _fact_outcome(full, name, output, payload_type)  # as a replay sees it
+            fact = _visible_fact(
+                await self._host.guard(
+                    self._host.backend.get_facts(run_id=self._host.claimed.run_id, name=name)
+                )
+            )
+            if fact is not None:
+                output = '{"fact":' + fact.payload_json + ',"source":"signal"}'
+                await self._record(
+                    self._step_record(
+                        full,
+                        "fact",
+                        status="completed",
+                        started_at=started,
+                        finished_at=now,
+                        output_json=output,
+                    )
+                )
+                self._telemetry.event(
+                    "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "signal"}
+                )
+                return _fact_outcome(full, name, output, payload_type)
+            if deadline is not None and now >= deadline:
+                await self._record(
+                    self._step_record(
+                        full,
+                        "fact",
+                        status="completed",
+                        started_at=started,
+                        finished_at=now,
+                        wake_at=deadline,
+                        output_json='{"timeout":true}',
+                    )
+                )
+                self._telemetry.event("umt.fact.timeout", **{"umt.fact.name": name})
+                return _fact_outcome(full, name, '{"timeout":true}', payload_type)
+            wake_at = deadline
+            if poll is not None:
+                wake_at = now + poll if wake_at is None else min(wake_at, now + poll)
+            waiting = (
+                None
+                if last is not None
+                else self._step_record(
+                    full, "fact", status="waiting", started_at=started, wake_at=deadline
+                )
+            )
+            if await self._host.park(
+                outcome="waiting", step=waiting, available_at=wake_at, wait_for=name
+            ):
+                self._telemetry.event(
+                    "umt.wait_for_fact",
+                    **{
+                        "umt.fact.name": name,
+                        "umt.fact.deadline": deadline.isoformat() if deadline else None,
+                    },
+                )
+                raise Suspend
+            # The fact arrived between our look and the park: go round again.
+
+
+def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:
+    error_type = error.type if error else "Error"
+    message = error.message if error else ""
+    return StepFailedError(
+        f"step {name!r} failed after its last attempt: {error_type}: {message}",
+        step_name=name,
+        error_type=error_type,
+        error_message=message,
+    )
+
+
+def _visible_fact(facts: Sequence[Fact]) -> Fact | None:
+    """The fact a wait receives: the run's own, else the broadcast one."""
+    for fact in facts:
+        if fact.run_id is not None:
+            return fact
+    return facts[0] if facts else None
+
+
+def _fact_outcome(
+    step_name: str, fact_name: str, output_json: str | None, payload_type: Any
+) -> Any:
+    raw = json.loads(output_json or "{}")
+    if raw.get("timeout"):
+        raise FactTimeoutError(
+            f"no fact {fact_name!r} arrived before the wait {step_name!r} timed out",
+            fact_name=fact_name,
+        )
+    return _serde.from_raw(raw.get("fact"), payload_type, what=f"fact {fact_name!r}")
