@@ -233,7 +233,7 @@ class Window:
         }
         # Index entries read per scan of the claim indexes, over the window.
         reads: dict[str, Any] = {}
-        for name in ("runs_claim_ready", "runs_claim_timers", "runs_pkey"):
+        for name in sorted(last.get("indexes") or {}):
             a = (first.get("indexes") or {}).get(name)
             b = (last.get("indexes") or {}).get(name)
             if a and b and b["idx_scan"] > a["idx_scan"]:
@@ -327,13 +327,15 @@ class Monitor:
 
 
 def _explain_claim(dsn: str, limit: int, lease_s: float) -> str:
-    """EXPLAIN (ANALYZE, BUFFERS) of the worker's claim, rolled back (claims nothing)."""
+    """EXPLAIN (ANALYZE, BUFFERS) of the worker's claim, rolled back (claims nothing).
+
+    A claim whose timers branch is optional (`%(timers)s`) is explained both ways."""
     from datetime import timedelta
 
     from umt_backend_pg._sql import queries, render
 
     query = render(queries()["claim_runs"], "umt")
-    params = {
+    params: dict[str, Any] = {
         "names": [TASK],
         "versions": [1],
         "limit": limit,
@@ -341,12 +343,19 @@ def _explain_claim(dsn: str, limit: int, lease_s: float) -> str:
         "worker_id": "bench-explain",
         "lease": timedelta(seconds=lease_s),
     }
-    with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as conn:
-        try:
-            cur = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + query, params)
-            return "\n".join(str(r[0]) for r in cur.fetchall())
-        finally:
-            conn.rollback()
+    variants = [False, True] if "%(timers)s" in query else [None]
+    out = []
+    for timers in variants:
+        if timers is not None:
+            params["timers"] = timers
+            out.append(f"-- with timers = {timers}")
+        with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as conn:
+            try:
+                cur = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + query, params)
+                out.extend(str(r[0]) for r in cur.fetchall())
+            finally:
+                conn.rollback()
+    return "\n".join(out)
 
 
 class _Fold:
