@@ -19,6 +19,7 @@ from typing import Any
 from bench._infra import BENCH_DIR, Server, machine_info
 from bench._peers import PEERS, default_venv, prepare
 from bench._report import markdown, plots, targets
+from bench._scenario import SCENARIOS, ScenarioConfig, run_scenario, write_scenario
 from bench._workloads import Config, Runner
 
 __all__ = ["KEYS", "main"]
@@ -66,6 +67,31 @@ def _parser() -> argparse.ArgumentParser:
         help="use the peers' virtualenv as it is, install nothing",
     )
     p.add_argument("--only", default="", help=f"comma list of keys: {', '.join(KEYS)}")
+    s = p.add_argument_group(
+        "long-horizon scenarios",
+        "--scenario NAME runs one scenario instead of the figures above (see bench/_scenario.py)",
+    )
+    s.add_argument("--scenario", choices=sorted(SCENARIOS), help="run this scenario")
+    s.add_argument(
+        "--rate",
+        type=float,
+        help="offered runs/s (default: 70%% of a drain rate measured first; quick caps it at 100)",
+    )
+    s.add_argument("--warmup-seconds", type=float, help="warmup phase (30; quick 1)")
+    s.add_argument("--clean-seconds", type=float, help="clean baseline before the stress (120; 3)")
+    s.add_argument(
+        "--phase-seconds", type=float, help="the stress phase, or clean for `clean` (300; 3)"
+    )
+    s.add_argument("--recovery-seconds", type=float, help="recovery phase (120; 3)")
+    s.add_argument("--window-seconds", type=float, help="histogram window (10; quick 1)")
+    s.add_argument("--concurrency", type=int, help="slots per worker process (32)")
+    s.add_argument("--worker-conns", type=int, help="pool size per worker (engine default)")
+    s.add_argument("--lease", type=float, help="lease seconds (10)")
+    s.add_argument("--high-load-multiplier", type=float, help="high-load rate factor (1.5)")
+    s.add_argument("--readers", type=int, help="active-readers connections (4)")
+    s.add_argument("--reader-tx-seconds", type=float, help="each reader's transaction (10)")
+    s.add_argument("--keep-db", action="store_true", help="keep the scenario's database")
+    s.add_argument("--no-explain", action="store_true", help="skip the claim EXPLAIN per phase")
     return p
 
 
@@ -202,8 +228,38 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> None:
     _log(f"wrote {folder / 'results.md'}" + (f" and {args.json}" if args.json else ""))
 
 
+def scenario(args: argparse.Namespace) -> int:
+    cfg = ScenarioConfig.make(
+        args.scenario,
+        args.quick,
+        rate=args.rate,
+        warmup_s=args.warmup_seconds,
+        clean_s=args.clean_seconds,
+        phase_s=args.phase_seconds,
+        recovery_s=args.recovery_seconds,
+        window_s=args.window_seconds,
+        workers=args.workers,
+        concurrency=args.concurrency,
+        worker_conns=args.worker_conns,
+        lease_s=args.lease,
+        high_load_multiplier=args.high_load_multiplier,
+        readers=args.readers,
+        reader_tx_s=args.reader_tx_seconds,
+        keep_db=args.keep_db or None,
+        explain=False if args.no_explain else None,
+    )
+    _log("starting Postgres" if not args.database_url else "using --database-url")
+    server = Server.start(args.database_url)
+    result = run_scenario(server, cfg)
+    written = write_scenario(result, args.results_dir, args.json)
+    _log("wrote " + ", ".join(str(p) for p in written))
+    return 0 if result["runs"]["runs_lost"] == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.scenario:
+        return scenario(args)
     results = run(args)
     write(results, args)
     return 0
