@@ -16,7 +16,7 @@ from uuid import UUID
 from umt_sdk._execution import Execution
 from umt_sdk._spi import Backend, Beat, ClaimedRun, TaskPair
 from umt_sdk._telemetry import Telemetry
-from umt_sdk.exceptions import BackendError, TaskDefinitionError
+from umt_sdk.exceptions import BackendError, UsageError
 
 if TYPE_CHECKING:
     from umt_sdk._task import Registry
@@ -42,6 +42,9 @@ class _Outage:
         self.failures += 1
         if self.since is None:
             self.since = time.monotonic()
+            # A BackendError is an outage the loop waits out. A FencingError is not one of them
+            # (claims and heartbeats are not fenced: a lost lease comes back in `lost`), so
+            # like any other error it is logged with its traceback.
             unexpected = not isinstance(exc, BackendError)
             _log.log(
                 logging.ERROR if unexpected else logging.WARNING,
@@ -100,9 +103,11 @@ class Worker:
         telemetry: Telemetry | None = None,
     ) -> None:
         if concurrency < 1:
-            raise TaskDefinitionError(f"worker concurrency must be >= 1, got {concurrency}")
+            raise UsageError(
+                f"worker concurrency must be >= 1, got {concurrency}", argument="concurrency"
+            )
         if lease < timedelta(milliseconds=100):
-            raise TaskDefinitionError(f"worker lease must be at least 100 ms, got {lease}")
+            raise UsageError(f"worker lease must be at least 100 ms, got {lease}", argument="lease")
         self.backend = backend
         self.telemetry = telemetry or Telemetry()
         self.registry = registry
