@@ -51,6 +51,7 @@ from umt_sdk.exceptions import (
     BackendError,
     FencingError,
     RunNotFoundError,
+    UsageError,
 )
 
 __all__ = ["CrashHook", "MemoryBackend"]
@@ -440,7 +441,10 @@ class MemoryBackend:
 
     async def enqueue(self, new: NewRun, *, conn: Any = None) -> EnqueueResult:
         if conn is not None:
-            raise TypeError("the memory backend has no transactions to join; enqueue without conn=")
+            raise UsageError(
+                "the memory backend has no transactions to join; enqueue without conn=",
+                argument="conn",
+            )
         _storable_json(new.input_json, "input")
         _storable_text(new.idempotency_key, "idempotency key")
         with self._lock:
@@ -773,9 +777,10 @@ class MemoryBackend:
 
     def ledger(self, conn: Any) -> MemoryLedger:
         if not isinstance(conn, MemoryStore):
-            raise TypeError(
+            raise UsageError(
                 "the memory backend's with_attempt_token needs a umt_backend_memory.MemoryStore "
-                f"as its connection (your business tables in memory), got {type(conn).__name__}"
+                f"as its connection (your business tables in memory), got {type(conn).__name__}",
+                argument="conn",
             )
         return MemoryLedger(self, conn)
 

@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from umt_sdk.backend import Backend, Clock, SystemClock, hookimpl
+from umt_sdk.exceptions import UsageError
 
 __all__ = ["umt_backend_schemes", "umt_open_backend"]
 
@@ -27,8 +28,9 @@ def umt_open_backend(
         from umt_backend_memory._backend import MemoryBackend
 
         if options:
-            raise TypeError(
-                f"the memory backend takes no options, got {', '.join(sorted(options))}"
+            raise UsageError(
+                f"the memory backend takes no options, got {', '.join(sorted(options))}",
+                argument=", ".join(sorted(options)),
             )
         return MemoryBackend(clock=clock or SystemClock())
 

@@ -55,7 +55,12 @@ from umt_sdk.backend import (
     StepRecord,
     TaskPair,
 )
-from umt_sdk.exceptions import FencingError, IdempotencyConflictError, RunNotFoundError
+from umt_sdk.exceptions import (
+    FencingError,
+    IdempotencyConflictError,
+    RunNotFoundError,
+    UsageError,
+)
 
 __all__ = ["PostgresBackend"]
 
@@ -170,9 +175,10 @@ class PostgresBackend:
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
-                raise TypeError(
+                raise UsageError(
                     "enqueue(conn=...) takes a psycopg.AsyncConnection to the engine's database "
-                    f"(your open transaction), got {type(conn).__name__}"
+                    f"(your open transaction), got {type(conn).__name__}",
+                    argument="conn",
                 )
             with wrap_exceptions():
                 return await self._enqueue_on(conn, new, params)
@@ -416,9 +422,10 @@ class PostgresBackend:
 
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):
-            raise TypeError(
+            raise UsageError(
                 "with_attempt_token on Postgres takes a psycopg.AsyncConnection to your "
-                f"business database, got {type(conn).__name__}"
+                f"business database, got {type(conn).__name__}",
+                argument="conn",
             )
         return PostgresLedger(self._database, conn)
 

@@ -10,7 +10,7 @@ from uuid import UUID
 
 from umt_backend_pg._rows import _error_json
 from umt_sdk.backend import Lease, StepRecord
-from umt_sdk.exceptions import BackendError, BackendUnavailableError
+from umt_sdk.exceptions import BackendError, BackendUnavailableError, FencingError
 
 __all__ = ["Checkpoints"]
 
@@ -20,12 +20,14 @@ _CHECKPOINT_BATCH = 256
 def _checkpoint_failed(
     item: tuple[Lease, StepRecord, asyncio.Future[bool]], exc: Exception
 ) -> None:
-    """Hand a checkpoint's own failure to its writer (as a BackendError: text psycopg cannot
-    encode raises UnicodeEncodeError, which must not escape the backend)."""
+    """Hand a checkpoint's own failure to its writer: umt's own errors as they are (a
+    FencingError stays one, not a BackendError that may be retried), anything else as a
+    BackendError (text psycopg cannot encode raises UnicodeEncodeError, which must not escape
+    the backend)."""
     _, step, future = item
     if future.done():
         return
-    if not isinstance(exc, BackendError):
+    if not isinstance(exc, BackendError | FencingError):
         error = BackendError(f"cannot store step {step.name!r}: {exc}")
         error.__cause__ = exc
         exc = error

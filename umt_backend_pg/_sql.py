@@ -8,6 +8,8 @@ from importlib import resources
 
 from psycopg import sql
 
+from umt_sdk.exceptions import UsageError
+
 __all__ = [
     "SCHEMA_NAME",
     "blocks",
@@ -27,9 +29,10 @@ _BLOCK = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
 def validate_schema(schema: str) -> str:
     """Schema names are lowercase identifiers; anything else is refused before reaching SQL."""
     if not isinstance(schema, str) or not SCHEMA_NAME.match(schema):
-        raise ValueError(
+        raise UsageError(
             "schema must be a lowercase identifier (letters, digits, _; at most 63 characters), "
-            f"got {schema!r}"
+            f"got {schema!r}",
+            argument="schema",
         )
     return schema
 
@@ -37,9 +40,10 @@ def validate_schema(schema: str) -> str:
 def validate_identifier(value: str, what: str) -> str:
     """Table and other names follow the same rule as schema names."""
     if not isinstance(value, str) or not SCHEMA_NAME.match(value):
-        raise ValueError(
+        raise UsageError(
             f"{what} must be a lowercase identifier (letters, digits, _; at most 63 "
-            f"characters), got {value!r}"
+            f"characters), got {value!r}",
+            argument=what,
         )
     return value
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from umt_sdk.backend import Backend, Clock, hookimpl
+from umt_sdk.exceptions import UsageError
 
 if TYPE_CHECKING:
     import click
@@ -43,12 +44,16 @@ def umt_open_backend(
     async def open_backend() -> Backend:
         unknown = sorted(set(options) - _OPTIONS)
         if unknown:
-            raise TypeError(
+            raise UsageError(
                 f"unknown Postgres backend option(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(_OPTIONS))}"
+                f"known: {', '.join(sorted(_OPTIONS))}",
+                argument=", ".join(unknown),
             )
         if clock is not None:
-            raise TypeError("the Postgres backend keeps the database's time; it takes no clock")
+            raise UsageError(
+                "the Postgres backend keeps the database's time; it takes no clock",
+                argument="clock",
+            )
         try:
             from umt_backend_pg._backend import PostgresBackend
         except ImportError as exc:  # pragma: no cover - depends on the install

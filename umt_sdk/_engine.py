@@ -41,7 +41,6 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
-    TaskDefinitionError,
     UsageError,
 )
 
@@ -206,6 +205,9 @@ class Engine:
             delay: do not start before this much time has passed.
             conn: the caller's open database transaction: the run exists if and only if it
                 commits (backends that support it).
+
+        An argument it refuses (a priority out of range, a negative delay, a `conn` the
+        backend cannot join) raises `UsageError` naming it, before anything is stored.
         """
         definition = self.registry.resolve(task, version)
         if (
@@ -213,20 +215,22 @@ class Engine:
             or not isinstance(priority, int)
             or not -32768 <= priority <= 32767
         ):
-            raise TaskDefinitionError(
-                f"priority must be an integer in -32768..32767, got {priority!r}"
+            raise UsageError(
+                f"priority must be an integer in -32768..32767, got {priority!r}",
+                argument="priority",
             )
         if idempotency_key is not None and (
             not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= 512
         ):
-            raise TaskDefinitionError(
+            raise UsageError(
                 "idempotency_key must be a non-empty string of at most 512 characters, "
-                f"got {idempotency_key!r}"
+                f"got {idempotency_key!r}",
+                argument="idempotency_key",
             )
         if idempotency_key is not None:
             _serde.check_text(idempotency_key, what="idempotency_key")
         if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
-            raise TaskDefinitionError(f"delay must be a timedelta >= 0, got {delay!r}")
+            raise UsageError(f"delay must be a timedelta >= 0, got {delay!r}", argument="delay")
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
         run_id = new_run_id()
         attributes = {
@@ -308,7 +312,7 @@ class Engine:
         be a run's UUID (`UsageError` otherwise, None included); `broadcast` sends to all.
         """
         run_id = _check_run_id(run_id, "signal")
-        check_name("fact", name)
+        check_name("fact", name, argument="name")
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         attributes = {"umt.run.id": str(run_id), "umt.fact.name": name}
         with self.telemetry.producer_span(f"umt.signal {name}", attributes) as span:
@@ -318,7 +322,7 @@ class Engine:
 
     async def broadcast(self, name: str, payload: Any = None) -> bool:
         """Store a fact every run can wait for by `name` (first write wins), and wake them."""
-        check_name("fact", name)
+        check_name("fact", name, argument="name")
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         with self.telemetry.producer_span(f"umt.broadcast {name}", {"umt.fact.name": name}) as span:
             stored = await self.backend.signal(run_id=None, name=name, payload_json=payload_json)
@@ -357,11 +361,12 @@ class Engine:
     ) -> RunPage:
         """Runs, newest first, filtered; page with `before=page.next_cursor`."""
         if status is not None and status not in _STATUSES:
-            raise TaskDefinitionError(
-                f"status must be one of {', '.join(sorted(_STATUSES))}, got {status!r}"
+            raise UsageError(
+                f"status must be one of {', '.join(sorted(_STATUSES))}, got {status!r}",
+                argument="status",
             )
         if not 1 <= limit <= 10_000:
-            raise TaskDefinitionError(f"limit must be in 1..10000, got {limit}")
+            raise UsageError(f"limit must be in 1..10000, got {limit}", argument="limit")
         records = await self.backend.list_runs(
             RunQuery(
                 task_name=task_name,
@@ -482,7 +487,9 @@ async def connect(
     keyword arguments go to the backend.
     """
     if not isinstance(url, str) or not url:
-        raise TaskDefinitionError(f"connect() needs a backend URL such as 'memory://', got {url!r}")
+        raise UsageError(
+            f"connect() needs a backend URL such as 'memory://', got {url!r}", argument="url"
+        )
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
     telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)

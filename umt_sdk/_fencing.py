@@ -15,7 +15,7 @@ from umt_sdk._context import current_execution
 from umt_sdk._execution import Execution
 from umt_sdk._names import hints, unwrap_awaitable
 from umt_sdk._spi import SimulatedCrash
-from umt_sdk.exceptions import BackendUnavailableError, FencingError, NotInTaskError
+from umt_sdk.exceptions import BackendUnavailableError, FencingError, NotInTaskError, UsageError
 
 _log = logging.getLogger("umt.fencing")
 
@@ -60,8 +60,9 @@ async def with_attempt_token(
     result) or is refused. No lock on the engine's rows is held while `fn` or `commit` runs:
     a frozen or slow commit never holds up a takeover, a cancel or another run's heartbeat.
 
-    Call it from inside a step. `conn` is a business connection the backend understands (a
-    psycopg connection for Postgres, a `MemoryStore` for the memory backend).
+    Call it from inside a step (else `NotInTaskError`). `conn` is a business connection the
+    backend understands (a psycopg connection for Postgres, a `MemoryStore` for the memory
+    backend); another `conn`, or an empty `op_key`, is refused with `UsageError`.
     """
     execution = current_execution()
     if not isinstance(execution, Execution):
@@ -69,8 +70,9 @@ async def with_attempt_token(
             f"with_attempt_token({op_key!r}) was called outside a running task; call it from a step"
         )
     if not isinstance(op_key, str) or not op_key:
-        raise ValueError(
-            f"op_key must be a non-empty string such as 'submit:<plan id>', got {op_key!r}"
+        raise UsageError(
+            f"op_key must be a non-empty string such as 'submit:<plan id>', got {op_key!r}",
+            argument="op_key",
         )
     if result_type is None:
         result_type = unwrap_awaitable(hints(fn).get("return", Any)) if _has_hints(fn) else Any

@@ -17,7 +17,7 @@ import cattrs
 
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._serde import _converter
-from umt_sdk.exceptions import TaskDefinitionError
+from umt_sdk.exceptions import TaskDefinitionError, UsageError
 
 __all__ = [
     "check_name",
@@ -31,13 +31,20 @@ __all__ = [
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-/]{1,200}$")
 
 
-def check_name(kind: str, name: object) -> str:
+def check_name(kind: str, name: object, *, argument: str | None = None) -> str:
+    """`name` if it is a valid `kind` name. A name a declaration gives (a task's, a step's)
+    is refused with `TaskDefinitionError`; one passed to a call at run time (a fact's, to
+    `signal`) names its parameter as `argument` and is refused with `UsageError`."""
+    error: type[UsageError] = TaskDefinitionError if argument is None else UsageError
     if not isinstance(name, str) or not _NAME.match(name):
-        raise TaskDefinitionError(
-            f"{kind} name must be 1-200 characters of letters, digits and _ . : - /, got {name!r}"
+        raise error(
+            f"{kind} name must be 1-200 characters of letters, digits and _ . : - /, got {name!r}",
+            argument=argument or "",
         )
     if "#" in name:  # pragma: no cover - excluded by the pattern; kept for the reader
-        raise TaskDefinitionError(f"{kind} name must not contain '#': umt uses it for repeats")
+        raise error(
+            f"{kind} name must not contain '#': umt uses it for repeats", argument=argument or ""
+        )
     return name
 
 

@@ -6,45 +6,56 @@ from attrs import field, frozen
 
 from umt_sdk.exceptions import (
     CanceledError,
+    FencingError,
     NonDeterminismError,
     PayloadError,
     StepFailedError,
-    TaskDefinitionError,
+    UsageError,
 )
 
 __all__ = ["RetryPolicy"]
 
-# Errors that retrying cannot fix: the code or the data must change first.
+# Errors that retrying cannot fix: the code or the data must change first (UsageError covers
+# TaskDefinitionError and NotInTaskError), or the attempt has lost the run (FencingError: a
+# retry's writes would be refused again; it is not a BackendError, which may be retried).
 _ALWAYS_FINAL: tuple[type[BaseException], ...] = (
     PayloadError,
     NonDeterminismError,
-    TaskDefinitionError,
+    UsageError,
+    FencingError,
     StepFailedError,
     CanceledError,
 )
 
 
+# The validators guard RetryPolicy(...), a call of the API: what they refuse is a UsageError.
+
+
 def _positive(_: object, attribute: object, value: timedelta) -> None:
     if value <= timedelta(0):
-        raise ValueError(f"RetryPolicy: {getattr(attribute, 'name', '?')} must be > 0, got {value}")
+        name = getattr(attribute, "name", "?")
+        raise UsageError(f"RetryPolicy: {name} must be > 0, got {value}", argument=name)
 
 
 def _at_least_one(_: object, __: object, value: int) -> None:
     if value < 1:
-        raise ValueError(f"RetryPolicy: max_attempts must be >= 1, got {value}")
+        raise UsageError(
+            f"RetryPolicy: max_attempts must be >= 1, got {value}", argument="max_attempts"
+        )
 
 
 def _backoff_ok(_: object, __: object, value: float) -> None:
     if value < 1.0:
-        raise ValueError(f"RetryPolicy: backoff must be >= 1.0, got {value}")
+        raise UsageError(f"RetryPolicy: backoff must be >= 1.0, got {value}", argument="backoff")
 
 
 def _exception_types(_: object, __: object, value: object) -> None:
     if not isinstance(value, tuple) or not all(
         isinstance(t, type) and issubclass(t, BaseException) for t in value
     ):
-        raise TypeError(
-            f"RetryPolicy: non_retryable must be a tuple of exception classes, got {value!r}"
+        raise UsageError(
+            f"RetryPolicy: non_retryable must be a tuple of exception classes, got {value!r}",
+            argument="non_retryable",
         )
 
 

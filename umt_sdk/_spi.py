@@ -32,6 +32,8 @@ from uuid import UUID
 
 from attrs import field, frozen
 
+from umt_sdk.exceptions import UsageError
+
 __all__ = [
     "Backend",
     "Beat",
@@ -106,11 +108,12 @@ class TaskPair:
 
     @classmethod
     def parse(cls, text: str) -> TaskPair:
-        """Parse `"name@version"`."""
+        """Parse `"name@version"` (else `UsageError`, a ValueError)."""
         match = _PAIR.match(text.strip())
         if match is None:
-            raise ValueError(
-                f"expected 'task_name@version' such as 'submit_download@2', got {text!r}"
+            raise UsageError(
+                f"expected 'task_name@version' such as 'submit_download@2', got {text!r}",
+                argument="text",
             )
         return cls(name=match["name"], version=int(match["version"]))
 
@@ -404,7 +407,8 @@ class Backend(Protocol):
         ...
 
     async def enqueue(self, new: NewRun, *, conn: Any = None) -> EnqueueResult:
-        """Store a run (inside the caller's transaction `conn` when given).
+        """Store a run (inside the caller's transaction `conn` when given; a `conn` this
+        backend cannot join is refused with `UsageError`).
 
         Same idempotency key: same input hash returns the existing run (`created=False`,
         with its `task_version`), a different hash raises `IdempotencyConflictError`. Keys
@@ -507,7 +511,8 @@ class Backend(Protocol):
         ...
 
     def ledger(self, conn: Any) -> Ledger:
-        """The operation ledger on the business connection `conn`."""
+        """The operation ledger on the business connection `conn` (`UsageError` if this
+        backend cannot use it)."""
         ...
 
     async def close(self) -> None:

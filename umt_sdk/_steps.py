@@ -40,6 +40,7 @@ from umt_sdk.exceptions import (
     FencingError,
     PayloadError,
     StepFailedError,
+    UsageError,
 )
 
 __all__ = ["AbortKind", "StepHost", "Steps", "Stop", "Suspend", "Release", "error_info"]
@@ -314,7 +315,11 @@ class Steps:
 
     async def sleep(self, name: str, duration: timedelta) -> None:
         if not isinstance(duration, timedelta):
-            raise TypeError(f"sleep {name!r}: duration must be a timedelta, got {duration!r}")
+            raise UsageError(
+                f"sleep {name!r}: duration must be a timedelta such as timedelta(minutes=5), "
+                f"got {duration!r}",
+                argument="duration",
+            )
         full = self.history.occurrence(name)
         last = self.history.last(full, "sleep")
         if last is not None and last.status == "completed":
@@ -374,7 +379,7 @@ class Steps:
         payload_type: Any,
         poll: timedelta | None,
     ) -> Any:
-        check_name("fact", name)
+        check_name("fact", name, argument="name")
         full = self.history.occurrence(name)
         last = self.history.last(full, "fact")
         if last is not None and last.status == "completed":

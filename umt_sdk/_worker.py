@@ -17,7 +17,7 @@ from umt_sdk._execution import Execution
 from umt_sdk._spi import Backend, Beat, ClaimedRun, TaskPair
 from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
-from umt_sdk.exceptions import BackendError, TaskDefinitionError
+from umt_sdk.exceptions import BackendError, UsageError
 
 __all__ = ["Worker"]
 
@@ -40,6 +40,9 @@ class _Outage:
         self.failures += 1
         if self.since is None:
             self.since = time.monotonic()
+            # A BackendError is an outage the loop waits out. A FencingError is not one of them
+            # (claims and heartbeats are not fenced: a lost lease comes back in `lost`), so
+            # like any other error it is logged with its traceback.
             unexpected = not isinstance(exc, BackendError)
             _log.log(
                 logging.ERROR if unexpected else logging.WARNING,
@@ -98,9 +101,11 @@ class Worker:
         telemetry: Telemetry | None = None,
     ) -> None:
         if concurrency < 1:
-            raise TaskDefinitionError(f"worker concurrency must be >= 1, got {concurrency}")
+            raise UsageError(
+                f"worker concurrency must be >= 1, got {concurrency}", argument="concurrency"
+            )
         if lease < timedelta(milliseconds=100):
-            raise TaskDefinitionError(f"worker lease must be at least 100 ms, got {lease}")
+            raise UsageError(f"worker lease must be at least 100 ms, got {lease}", argument="lease")
         self.backend = backend
         self.telemetry = telemetry or Telemetry()
         self.registry = registry

@@ -2,15 +2,15 @@
 
 ```
 UmtError
-├── TaskDefinitionError      a task or step is declared or used wrongly (fix the code)
-│   ├── UnknownTaskError     (also LookupError) no such (name, version) is registered
-│   ├── NotInTaskError       a step or the context was used outside a running task
-│   └── UsageError           (also ValueError) an API was called with an argument it refuses
+├── UsageError               (also ValueError) an API got an argument it refuses (fix the call)
+│   ├── TaskDefinitionError  a task or step is declared wrongly (@task, @step, Registry)
+│   │   └── UnknownTaskError (also LookupError) no such (name, version) is registered
+│   └── NotInTaskError       a step or the context was used outside a running task
 ├── PayloadError             (also ValueError) an input/output/payload does not fit its type
 ├── BackendError             the backend failed; the operation may be retried
 │   ├── BackendNotFoundError no installed backend plugin serves the URL
-│   ├── BackendUnavailableError  the database could not be reached (restart, lost connection)
-│   └── FencingError         the caller's attempt no longer holds the run (lease lost)
+│   └── BackendUnavailableError  the database could not be reached (restart, lost connection)
+├── FencingError             this attempt no longer holds the run (lease lost): never retry
 ├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
 ├── NonDeterminismError      the code no longer matches the run's recorded history
@@ -24,6 +24,12 @@ UmtError
 ```
 
 Each class's docstring is its default message; structured details are attributes.
+
+What to catch: `UsageError` for every refused argument, decoration errors included (it is a
+`ValueError`, so `except ValueError` still works; it is not a `TypeError`, even where a wrong
+type was passed). `BackendError` for failures that a retry may fix. `FencingError` on its own:
+this attempt lost the run, and retrying the write would only be refused again; stop the
+execution (umt does, for its own writes and for `with_attempt_token`).
 """
 
 from __future__ import annotations
@@ -61,8 +67,18 @@ class UmtError(Exception):
         super().__init__(message or (type(self).__doc__ or type(self).__name__).strip())
 
 
-class TaskDefinitionError(UmtError):
-    """A task or step is declared or used in a way umt cannot accept."""
+class UsageError(UmtError, ValueError):
+    """An API was called with an argument it refuses: fix the call (the message names the
+    argument and what it takes). Nothing was stored."""
+
+    def __init__(self, message: str | None = None, *, argument: str = "") -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+class TaskDefinitionError(UsageError):
+    """A task or step is declared in a way umt cannot accept: found when it is decorated
+    (`@task`, `@step`) or when the `Registry` takes or resolves it. Fix the declaration."""
 
 
 class UnknownTaskError(TaskDefinitionError, LookupError):
@@ -73,17 +89,8 @@ class UnknownTaskError(TaskDefinitionError, LookupError):
         self.task_name = task_name
 
 
-class NotInTaskError(TaskDefinitionError):
+class NotInTaskError(UsageError):
     """This can only be used while a task is running: call it from inside a @task handler."""
-
-
-class UsageError(TaskDefinitionError, ValueError):
-    """An engine API was called with an argument it cannot accept: fix the call (the message
-    names the argument and what it takes). Nothing was stored."""
-
-    def __init__(self, message: str | None = None, *, argument: str = "") -> None:
-        super().__init__(message)
-        self.argument = argument
 
 
 class PayloadError(UmtError, ValueError):
@@ -108,8 +115,11 @@ class BackendUnavailableError(BackendError):
     its records once its lease expires: an outage is not charged to the run as a failure."""
 
 
-class FencingError(BackendError):
-    """This attempt no longer holds the run: its lease expired and another attempt took over."""
+class FencingError(UmtError):
+    """This attempt no longer holds the run: its lease expired and another attempt took over.
+
+    Not a `BackendError`: the backend worked and refused the write on purpose. Never retry
+    it; the attempt must stop (its run goes on under the newer attempt)."""
 
     def __init__(
         self,

@@ -56,9 +56,11 @@ def test_sync_facade_refuses_a_signal_without_a_run_id() -> None:
         run_id = engine.enqueue(waits, {"key": "a"})
         with pytest.raises(UsageError, match=r"engine\.broadcast") as caught:
             engine.signal(None, "approved", {"by": "nobody"})  # type: ignore[arg-type]  # the bad call under test
-        # A usage error is a TaskDefinitionError (misuse of the API) and a ValueError.
-        assert isinstance(caught.value, TaskDefinitionError)
+        # A usage error is a ValueError; a runtime argument is no TaskDefinitionError (the
+        # task is declared fine), since UsageError became the top of that branch.
+        assert not isinstance(caught.value, TaskDefinitionError)
         assert isinstance(caught.value, ValueError)
+        assert caught.value.argument == "run_id"
         assert engine.get(run_id).status == "pending"
         assert engine.broadcast("approved", {"by": "everyone"}) is True
 

@@ -15,9 +15,11 @@ from umt_sdk import Engine, Registry, TaskContext, connect, task
 from umt_sdk.exceptions import (
     PayloadError,
     ResultTimeoutError,
+    RunFailedError,
     RunNotFoundError,
     TaskDefinitionError,
     UnknownTaskError,
+    UsageError,
 )
 from umt_sdk.testing import FakeClock
 
@@ -37,9 +39,16 @@ async def no_input(ctx: TaskContext[None]) -> None:
     assert ctx.input is None
 
 
+@task("validation.bad-sleep")
+async def bad_sleep(ctx: TaskContext[None]) -> None:
+    await ctx.step.sleep("nap", 5)  # type: ignore[arg-type]  # the shape a user writes
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[Engine]:
-    engine = await connect("memory://", registry=Registry([job, no_input]), clock=FakeClock())
+    engine = await connect(
+        "memory://", registry=Registry([job, no_input, bad_sleep]), clock=FakeClock()
+    )
     yield engine
     await engine.close()
 
@@ -48,12 +57,21 @@ async def _stored(engine: Engine) -> int:
     return len(await engine.list())
 
 
+def _refused(caught: pytest.ExceptionInfo[UsageError], argument: str) -> None:
+    """A runtime argument is refused with a plain UsageError (not a TaskDefinitionError: the
+    task is declared fine) that names the argument, in its message and its `argument`."""
+    assert type(caught.value) is UsageError, repr(caught.value)
+    assert caught.value.argument == argument
+    assert argument in str(caught.value)
+
+
 @pytest.mark.parametrize("priority", [32768, -32769, True, False, 1.5, "1", None])
 async def test_priority_must_be_a_small_integer(engine: Engine, priority: Any) -> None:
     with pytest.raises(
-        TaskDefinitionError, match=r"priority must be an integer in -32768\.\.32767"
-    ):
+        UsageError, match=r"priority must be an integer in -32768\.\.32767"
+    ) as caught:
         await engine.enqueue(job, Job(key="p"), priority=priority)
+    _refused(caught, "priority")
     assert await _stored(engine) == 0
 
 
@@ -65,8 +83,9 @@ async def test_priority_bounds_are_accepted(engine: Engine, priority: int) -> No
 
 @pytest.mark.parametrize("key", ["", "k" * 513, 5, b"bytes"])
 async def test_idempotency_key_must_be_a_short_string(engine: Engine, key: Any) -> None:
-    with pytest.raises(TaskDefinitionError, match="idempotency_key must be a non-empty string"):
+    with pytest.raises(UsageError, match="idempotency_key must be a non-empty string") as caught:
         await engine.enqueue(job, Job(key="i"), idempotency_key=key)
+    _refused(caught, "idempotency_key")
     assert await _stored(engine) == 0
 
 
@@ -77,8 +96,9 @@ async def test_a_512_character_key_is_accepted(engine: Engine) -> None:
 
 @pytest.mark.parametrize("delay", [timedelta(microseconds=-1), timedelta(days=-1), 5, 0.5])
 async def test_delay_must_be_a_non_negative_timedelta(engine: Engine, delay: Any) -> None:
-    with pytest.raises(TaskDefinitionError, match="delay must be a timedelta >= 0"):
+    with pytest.raises(UsageError, match="delay must be a timedelta >= 0") as caught:
         await engine.enqueue(job, Job(key="d"), delay=delay)
+    _refused(caught, "delay")
     assert await _stored(engine) == 0
 
 
@@ -111,14 +131,16 @@ async def test_unknown_tasks_cannot_be_enqueued(engine: Engine) -> None:
 
 @pytest.mark.parametrize("status", ["done", "PENDING", "", 1])
 async def test_list_status_must_be_known(engine: Engine, status: Any) -> None:
-    with pytest.raises(TaskDefinitionError, match="status must be one of canceled, completed"):
+    with pytest.raises(UsageError, match="status must be one of canceled, completed") as caught:
         await engine.list(status=status)
+    _refused(caught, "status")
 
 
 @pytest.mark.parametrize("limit", [0, -1, 10_001])
 async def test_list_limit_must_be_in_range(engine: Engine, limit: int) -> None:
-    with pytest.raises(TaskDefinitionError, match=r"limit must be in 1\.\.10000"):
+    with pytest.raises(UsageError, match=r"limit must be in 1\.\.10000") as caught:
         await engine.list(limit=limit)
+    _refused(caught, "limit")
 
 
 async def test_list_limit_bounds_are_accepted(engine: Engine) -> None:
@@ -145,10 +167,12 @@ async def test_signal_to_an_unknown_run(engine: Engine) -> None:
 @pytest.mark.parametrize("name", ["", "has space", "a#b", 3])
 async def test_fact_names_are_checked(engine: Engine, name: Any) -> None:
     handle = await engine.enqueue(job, Job(key="f"))
-    with pytest.raises(TaskDefinitionError, match="fact name must be"):
+    with pytest.raises(UsageError, match="fact name must be") as caught:
         await engine.signal(handle.run_id, name)
-    with pytest.raises(TaskDefinitionError, match="fact name must be"):
+    _refused(caught, "name")
+    with pytest.raises(UsageError, match="fact name must be") as caught:
         await engine.broadcast(name)
+    _refused(caught, "name")
 
 
 async def test_fact_payloads_must_be_json(engine: Engine) -> None:
@@ -185,15 +209,34 @@ async def test_handle_fields(engine: Engine) -> None:
 @pytest.mark.parametrize("url", ["", None, 5])
 async def test_connect_needs_a_url(url: Any) -> None:
     with pytest.raises(
-        TaskDefinitionError, match="connect\\(\\) needs a backend URL such as 'memory://'"
-    ):
+        UsageError, match="connect\\(\\) needs a backend URL such as 'memory://'"
+    ) as caught:
         await connect(url)
+    assert type(caught.value) is UsageError
+    assert caught.value.argument == "url"
 
 
 async def test_worker_arguments_are_checked(engine: Engine) -> None:
-    with pytest.raises(TaskDefinitionError, match="concurrency must be >= 1"):
+    with pytest.raises(UsageError, match="concurrency must be >= 1") as caught:
         engine.worker(concurrency=0)
-    with pytest.raises(TaskDefinitionError, match="lease must be at least 100 ms"):
+    _refused(caught, "concurrency")
+    with pytest.raises(UsageError, match="lease must be at least 100 ms") as refused_lease:
         engine.worker(lease=timedelta(milliseconds=99))
-    with pytest.raises(TaskDefinitionError, match="must be a list"):
+    _refused(refused_lease, "lease")
+    with pytest.raises(TaskDefinitionError, match="must be a list"):  # the Registry's check
         engine.worker(versions="validation.job@1")  # type: ignore[arg-type]
+
+
+async def test_a_sleep_given_seconds_fails_the_run_at_once_naming_the_argument(
+    engine: Engine,
+) -> None:
+    """`ctx.step.sleep("nap", 5)`: a usage error, which no retry can fix, so the run fails at
+    once (not after its retries) with a message that says what to pass."""
+    handle = await engine.enqueue(bad_sleep, None)
+    async with engine.worker():
+        with pytest.raises(RunFailedError) as caught:
+            await handle.result(timeout=5)
+    assert caught.value.error_type == "umt_sdk.UsageError"
+    assert "duration must be a timedelta" in caught.value.error_message
+    info = await engine.get(handle.run_id)
+    assert info.failures == 1

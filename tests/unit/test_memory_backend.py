@@ -14,7 +14,7 @@ import pytest
 from umt_backend_memory import CrashHook, MemoryBackend, MemoryStore
 from umt_sdk import Engine, Registry, TaskContext, connect, task
 from umt_sdk.backend import Ending, Lease, NewRun, new_run_id
-from umt_sdk.exceptions import FencingError, RunNotFoundError
+from umt_sdk.exceptions import FencingError, RunNotFoundError, UsageError
 from umt_sdk.testing import FakeClock
 
 LEASE = timedelta(seconds=5)
@@ -206,8 +206,10 @@ async def test_inspection_reports_runs_oldest_first_with_steps(engine: Engine) -
 
 async def test_memory_backend_argument_checks(engine: Engine) -> None:
     backend = _backend(engine)
-    with pytest.raises(TypeError, match=r"needs a umt_backend_memory\.MemoryStore"):
+    # UsageErrors since the hierarchy change (they were TypeErrors; UsageError is not one).
+    with pytest.raises(UsageError, match=r"needs a umt_backend_memory\.MemoryStore") as caught:
         backend.ledger(object())
+    assert caught.value.argument == "conn"
     new = NewRun(
         run_id=new_run_id(),
         task_name="memory.three",
@@ -215,6 +217,7 @@ async def test_memory_backend_argument_checks(engine: Engine) -> None:
         input_json='"x"',
         input_hash="h",
     )
-    with pytest.raises(TypeError, match="no transactions to join"):
+    with pytest.raises(UsageError, match="no transactions to join") as caught:
         await backend.enqueue(new, conn=object())
+    assert caught.value.argument == "conn"
     assert backend.runs() == []

@@ -13,7 +13,7 @@ import umt_backend_memory.plugin
 from umt_backend_memory import MemoryBackend
 from umt_sdk import Registry, TaskContext, connect, task
 from umt_sdk.backend import Backend, Clock, SystemClock, hookimpl
-from umt_sdk.exceptions import BackendError, BackendNotFoundError
+from umt_sdk.exceptions import BackendError, BackendNotFoundError, UsageError
 from umt_sdk.testing import FakeClock
 
 
@@ -112,5 +112,9 @@ async def test_memory_urls_still_go_to_the_memory_plugin_alongside_extras() -> N
 
 
 async def test_the_memory_backend_refuses_options() -> None:
-    with pytest.raises(TypeError, match="the memory backend takes no options, got dsn, pool_size"):
+    # A UsageError since the hierarchy change (it was a TypeError; UsageError is not one).
+    with pytest.raises(
+        UsageError, match="the memory backend takes no options, got dsn, pool_size"
+    ) as caught:
         await connect("memory://", pool_size=5, dsn="x")
+    assert caught.value.argument == "dsn, pool_size"

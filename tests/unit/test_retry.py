@@ -11,13 +11,16 @@ import pytest
 from umt_sdk import RetryPolicy
 from umt_sdk.exceptions import (
     BackendError,
+    BackendUnavailableError,
     CanceledError,
+    FencingError,
     NonDeterminismError,
     NotInTaskError,
     PayloadError,
     StepFailedError,
     TaskDefinitionError,
     UnknownTaskError,
+    UsageError,
 )
 
 S = timedelta(seconds=1)
@@ -45,15 +48,21 @@ def test_defaults() -> None:
     ],
 )
 def test_invalid_values_are_rejected(kwargs: dict[str, Any], names: str) -> None:
-    with pytest.raises(ValueError, match=names):
+    with pytest.raises(ValueError, match=names) as caught:
         RetryPolicy(**kwargs)
+    assert isinstance(caught.value, UsageError)  # a ValueError still, and now a UsageError
+    assert caught.value.argument == names
 
 
 @pytest.mark.parametrize("non_retryable", [[KeyError], KeyError, ("KeyError",), (int,), (None,)])
 def test_non_retryable_must_be_a_tuple_of_exception_classes(non_retryable: Any) -> None:
     # Anything else used to be accepted here and then blow up inside the worker at retry time.
-    with pytest.raises(TypeError, match="non_retryable must be a tuple of exception classes"):
+    # A UsageError since the hierarchy change (it was a TypeError; UsageError is not one).
+    with pytest.raises(
+        UsageError, match="non_retryable must be a tuple of exception classes"
+    ) as caught:
         RetryPolicy(non_retryable=non_retryable)
+    assert caught.value.argument == "non_retryable"
 
 
 def test_the_policy_is_frozen_and_hashable() -> None:
@@ -162,6 +171,8 @@ def test_non_retryable_errors_and_their_subclasses_fail_at_once() -> None:
         TaskDefinitionError(),
         UnknownTaskError(),
         NotInTaskError(),
+        UsageError(),
+        FencingError(),
         StepFailedError(),
         CanceledError(),
     ],
@@ -173,3 +184,4 @@ def test_some_errors_are_always_final(error: Exception) -> None:
 
 def test_backend_errors_are_retried() -> None:
     assert RetryPolicy().should_retry(BackendError(), 1)
+    assert RetryPolicy().should_retry(BackendUnavailableError(), 1)

@@ -24,7 +24,7 @@ from umt_sdk import (
     connect_sync,
     task,
 )
-from umt_sdk.exceptions import BackendNotFoundError
+from umt_sdk.exceptions import BackendNotFoundError, UsageError
 
 
 @attrs.frozen
@@ -128,6 +128,6 @@ def test_a_failed_connect_leaves_no_thread_behind() -> None:
     before = _loop_threads()
     with pytest.raises(BackendNotFoundError):
         connect_sync("nosuch://x")
-    with pytest.raises(TypeError, match="takes no options"):
+    with pytest.raises(UsageError, match="takes no options"):  # was a TypeError
         connect_sync("memory://", bogus=True)
     assert _loop_threads() == before

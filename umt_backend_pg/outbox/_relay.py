@@ -22,7 +22,7 @@ from umt_backend_pg._sql import blocks
 from umt_backend_pg.outbox._dispatch import Dispatcher, DispatchReport, TaskRef
 from umt_backend_pg.outbox._schema import channel_name, outbox_sql
 from umt_sdk import Engine
-from umt_sdk.exceptions import BackendError
+from umt_sdk.exceptions import BackendError, UsageError
 
 __all__ = ["OutboxRelay"]
 
@@ -75,6 +75,8 @@ class _Outage:
 
 # Failures a database restart or a cut connection causes; anything else is logged with its
 # traceback (it may be a bug or a misconfiguration), but the relay keeps trying all the same.
+# FencingError is deliberately not here (it is no BackendError): the relay holds no lease, so
+# one reaching this loop is a bug, and is logged with its traceback.
 _EXPECTED_FAILURES = (psycopg.Error, OSError, TimeoutError, BackendError)
 _LISTEN_CHECK = 10.0
 """Seconds without a notification after which a LISTEN connection is pinged."""
@@ -122,27 +124,41 @@ class OutboxRelay:
         tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not isinstance(conn_or_pool, str | psycopg.AsyncConnection | AsyncConnectionPool):
-            raise TypeError(
+            raise UsageError(
                 "OutboxRelay takes a database URL, a psycopg.AsyncConnection or an "
-                f"AsyncConnectionPool, got {type(conn_or_pool).__name__}"
+                f"AsyncConnectionPool, got {type(conn_or_pool).__name__}",
+                argument="conn_or_pool",
             )
         if not isinstance(engine, Engine):
-            raise TypeError(f"OutboxRelay needs an umt Engine, got {type(engine).__name__}")
+            raise UsageError(
+                f"OutboxRelay needs an umt Engine, got {type(engine).__name__}", argument="engine"
+            )
         if mode not in ("auto", "same_database", "separate"):
-            raise ValueError(f"mode must be 'auto', 'same_database' or 'separate', got {mode!r}")
+            raise UsageError(
+                f"mode must be 'auto', 'same_database' or 'separate', got {mode!r}",
+                argument="mode",
+            )
         if not 1 <= batch_size <= 10_000:
-            raise ValueError(f"batch_size must be in 1..10000, got {batch_size}")
+            raise UsageError(
+                f"batch_size must be in 1..10000, got {batch_size}", argument="batch_size"
+            )
         if not 1 <= concurrency <= 1000:
-            raise ValueError(f"concurrency must be in 1..1000, got {concurrency}")
+            raise UsageError(
+                f"concurrency must be in 1..1000, got {concurrency}", argument="concurrency"
+            )
         if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+            raise UsageError(
+                f"max_attempts must be >= 1, got {max_attempts}", argument="max_attempts"
+            )
         for what, value in (
             ("backoff", backoff),
             ("max_backoff", max_backoff),
             ("poll_interval", poll_interval),
         ):
             if not isinstance(value, timedelta) or value <= timedelta(0):
-                raise ValueError(f"{what} must be a positive timedelta, got {value!r}")
+                raise UsageError(
+                    f"{what} must be a positive timedelta, got {value!r}", argument=what
+                )
         self._source = conn_or_pool
         self.engine = engine
         self.schema = schema
@@ -154,7 +170,10 @@ class OutboxRelay:
             if isinstance(route, tuple):
                 target, mapper = route
                 if not callable(mapper):
-                    raise TypeError(f"route {event_type!r}: the mapper must be callable")
+                    raise UsageError(
+                        f"route {event_type!r}: the mapper must be callable, got {mapper!r}",
+                        argument="routes",
+                    )
             else:
                 target, mapper = route, None
             engine.registry.resolve(target)  # an unknown or stale task fails here, not later
@@ -443,17 +462,19 @@ class OutboxRelay:
         backend = self.engine.backend
         if not isinstance(backend, PostgresBackend):
             if self.mode == "same_database":
-                raise ValueError(
+                raise UsageError(
                     "mode='same_database' needs the engine on the Postgres backend, got "
-                    f"{type(backend).__name__}"
+                    f"{type(backend).__name__}",
+                    argument="mode",
                 )
             return False
         async with conn.transaction():
             same = await backend.shares_database_with(conn)
         if self.mode == "same_database" and not same:
-            raise ValueError(
+            raise UsageError(
                 "mode='same_database', but the relay's connection and the engine's backend are "
-                "not on the same database; use mode='separate' (or 'auto')"
+                "not on the same database; use mode='separate' (or 'auto')",
+                argument="mode",
             )
         _log.info(
             "outbox relay on %s.%s: %s",

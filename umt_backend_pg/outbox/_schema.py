@@ -11,6 +11,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
+from umt_sdk.exceptions import UsageError
 
 __all__ = ["channel_name", "insert_outbox_event", "install_outbox", "outbox_ddl", "outbox_sql"]
 
@@ -21,7 +22,9 @@ def _names(schema: str, table: str) -> dict[str, str]:
     validate_identifier(schema, "schema")
     validate_identifier(table, "table")
     if len(table) > _MAX_TABLE_NAME:
-        raise ValueError(f"table must be at most {_MAX_TABLE_NAME} characters, got {table!r}")
+        raise UsageError(
+            f"table must be at most {_MAX_TABLE_NAME} characters, got {table!r}", argument="table"
+        )
     return {
         "schema": schema,
         "table": table,
@@ -65,8 +68,9 @@ async def install_outbox(
     changes nothing, except that it adds what an older version of the DDL lacked (the
     table's install id in `<schema>.umt_outbox_installs`)."""
     if not isinstance(conn, psycopg.AsyncConnection):
-        raise TypeError(
-            f"install_outbox takes a psycopg.AsyncConnection, got {type(conn).__name__}"
+        raise UsageError(
+            f"install_outbox takes a psycopg.AsyncConnection, got {type(conn).__name__}",
+            argument="conn",
         )
     ddl = outbox_ddl(schema=schema, table=table)
     async with conn.transaction():

@@ -39,9 +39,9 @@ from umt_sdk.exceptions import (
     IdempotencyConflictError,
     PayloadError,
     RunNotFoundError,
-    TaskDefinitionError,
     UmtError,
     UnknownTaskError,
+    UsageError,
 )
 
 __all__ = [
@@ -84,10 +84,12 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_duration(text: str) -> timedelta:
-    """`500ms`, `10s`, `2m`, `1h`, `1d`; a bare number is seconds."""
+    """`500ms`, `10s`, `2m`, `1h`, `1d`; a bare number is seconds (else `UsageError`)."""
     match = _DURATION.match(text)
     if match is None:
-        raise ValueError(f"expected a duration such as 500ms, 10s, 2m or 1h, got {text!r}")
+        raise UsageError(
+            f"expected a duration such as 500ms, 10s, 2m or 1h, got {text!r}", argument="text"
+        )
     return timedelta(seconds=float(match["value"]) * _UNITS[match["unit"] or "s"])
 
 
@@ -270,9 +272,9 @@ def _translated(where: str = "") -> Iterator[None]:
         raise CliError(f"{exc} in {where}" if where else str(exc)) from exc
     except (UnknownTaskError, IdempotencyConflictError) as exc:
         raise CliError(str(exc)) from exc
-    except TaskDefinitionError as exc:
+    except UsageError as exc:  # TaskDefinitionError and NotInTaskError included: fix the call
         raise InputError(str(exc)) from exc
-    except UmtError as exc:  # BackendError and the rest
+    except UmtError as exc:  # BackendError, FencingError and the rest: the operation failed
         raise CliError(_first_line(exc)) from exc
 
 

@@ -4,6 +4,8 @@ import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+from umt_sdk.exceptions import UsageError
+
 __all__ = ["FakeClock"]
 
 
@@ -19,7 +21,10 @@ class FakeClock:
     def __init__(self, start: datetime | None = None, *, auto_advance: bool = False) -> None:
         start = start or datetime(2030, 1, 1, tzinfo=UTC)
         if start.tzinfo is None:
-            raise ValueError("FakeClock start must be timezone-aware")
+            raise UsageError(
+                f"FakeClock start must be timezone-aware (tzinfo=UTC, say), got {start!r}",
+                argument="start",
+            )
         self._now = start
         self.auto_advance = auto_advance
         self._listeners: list[Callable[[], None]] = []
@@ -31,7 +36,10 @@ class FakeClock:
     def advance(self, delta: timedelta) -> None:
         """Move the clock forward by `delta` (>= 0) and wake whatever was waiting for it."""
         if delta < timedelta(0):
-            raise ValueError(f"FakeClock cannot go backwards (advance by {delta})")
+            raise UsageError(
+                f"FakeClock cannot go backwards (advance by {delta}); pass a delta >= 0",
+                argument="delta",
+            )
         with self._lock:
             self._now += delta
             listeners = list(self._listeners)
