@@ -31,9 +31,9 @@ from psycopg import sql
 
 from tests._procs.support import fetch, q
 from tests.fixtures.private_pg import PrivatePostgres
-from tests.outbox._support import eventually, insert_items, status_counts
-from tests.outbox.conftest import engine, layout, make_relay
-from tests.outbox.tasks import process_item
+from tests.integration.outbox._support import eventually, insert_items, status_counts
+from tests.integration.outbox.conftest import engine, layout, make_relay
+from tests.integration.outbox.tasks import process_item
 from umt_backend_pg import OutboxRelay, install_outbox, migrate
 from umt_sdk import Engine, Registry, TaskContext, connect, task
 

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from tests._procs.support import Spawner
-from tests.outbox.tasks import registry
+from tests.integration.outbox.tasks import registry
 from umt_backend_pg import OutboxRelay, install_outbox
 from umt_sdk import Engine, connect
 

@@ -10,7 +10,7 @@ from collections import Counter
 import psycopg
 
 from tests._procs.support import Spawner
-from tests.outbox._support import (
+from tests.integration.outbox._support import (
     calls,
     eventually,
     insert_items,

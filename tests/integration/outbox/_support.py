@@ -11,7 +11,7 @@ import psycopg
 from tests._procs.support import Process, Spawner, fetch, q
 from tests._procs.support import eventually as _eventually
 
-RELAY = "tests.outbox.relay_proc"
+RELAY = "tests.integration.outbox.relay_proc"
 
 eventually = functools.partial(_eventually, interval=0.05)
 """`eventually`, polling the outbox's tables every 50 ms."""

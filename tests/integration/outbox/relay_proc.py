@@ -1,7 +1,7 @@
-"""A relay process for the outbox tests, started with `start_relay` (tests/outbox/_support.py).
+"""A relay process for the outbox tests, started with `start_relay` (`_support.py` here).
 
-    python -m tests.outbox.relay_proc --business-url URL --engine-url URL --schema S
-        --name r1 --workdir DIR [--mode auto|same_database|separate] [--batch N]
+    python -m tests.integration.outbox.relay_proc --business-url URL --engine-url URL
+        --schema S --name r1 --workdir DIR [--mode auto|same_database|separate] [--batch N]
         [--pause-after K] [--concurrency C]
 
 Routes `item` events to `process_item` through a mapper that appends the payload's `n` to
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests._procs.worker import exit_when_orphaned, say, stop_on_sigterm
-from tests.outbox.tasks import process_item, registry
+from tests.integration.outbox.tasks import process_item, registry
 from umt_backend_pg import OutboxRelay
 from umt_sdk import connect
 

@@ -18,8 +18,8 @@ from psycopg import sql
 
 from tests._procs.support import fetch, q
 from tests.fixtures.pg import scratch_database
-from tests.outbox._support import eventually, status_counts
-from tests.outbox.tasks import process_item
+from tests.integration.outbox._support import eventually, status_counts
+from tests.integration.outbox.tasks import process_item
 from umt_backend_pg import OutboxRelay, insert_outbox_event, install_outbox
 from umt_sdk import Engine
 from umt_sdk.exceptions import BackendError

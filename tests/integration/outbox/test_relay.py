@@ -17,8 +17,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from psycopg_pool import AsyncConnectionPool
 
 from tests._procs.support import fetch, q
-from tests.outbox._support import eventually, runs_per_key, status_counts
-from tests.outbox.tasks import Order, process_item, registry, ship_order
+from tests.integration.outbox._support import eventually, runs_per_key, status_counts
+from tests.integration.outbox.tasks import Order, process_item, registry, ship_order
 from umt_backend_pg import OutboxRelay, insert_outbox_event, install_outbox, outbox_ddl
 from umt_sdk import Engine, connect
 from umt_sdk.exceptions import TaskDefinitionError
