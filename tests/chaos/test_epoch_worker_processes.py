@@ -10,6 +10,21 @@ flush), and Postgres is crashed at once, while the workers' step bodies, which t
 files and a business database on another server, go on. After the restart the batch is
 claimed again; the holders of the lost claims must find out at their next heartbeat or write
 and stop. Set UMT_CHAOS_EPOCH_CRASHES (default 3) for a longer run.
+
+The workers (`tests/_procs/worker.py --tasks tests.chaos.test_epoch_worker_processes`) serve
+`epoch.pay` of this module. Nothing its step bodies do touches the engine's database, which the
+test crashes: every body appends a line `<run key> <step> <attempt token> <pid>` to
+`<workdir>/bodies.log`, and the fenced side effect goes to a business database on another
+server:
+- inside `with_attempt_token` (ledger installed there with `install_ledger`), it writes to an
+  outside store that fences by token itself, as outside systems do: a write is taken unless
+  the store has already seen a newer token for the op (`store_writes`, `accepted`);
+- the ledger's commit adds the op's row to `payments` (deliberately no unique key).
+
+`SLOW_FLUSH` (`wal_writer_delay = 10s`, the background writer off) keeps an asynchronous commit
+(a claim) unflushed until something else flushes the WAL, so a crash right after a claim loses
+it every time instead of when the crash happens to land within the default 200 ms. That is the
+condition of the bug the token epochs fix, made deterministic, not a different one.
 """
 
 from __future__ import annotations
@@ -17,33 +32,147 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import attrs
 import psycopg
 import pytest
 
-from tests.chaos._crash_support import (
-    SLOW_FLUSH,
-    business_database,
-    checkpoint,
-    configure,
-    retrying,
-)
-from tests.chaos.crash_worker import BODIES, READY, STEPS, Payment, install_business, pay
+from tests._procs.support import Spawner, eventually, fetch, q
+from tests._procs.worker import READY, append_line, config, say
 from tests.fixtures.private_pg import PrivatePostgres
-from tests.integration._support import WorkerProcess, eventually, fetch, q
-from umt_backend_pg import migrate
-from umt_sdk import Registry, connect
+from umt_backend_pg import install_ledger, migrate
+from umt_sdk import (
+    AttemptInfo,
+    FencingError,
+    Registry,
+    RetryPolicy,
+    TaskContext,
+    TaskDefinition,
+    connect,
+    task,
+    with_attempt_token,
+)
+from umt_sdk.exceptions import BackendUnavailableError
 
 pytestmark = pytest.mark.slow
 
+T = TypeVar("T")
+
 SCHEMA = "umt_epoch_workers"
-PROGRAM = Path(__file__).with_name("crash_worker.py")
 CRASHES = int(os.environ.get("UMT_CHAOS_EPOCH_CRASHES", "3"))
 BATCH = 3
 WORKERS = 2
+SLOW_FLUSH = {"wal_writer_delay": "10s", "bgwriter_lru_maxpages": "0"}
+BODIES = "bodies.log"
+BUSINESS_DDL = (
+    "CREATE TABLE payments (op_key text NOT NULL, receipt text NOT NULL, token bigint NOT NULL,"
+    " pid integer NOT NULL)",
+    "CREATE TABLE store_fence (op_key text PRIMARY KEY, max_token bigint NOT NULL)",
+    "CREATE TABLE store_writes (seq bigserial PRIMARY KEY, op_key text NOT NULL,"
+    " token bigint NOT NULL, pid integer NOT NULL, accepted boolean NOT NULL,"
+    " at timestamptz NOT NULL DEFAULT clock_timestamp())",
+)
+
+
+@attrs.frozen
+class Payment:
+    key: str
+    delay: float = 1.0
+    """How long the side effect takes (seconds): a crash lands while it runs."""
+
+
+async def install_business(conn: psycopg.AsyncConnection[Any], schema: str) -> None:
+    await install_ledger(conn, schema=schema)
+    for statement in BUSINESS_DDL:
+        await conn.execute(statement)
+
+
+def log_body(ctx: TaskContext[Payment], step: str) -> None:
+    line = f"{ctx.input.key} {step} {ctx.attempt_token} {os.getpid()}"
+    append_line(config().workdir / BODIES, line)  # one small append: atomic among processes
+
+
+async def store_write(op_key: str, token: int) -> None:
+    """The outside store: takes the write unless it has seen a newer token for `op_key`."""
+    async with await psycopg.AsyncConnection.connect(
+        config().business_url, autocommit=True
+    ) as conn:
+        await conn.execute(
+            "WITH fence AS ("
+            " INSERT INTO store_fence (op_key, max_token) VALUES (%(op)s, %(token)s)"
+            " ON CONFLICT (op_key) DO UPDATE SET max_token = EXCLUDED.max_token"
+            " WHERE store_fence.max_token <= EXCLUDED.max_token RETURNING 1)"
+            " INSERT INTO store_writes (op_key, token, pid, accepted)"
+            " SELECT %(op)s, %(token)s, %(pid)s, EXISTS (SELECT 1 FROM fence)",
+            {"op": op_key, "token": token, "pid": os.getpid()},
+        )
+
+
+async def pay_step(ctx: TaskContext[Payment]) -> str:
+    log_body(ctx, "pay")
+    op_key = f"pay-{ctx.input.key}"
+
+    async def act(info: AttemptInfo) -> str:
+        log_body(ctx, "act")
+        await store_write(op_key, info.attempt_token)
+        await asyncio.sleep(ctx.input.delay)
+        return f"receipt-{info.attempt_token}"
+
+    async def commit(tx: Any, receipt: str) -> None:
+        await tx.execute(
+            "INSERT INTO payments (op_key, receipt, token, pid) VALUES (%s, %s, %s, %s)",
+            (op_key, receipt, ctx.attempt_token, os.getpid()),
+        )
+
+    async with await psycopg.AsyncConnection.connect(
+        config().business_url, autocommit=True
+    ) as conn:
+        try:
+            return await with_attempt_token(conn, op_key, act, commit=commit)
+        except FencingError as exc:
+            say(f"FENCED run={ctx.run_id} token={ctx.attempt_token}: {exc}")
+            raise
+
+
+async def note_step(ctx: TaskContext[Payment]) -> str:
+    log_body(ctx, "note")
+    await asyncio.sleep(ctx.input.delay / 2)
+    return f"noted {ctx.input.key}"
+
+
+@task("epoch.pay", version=1, retry=RetryPolicy.none())
+async def pay(ctx: TaskContext[Payment]) -> list[str]:
+    """The fenced payment, then a plain step; no retries: a failure would show."""
+    receipt = await ctx.step.run("pay", pay_step, ctx)
+    note = await ctx.step.run("note", note_step, ctx)
+    return [receipt, note]
+
+
+STEPS = ("pay", "note")
+TASKS: list[TaskDefinition[Any, Any]] = [pay]
+
+
+# -- the test -------------------------------------------------------------------------------------
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]], *, timeout: float = 20.0, what: str = "the call"
+) -> T:
+    """`call()` again while the server is still unreachable (the pool reconnects after a
+    restart: the first uses of its old connections fail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except BackendUnavailableError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: the server stayed unreachable") from None
+            await asyncio.sleep(0.05)
 
 
 async def _claimed(url: str, keys: list[str]) -> bool:
@@ -66,43 +195,33 @@ def _bodies(workdir: Path) -> list[tuple[str, str, int, int]]:
 
 
 async def test_worker_processes_through_postgres_crashes_never_share_a_token(
-    pg_url: str, private_pg: PrivatePostgres, tmp_path: Path
+    private_pg: PrivatePostgres, second_db: str, tmp_path: Path
 ) -> None:
     seed = int.from_bytes(os.urandom(4), "big")
     rng = random.Random(seed)
-    logs, workdir = tmp_path / "logs", tmp_path / "files"
-    logs.mkdir()
-    workdir.mkdir()
     keys: list[str] = []
 
-    async def install(conn: psycopg.AsyncConnection[Any]) -> None:
+    business_url = second_db  # on the session's server, which this test does not crash
+    async with await psycopg.AsyncConnection.connect(business_url, autocommit=True) as conn:
         await install_business(conn, SCHEMA)
-
     server = private_pg
-    configure(server, SLOW_FLUSH)
+    server.configure(SLOW_FLUSH)
     url = server.url
     await migrate(url, schema=SCHEMA)
-    async with (
-        business_database(pg_url, install) as business_url,
-        await connect(url, registry=Registry([pay]), schema=SCHEMA, run_migrations=False) as client,
-    ):
-        workers = [
-            WorkerProcess(
-                [
-                    *("--url", url, "--schema", SCHEMA, "--business-url", business_url),
-                    *("--workdir", str(workdir), "--name", f"w{i}"),
-                ],
-                logs,
-                f"w{i}",
-                program=PROGRAM,
-            )
-            for i in range(WORKERS)
-        ]
+    async with await connect(
+        url, registry=Registry(TASKS), schema=SCHEMA, run_migrations=False
+    ) as client:
+        with Spawner.under(
+            tmp_path, tasks=__name__, url=url, schema=SCHEMA, business_url=business_url
+        ) as spawner:
+            workers = [
+                spawner.start(group=f"w{i}", lease=3.0, concurrency=8, poll=0.05, max_size=10)
+                for i in range(WORKERS)
+            ]
 
-        def describe() -> str:
-            return f"seed {seed}\n" + "\n".join(w.describe() for w in workers)
+            def describe() -> str:
+                return f"seed {seed}\n" + "\n".join(w.describe() for w in workers)
 
-        try:
             for worker in workers:
                 await worker.wait_ready()
                 assert READY in worker.output()
@@ -128,7 +247,7 @@ async def test_worker_processes_through_postgres_crashes_never_share_a_token(
                     what=f"the first run of cycle {cycle}",
                     on_timeout=describe,
                 )
-                checkpoint(server)
+                server.checkpoint()
                 # The batch arrives in one commit and is claimed in one statement.
                 batch = [f"c{cycle}-{i}" for i in range(BATCH)]
                 async with (
@@ -164,9 +283,6 @@ async def test_worker_processes_through_postgres_crashes_never_share_a_token(
             for worker in workers:
                 assert worker.alive, describe()
                 assert "Traceback" not in worker.errors(), describe()
-        finally:
-            for worker in workers:
-                worker.close()
 
         runs = await fetch(
             url,
@@ -199,7 +315,7 @@ async def test_worker_processes_through_postgres_crashes_never_share_a_token(
     }
     assert not bad, f"runs that did not complete: {bad}\n{describe()}"
 
-    bodies = _bodies(workdir)
+    bodies = _bodies(spawner.workdir)
     # 1. No step body ran under a token that another execution also held.
     holders: dict[tuple[str, str, int], list[int]] = defaultdict(list)
     for key, step, token, pid in bodies:

@@ -29,15 +29,16 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from tests._procs.support import fetch, q
 from tests.fixtures.private_pg import PrivatePostgres
-from tests.outbox._support import eventually, q, rows, status_counts
-from tests.outbox.conftest import engine, layout, make_relay, second_db
-from tests.outbox.tasks import process_item
+from tests.integration.outbox._support import eventually, insert_items, status_counts
+from tests.integration.outbox.conftest import engine, layout, make_relay
+from tests.integration.outbox.tasks import process_item
 from umt_backend_pg import OutboxRelay, install_outbox, migrate
 from umt_sdk import Engine, Registry, TaskContext, connect, task
 
 # Fixtures, imported to be used here.
-__all__ = ["engine", "layout", "make_relay", "second_db"]
+__all__ = ["engine", "layout", "make_relay"]
 
 SCHEMA = "umt_relay_restart"
 PARK = -1
@@ -92,7 +93,7 @@ class Parker:
         await asyncio.wait_for(self.mapped.wait(), 30)
 
         async def parked() -> list[dict[str, Any]]:
-            return await rows(
+            return await fetch(
                 relay_business_url,
                 sql.SQL(
                     "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
@@ -119,21 +120,8 @@ class Parker:
             locker.close()
 
 
-async def insert_items(url: str, schema: str, numbers: list[int]) -> None:
-    async with await psycopg.AsyncConnection.connect(url) as conn:
-        await conn.execute(
-            q(
-                "INSERT INTO {schema}.outbox_event (type, payload)"
-                " SELECT 'item', jsonb_build_object('n', n) FROM unnest(%s::int[]) AS n",
-                schema,
-            ),
-            (numbers,),
-        )
-        await conn.commit()
-
-
 async def _runs_by_n(engine_url: str, schema: str) -> dict[int, int]:
-    found = await rows(
+    found = await fetch(
         engine_url,
         q(
             "SELECT (input->>'n')::int AS n, count(*) AS c FROM {schema}.runs"

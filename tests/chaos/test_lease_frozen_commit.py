@@ -9,50 +9,36 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from tests.chaos._lease_support import (
-    bookings,
-    finished,
-    lease_engine,
-    lease_spawner,
-    lines,
-    log_rows,
-    printed,
-    start,
-    stopped,
-)
-from tests.chaos.lease_worker import Busy, Fenced, busy, fenced
-from tests.integration._support import Spawner, eventually, fetch, q
+from tests._procs.support import Spawner, eventually, fetch, finished, q
+from tests.chaos.lease_tasks import Busy, Fenced, bookings, busy, fenced, log_rows
 from umt_sdk import Engine
-
-__all__ = ["lease_engine", "lease_spawner"]  # fixtures used by name
 
 
 async def test_a_worker_frozen_in_its_commit_holds_up_neither_takeover_nor_cancel(
     lease_engine: Engine, lease_spawner: Spawner, pg_url: str, pg_schema: str
 ) -> None:
-    frozen = start(lease_spawner, group="frozen", concurrency=2)
+    frozen = lease_spawner.start(group="frozen", concurrency=2)
     await frozen.wait_ready()
     taken = await lease_engine.enqueue(fenced, Fenced(key="taken", hold_takeover=True))
     canceled = await lease_engine.enqueue(fenced, Fenced(key="canceled"))
-    stale_tokens = {key: await printed(frozen, "IN_COMMIT", key) for key in ("taken", "canceled")}
+    stale_tokens = {key: await frozen.printed("IN_COMMIT", key) for key in ("taken", "canceled")}
     # Both runs are inside their commit callbacks, their business rows written, uncommitted.
-    frozen.signal(signal.SIGSTOP)
-    await eventually(lambda: _true(stopped(frozen)), timeout=10, what="SIGSTOP to land")
+    await frozen.freeze()
 
     outcome = await asyncio.wait_for(
         lease_engine.cancel(canceled.run_id, reason="operator"), timeout=10
     )
     assert outcome in ("requested", "canceled"), outcome
-    assert stopped(frozen), "cancel() returned while the worker is frozen in its commit"
-    rescuer = start(lease_spawner, group="rescuer", concurrency=2)
+    assert frozen.stopped(), "cancel() returned while the worker is frozen in its commit"
+    rescuer = lease_spawner.start(group="rescuer", concurrency=2)
     await rescuer.wait_ready()
 
     # The takeover claims the run and begins the operation (raising the op's token).
-    new_token = await printed(rescuer, "IN_ACT", "taken")
+    new_token = await rescuer.printed("IN_ACT", "taken")
     assert new_token > stale_tokens["taken"]
     done = await finished(lease_engine, canceled.run_id, timeout=20)
     assert done.status == "canceled"
-    assert stopped(frozen), "taken over and canceled while the old worker is still frozen"
+    assert frozen.stopped(), "taken over and canceled while the old worker is still frozen"
 
     # The frozen attempts go on: their commits are refused by the ledger's fence, or (if the
     # worker's first heartbeat comes back first and finds the leases lost) stopped before they
@@ -63,7 +49,7 @@ async def test_a_worker_frozen_in_its_commit_holds_up_neither_takeover_nor_cance
 
     async def ends() -> dict[str, list[int]] | None:
         found = {
-            key: [int(line[2]) for e in ("FENCED", "STOPPED") for line in lines(frozen, e, key)]
+            key: [int(line[2]) for e in ("FENCED", "STOPPED") for line in frozen.events(e, key)]
             for key in stale_tokens
         }
         return found if all(found.values()) else None
@@ -72,7 +58,7 @@ async def test_a_worker_frozen_in_its_commit_holds_up_neither_takeover_nor_cance
         ends, timeout=30, what="the frozen attempts to end", on_timeout=frozen.describe
     )
     assert ended == {key: [token] for key, token in stale_tokens.items()}, ended
-    assert not lines(frozen, "COMMITTED")
+    assert not frozen.events("COMMITTED")
     assert await bookings(pg_url, pg_schema) == [], "nothing committed yet"
 
     (lease_spawner.workdir / "release2-taken").touch()  # the newer attempt commits
@@ -96,7 +82,7 @@ async def test_a_worker_frozen_in_its_commit_holds_up_neither_takeover_nor_cance
 async def test_a_slow_commit_does_not_cost_the_workers_other_runs_their_leases(
     lease_engine: Engine, lease_spawner: Spawner, pg_url: str, pg_schema: str
 ) -> None:
-    holder = start(lease_spawner, group="holder", concurrency=4, lease=2.0)
+    holder = lease_spawner.start(group="holder", concurrency=4, lease=2.0)
     await holder.wait_ready()
     # The slow commit first, so that it heads the worker's heartbeat statement.
     slow = await lease_engine.enqueue(fenced, Fenced(key="slow", slow_commit=5.0))
@@ -105,13 +91,13 @@ async def test_a_slow_commit_does_not_cost_the_workers_other_runs_their_leases(
     )
     others = [await lease_engine.enqueue(busy, Busy(key=f"other-{i}")) for i in range(2)]
     for i in range(2):
-        await printed(holder, "BUSY_STARTED", f"other-{i}")
-    thief = start(lease_spawner, group="thief", concurrency=4, lease=2.0)
+        await holder.printed("BUSY_STARTED", f"other-{i}")
+    thief = lease_spawner.start(group="thief", concurrency=4, lease=2.0)
     await thief.wait_ready()  # polls every 0.2 s: any lease that lapses is taken over
 
     (lease_spawner.workdir / "go-slow").touch()  # the commit callback now takes 5 s
-    await printed(holder, "SLOW_COMMIT", "slow")
-    await printed(holder, "COMMITTED", "slow", timeout=60)
+    await holder.printed("SLOW_COMMIT", "slow")
+    await holder.printed("COMMITTED", "slow", timeout=60)
     for i in range(2):
         (lease_spawner.workdir / f"done-other-{i}").touch()
     for handle in (slow, *others):
@@ -119,10 +105,6 @@ async def test_a_slow_commit_does_not_cost_the_workers_other_runs_their_leases(
         assert info.status == "completed", f"{handle.run_id}: {info.status} {info.error}"
         assert info.lease_expirations == 0, f"{info.task_name} lost its lease"
         assert [e.worker_id.split("-")[0] for e in info.executions] == ["holder"]
-    assert not lines(thief, "BUSY_STARTED"), thief.describe()
+    assert not thief.events("BUSY_STARTED"), thief.describe()
     rows = await bookings(pg_url, pg_schema)
     assert [(r["key"], r["pid"]) for r in rows] == [("slow", holder.pid)]
-
-
-async def _true(value: bool) -> bool:
-    return value

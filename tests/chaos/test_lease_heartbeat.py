@@ -10,26 +10,15 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.chaos._lease_support import (
-    finished,
-    lease_engine,
-    lease_spawner,
-    lines,
-    log_rows,
-    printed,
-    start,
-)
-from tests.chaos.lease_worker import Busy, busy
-from tests.integration._support import Spawner
+from tests._procs.support import Spawner, finished
+from tests.chaos.lease_tasks import Busy, busy, log_rows
 from umt_sdk import Engine
-
-__all__ = ["lease_engine", "lease_spawner"]  # fixtures used by name
 
 
 async def test_a_step_held_for_several_leases_keeps_its_lease(
     lease_engine: Engine, lease_spawner: Spawner, pg_url: str, pg_schema: str
 ) -> None:
-    workers = [start(lease_spawner, group=g, concurrency=1) for g in ("a", "b")]
+    workers = [lease_spawner.start(group=g, concurrency=1) for g in ("a", "b")]
     for worker in workers:
         await worker.wait_ready()
     # Whichever worker claims it holds it for ~4.5 leases; the other polls every 0.2 s.
@@ -41,25 +30,25 @@ async def test_a_step_held_for_several_leases_keeps_its_lease(
     assert [e.outcome for e in info.executions] == ["completed"]
     bodies = [r for r in await log_rows(pg_url, pg_schema, "long") if r["event"] == "body"]
     assert len(bodies) == 1, f"the step body ran {len(bodies)} times: {bodies}"
-    started = [w for w in workers if lines(w, "BUSY_STARTED", "long")]
+    started = [w for w in workers if w.events("BUSY_STARTED", "long")]
     assert len(started) == 1, [w.describe() for w in workers]
 
 
 async def test_cancel_of_a_step_that_outlasts_its_lease_fires_the_abort(
     lease_engine: Engine, lease_spawner: Spawner, pg_url: str, pg_schema: str
 ) -> None:
-    workers = [start(lease_spawner, group=g, concurrency=1) for g in ("a", "b")]
+    workers = [lease_spawner.start(group=g, concurrency=1) for g in ("a", "b")]
     for worker in workers:
         await worker.wait_ready()
     handle = await lease_engine.enqueue(busy, Busy(key="cancel-me"))  # held until aborted
     holder = None
     while holder is None:
-        holder = next((w for w in workers if lines(w, "BUSY_STARTED", "cancel-me")), None)
+        holder = next((w for w in workers if w.events("BUSY_STARTED", "cancel-me")), None)
         await asyncio.sleep(0.02)
     await asyncio.sleep(3)  # three leases into the step, heartbeats running
     outcome = await lease_engine.cancel(handle.run_id, reason="operator stop")
     assert outcome == "requested", "the holder is alive: the cancel is handed to its handler"
-    token = await printed(holder, "ABORT_SEEN", "cancel-me")
+    token = await holder.printed("ABORT_SEEN", "cancel-me")
     info = await finished(lease_engine, handle.run_id)
     assert info.status == "canceled"
     assert info.cancel_reason == "operator stop"

@@ -10,25 +10,22 @@ import time
 
 import pytest
 
-from tests.chaos._lease_support import lease_engine, lease_spawner, lines, log_rows, start
-from tests.chaos.lease_worker import KILLS_ITSELF_MAX_LOST_LEASES, Doomed, kills_itself
-from tests.integration._support import Spawner, WorkerProcess
+from tests._procs.support import Process, Spawner
+from tests.chaos.lease_tasks import KILLS_ITSELF_MAX_LOST_LEASES, Doomed, kills_itself, log_rows
 from umt_sdk import Engine, RunFailedError
-
-__all__ = ["lease_engine", "lease_spawner"]  # fixtures used by name
 
 
 async def test_a_run_that_kills_its_worker_every_time_fails_after_the_bound(
     lease_engine: Engine, lease_spawner: Spawner, pg_url: str, pg_schema: str
 ) -> None:
     handle = await lease_engine.enqueue(kills_itself, Doomed(key="oom"))
-    workers: list[WorkerProcess] = []
+    workers: list[Process] = []
     deadline = time.monotonic() + 120
     # The supervisor: whenever the worker is gone, start another one, until the run ends.
     while (await lease_engine.get(handle.run_id)).status not in ("completed", "failed"):
         if not workers or not workers[-1].alive:
             assert len(workers) <= KILLS_ITSELF_MAX_LOST_LEASES + 1, "restarted without end"
-            workers.append(start(lease_spawner, group=f"w{len(workers)}", concurrency=1))
+            workers.append(lease_spawner.start(group=f"w{len(workers)}", concurrency=1))
         assert time.monotonic() < deadline, "\n".join(w.describe() for w in workers)
         await asyncio.sleep(0.05)
 
@@ -47,7 +44,7 @@ async def test_a_run_that_kills_its_worker_every_time_fails_after_the_bound(
     ] * KILLS_ITSELF_MAX_LOST_LEASES + ["failed"]
     bodies = [r for r in await log_rows(pg_url, pg_schema, "oom") if r["event"] == "body"]
     assert len(bodies) == KILLS_ITSELF_MAX_LOST_LEASES, "the last claim fails it without a run"
-    killed = [w for w in workers if lines(w, "DYING", "oom")]
+    killed = [w for w in workers if w.events("DYING", "oom")]
     assert len(killed) == KILLS_ITSELF_MAX_LOST_LEASES
     assert {r["pid"] for r in bodies} == {w.pid for w in killed}
     assert all(w.popen.returncode == -9 for w in killed), [w.popen.returncode for w in killed]

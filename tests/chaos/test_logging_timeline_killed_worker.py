@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_cli import Umt, stop_worker, wait_until, worker_process
+from tests.integration.cli.test_cli import Umt, stop_worker, wait_until, worker_process
 
 
 @pytest.fixture

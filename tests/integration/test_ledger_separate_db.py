@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
 import attrs
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from umt_backend_pg import install_ledger
 from umt_sdk import (
@@ -65,17 +61,11 @@ async def pay(ctx: TaskContext[Order]) -> str:
 
 
 @pytest.fixture
-async def business_db(pg_url: str) -> AsyncIterator[str]:
-    name = f"biz_{uuid.uuid4().hex[:10]}"
-    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
-        await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = make_conninfo(**{**conninfo_to_dict(pg_url), "dbname": name})
-    BUSINESS_URL["url"] = url
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+async def business_db(second_db: str) -> str:
+    BUSINESS_URL["url"] = second_db
+    async with await psycopg.AsyncConnection.connect(second_db, autocommit=True) as conn:
         await conn.execute("CREATE TABLE payments (key text, receipt text)")  # no unique key
-    yield url
-    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
-        await conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+    return second_db
 
 
 async def _payments(url: str) -> list[tuple[str, str]]:

@@ -1,9 +1,9 @@
 """Postgres with real worker processes: SIGKILL and SIGSTOP mid-step, worker groups, cancel,
 idempotent enqueue under concurrency and priority order under a backlog.
 
-The worker program is `worker_proc.py`; its step bodies append to an append-only external table
-(`ext_log`) before they do their (slow) work, so these tests count real body executions per
-attempt token and compare them with what the engine recorded.
+The workers serve tests/integration/tasks.py; its step bodies append to an append-only external
+table (`ext_log`) before they do their (slow) work, so these tests count real body executions
+per attempt token and compare them with what the engine recorded.
 """
 
 from __future__ import annotations
@@ -18,15 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration._support import (
-    Spawner,
-    check_t_io_exactly_once,
-    eventually,
-    ext_rows,
-    fetch,
-    q,
-)
-from tests.integration.worker_proc import Job, t_agent, t_cancel, t_io, t_io_v2, t_order
+from tests._procs.support import Spawner, eventually, fetch, q
+from tests.integration.checks import check_t_io_exactly_once, ext_rows
+from tests.integration.tasks import Job, t_agent, t_cancel, t_io, t_io_v2, t_order
 from umt_sdk import Engine, IdempotencyConflictError, Registry, connect
 from umt_sdk.exceptions import RunCanceledError
 

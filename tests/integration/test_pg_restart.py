@@ -20,18 +20,10 @@ from typing import Any
 import pytest
 from psycopg import sql
 
+from tests._procs.support import Spawner, eventually, fetch, q
 from tests.fixtures.private_pg import PrivatePostgres
-from tests.integration._support import (
-    Spawner,
-    check_t_io_exactly_once,
-    check_t_pure,
-    create_tables,
-    eventually,
-    ext_rows,
-    fetch,
-    q,
-)
-from tests.integration.worker_proc import ALL_TASKS, Job, t_io, t_pure
+from tests.integration.checks import check_t_io_exactly_once, check_t_pure, ext_rows
+from tests.integration.tasks import BUSINESS, TASKS, Job, create_tables, t_io, t_pure
 from umt_backend_pg import migrate
 from umt_sdk import Registry, connect
 
@@ -42,15 +34,9 @@ SCHEMA = "umt_restart"
 
 @pytest.fixture
 def private_spawner(private_pg: PrivatePostgres, tmp_path: Path) -> Iterator[Spawner]:
-    logs = tmp_path / "logs"
-    workdir = tmp_path / "files"
-    logs.mkdir()
-    workdir.mkdir()
-    spawned = Spawner(url=private_pg.url, schema=SCHEMA, logs=logs, workdir=workdir)
-    try:
+    fields = {"url": private_pg.url, "schema": SCHEMA, "business": BUSINESS}
+    with Spawner.under(tmp_path, tasks="tests.integration.tasks", **fields) as spawned:
         yield spawned
-    finally:
-        spawned.close()
 
 
 @pytest.fixture
@@ -76,7 +62,7 @@ async def test_postgres_restart_under_a_running_worker(
     keys = [f"r{i:02d}" for i in range(12)]
     pure_keys = [f"p{i:02d}" for i in range(12)]
     async with await connect(
-        url, registry=Registry(ALL_TASKS), schema=schema, run_migrations=False
+        url, registry=Registry(TASKS), schema=schema, run_migrations=False
     ) as client:
         for key, pure_key in zip(keys, pure_keys, strict=True):
             await client.enqueue(t_io, Job(key=key, delay=0.1), version=1)
@@ -146,7 +132,7 @@ async def test_postgres_restart_under_a_running_worker(
     assert len(after) == 1, after
     assert after[0]["pid"] != before[0]["pid"], (before, after)
     async with await connect(
-        url, registry=Registry(ALL_TASKS), schema=schema, run_migrations=False
+        url, registry=Registry(TASKS), schema=schema, run_migrations=False
     ) as client:
         for key in ("late-1", "late-2", "late-3"):
             await asyncio.sleep(0.3)  # the worker is idle, waiting for a notification

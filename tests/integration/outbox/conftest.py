@@ -1,46 +1,18 @@
-"""Fixtures of the outbox tests: the engine's schema, an outbox table, a second database."""
+"""Fixtures of the outbox tests: the engine's schema, an outbox table, the two layouts, relays."""
 
 from __future__ import annotations
 
-import contextlib
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from tests.outbox._support import RelayProcess
-from tests.outbox.tasks import registry
+from tests._procs.support import Spawner
+from tests.integration.outbox.tasks import registry
 from umt_backend_pg import OutboxRelay, install_outbox
 from umt_sdk import Engine, connect
-
-
-@contextlib.contextmanager
-def scratch_database(pg_url: str) -> Iterator[str]:
-    """A new database on the server of `pg_url` (its URL), dropped afterwards."""
-    name = f"biz_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    params = conninfo_to_dict(pg_url)
-    params["dbname"] = name
-    try:
-        yield make_conninfo(**params)
-    finally:
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-
-
-@pytest.fixture
-def second_db(pg_url: str) -> Iterator[str]:
-    """A second database on the same server, for the business side; dropped afterwards."""
-    with scratch_database(pg_url) as url:
-        yield url
 
 
 @pytest.fixture(params=["same", "two"], ids=["same-db", "two-dbs"])
@@ -72,13 +44,10 @@ async def engine(pg_url: str, pg_schema: str) -> AsyncIterator[Engine]:
 
 
 @pytest.fixture
-def relays(tmp_path: Path) -> Iterator[list[RelayProcess]]:
-    started: list[RelayProcess] = []
-    try:
-        yield started
-    finally:
-        for proc in started:
-            proc.close()
+def relays(tmp_path: Path) -> Iterator[Spawner]:
+    """Relay processes (`start_relay`), SIGKILLed and reaped at teardown if still alive."""
+    with Spawner.under(tmp_path) as spawned:
+        yield spawned
 
 
 @pytest.fixture

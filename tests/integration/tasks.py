@@ -1,14 +1,14 @@
-"""A real worker process for the Postgres integration tests.
+"""The tasks of the Postgres integration tests: a worker process (`tests/_procs/worker.py`)
+serves them, started with the `spawner` fixture of tests/integration/conftest.py:
 
-    python worker_proc.py --url URL --schema S --versions t_io@1 --lease 1 --business receipts
+    worker = spawner.start(versions="t_io@1", lease=1.0, concurrency=4)
 
-It serves the tasks below with `engine.worker(...)` until it is killed (SIGTERM stops it
-gracefully). Every step body first appends a row to the append-only "external system" table
+Every step body first appends a row to the append-only "external system" table
 `<schema>.ext_log` (run key, step, event, attempt token, pid, worker group), so the tests can
 count how often each body really ran, and under which attempt. The fenced side effect of `t_io`
 goes through `with_attempt_token` on its own psycopg connection: it writes a receipt file in
-`--workdir` (first write wins, reconciled by op key on a resumed attempt) and commits one row
-to the business table `<schema>.<business>`.
+the worker's `--workdir` (first write wins, reconciled by op key on a resumed attempt) and commits
+one row to the business table `<schema>.<business>`.
 
 The test process imports this module for the task definitions (to enqueue); the worker
 configuration is only read when a task runs, in the worker process.
@@ -16,52 +16,28 @@ configuration is only read when a task runs, in the worker process.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import logging
 import os
-import signal
-import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import attrs
 import psycopg
 from psycopg import sql
 
+from tests._procs.worker import append_line, config, say, write_first
 from umt_sdk import (
     AttemptInfo,
     FencingError,
-    Registry,
     RetryPolicy,
     TaskContext,
     TaskDefinition,
-    connect,
     task,
     with_attempt_token,
 )
 
 EXT_TABLE = "ext_log"
-READY = "READY"
-
-
-@attrs.frozen
-class Config:
-    url: str
-    schema: str
-    business: str
-    group: str
-    workdir: Path
-
-
-_CONFIG: list[Config] = []
-
-
-def config() -> Config:
-    if not _CONFIG:
-        raise RuntimeError("worker_proc tasks run only inside the worker process")
-    return _CONFIG[0]
+BUSINESS = "receipts"
 
 
 @attrs.frozen
@@ -89,6 +65,12 @@ def business_table_ddl(schema: str, business: str) -> sql.Composed:
     ).format(sql.Identifier(schema), sql.Identifier(business))
 
 
+async def create_tables(url: str, schema: str, business: str = BUSINESS) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(ext_table_ddl(schema))
+        await conn.execute(business_table_ddl(schema, business))
+
+
 async def external(
     ctx: TaskContext[Job], step: str, event: str, *, resumed: bool | None = None
 ) -> None:
@@ -110,22 +92,6 @@ async def slow_body(ctx: TaskContext[Job], step: str) -> str:
     return f"{step}:{ctx.input.key}"
 
 
-def write_receipt_file(op_key: str, receipt: str) -> str:
-    """Create the receipt file of `op_key` unless it exists (first write wins, atomically);
-    return the receipt the file holds."""
-    folder = config().workdir
-    final = folder / f"{op_key}.receipt"
-    scratch = folder / f".{op_key}.{os.getpid()}.{receipt}.tmp"
-    scratch.write_text(receipt)
-    try:
-        os.link(scratch, final)  # fails if another attempt created it first
-    except FileExistsError:
-        pass
-    finally:
-        scratch.unlink()
-    return final.read_text()
-
-
 async def fenced_side_effect(ctx: TaskContext[Job]) -> str:
     await external(ctx, "side", "body")
     cfg = config()
@@ -134,7 +100,7 @@ async def fenced_side_effect(ctx: TaskContext[Job]) -> str:
     async def act(info: AttemptInfo) -> str:
         await external(ctx, "side", "act", resumed=info.resumed)
         await asyncio.sleep(ctx.input.delay)
-        return write_receipt_file(op_key, f"receipt-{info.attempt_token}")
+        return write_first(cfg.workdir / f"{op_key}.receipt", f"receipt-{info.attempt_token}")
 
     async def commit(tx: Any, receipt: str) -> None:
         await tx.execute(
@@ -148,7 +114,7 @@ async def fenced_side_effect(ctx: TaskContext[Job]) -> str:
         try:
             return await with_attempt_token(conn, op_key, act, commit=commit)
         except FencingError as exc:
-            print(f"FENCED run={ctx.run_id} token={ctx.attempt_token}: {exc}", flush=True)
+            say(f"FENCED run={ctx.run_id} token={ctx.attempt_token}: {exc}")
             raise
 
 
@@ -204,8 +170,7 @@ async def t_cancel(ctx: TaskContext[Job]) -> str:
 
 async def pure_body(ctx: TaskContext[Job], step: str) -> str:
     """A step body that touches no database: it appends a line to a local file."""
-    with (config().workdir / f"{ctx.input.key}.bodies").open("a") as log:
-        log.write(f"{step} {ctx.attempt_token}\n")
+    append_line(config().workdir / f"{ctx.input.key}.bodies", f"{step} {ctx.attempt_token}")
     await asyncio.sleep(ctx.input.delay)
     return f"{step}:{ctx.input.key}"
 
@@ -219,72 +184,4 @@ async def t_pure(ctx: TaskContext[Job]) -> list[str]:
 
 PURE_STEPS = ("p1", "p2", "p3", "p4")
 
-ALL_TASKS: list[TaskDefinition[Any, Any]] = [t_io, t_io_v2, t_agent, t_order, t_cancel, t_pure]
-
-
-async def serve(args: argparse.Namespace) -> None:
-    _CONFIG.append(
-        Config(
-            url=args.url,
-            schema=args.schema,
-            business=args.business,
-            group=args.group,
-            workdir=Path(args.workdir),
-        )
-    )
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    orphan_watch = asyncio.create_task(exit_when_orphaned(os.getppid()))
-    engine = await connect(
-        args.url,
-        registry=Registry(ALL_TASKS),
-        schema=args.schema,
-        run_migrations=False,
-        max_size=args.concurrency + 4,
-    )
-    async with engine:
-        worker = engine.worker(
-            versions=args.versions.split(","),
-            concurrency=args.concurrency,
-            lease=timedelta(seconds=args.lease),
-            worker_id=f"{args.group}-{os.getpid()}",
-            poll_interval=timedelta(seconds=args.poll),
-            shutdown_grace=timedelta(seconds=1),
-        )
-        async with worker:
-            print(f"{READY} pid={os.getpid()} worker={worker.worker_id}", flush=True)
-            await stop.wait()
-    orphan_watch.cancel()
-    print("STOPPED", flush=True)
-
-
-async def exit_when_orphaned(parent: int) -> None:
-    """Die with the test process: a worker must not outlive a test run that was killed."""
-    while True:
-        await asyncio.sleep(0.5)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--schema", required=True)
-    parser.add_argument("--versions", required=True, help="comma-separated name@version pairs")
-    parser.add_argument("--lease", type=float, required=True, help="lease in seconds")
-    parser.add_argument("--business", required=True, help="business table name in the schema")
-    parser.add_argument("--group", default="default", help="worker group, recorded per step")
-    parser.add_argument("--workdir", required=True, help="where receipt files are written")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--poll", type=float, default=1.0, help="poll interval in seconds")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
-    )
-    asyncio.run(serve(args))
-
-
-if __name__ == "__main__":
-    main()
+TASKS: list[TaskDefinition[Any, Any]] = [t_io, t_io_v2, t_agent, t_order, t_cancel, t_pure]

@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.observability._capture import capturing, run_logger
+from tests.unit._capture import capturing, run_logger
 
 NAME = "umt.test.redaction.property"
 

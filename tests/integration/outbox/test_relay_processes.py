@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections import Counter
-from pathlib import Path
 
 import psycopg
 
-from tests.outbox._support import (
-    RelayProcess,
+from tests._procs.support import Spawner
+from tests.integration.outbox._support import (
+    calls,
     eventually,
     insert_items,
     runs_per_key,
+    start_relay,
     status_counts,
 )
 from umt_backend_pg import install_outbox
@@ -39,16 +40,16 @@ async def _all_dispatched(url: str, schema: str, total: int) -> bool:
 
 
 async def test_two_relay_processes_never_dispatch_a_row_twice(
-    layout: str, pg_url: str, pg_schema: str, relays: list[RelayProcess], tmp_path: Path
+    layout: str, pg_url: str, pg_schema: str, relays: Spawner
 ) -> None:
     async with await psycopg.AsyncConnection.connect(layout, autocommit=True) as conn:
         await install_outbox(conn, schema=pg_schema)
     expected_mode = "same" if layout == pg_url else "separate"
-    for name in ("r1", "r2"):
-        relays.append(
-            RelayProcess(tmp_path, name, *_args(layout, pg_url, pg_schema, "--batch", "50"))
-        )
-    for relay in relays:
+    started = [
+        start_relay(relays, name, *_args(layout, pg_url, pg_schema, "--batch", "50"))
+        for name in ("r1", "r2")
+    ]
+    for relay in started:
         ready = await relay.wait_for("READY")
         assert ready == f"READY {expected_mode}", relay.describe()
     # 10 transactions of 300 rows: each NOTIFY wakes both relays, which then compete
@@ -58,13 +59,13 @@ async def test_two_relay_processes_never_dispatch_a_row_twice(
         timeout=90,
         what=f"{ROWS} rows dispatched",
     )
-    for relay in relays:
-        relay.popen.send_signal(signal.SIGTERM)
-    done = [(await relay.wait_for("DONE")).split() for relay in relays]
+    for relay in started:
+        relay.signal(signal.SIGTERM)
+    done = [(await relay.wait_for("DONE")).split() for relay in started]
     created = [int(d[1]) for d in done]
     dispatched = [int(d[2]) for d in done]
 
-    routed = Counter(n for relay in relays for n in relay.calls())
+    routed = Counter(n for relay in started for n in calls(relay))
     twice = {n: c for n, c in routed.items() if c != 1}
     assert len(routed) == ROWS, f"{len(routed)} of {ROWS} rows routed"
     assert twice == {}, f"{len(twice)} rows routed more than once: {list(twice.items())[:10]}"
@@ -77,7 +78,7 @@ async def test_two_relay_processes_never_dispatch_a_row_twice(
 
 
 async def test_a_relay_killed_mid_batch_loses_and_doubles_nothing(
-    layout: str, pg_url: str, pg_schema: str, relays: list[RelayProcess], tmp_path: Path
+    layout: str, pg_url: str, pg_schema: str, relays: Spawner
 ) -> None:
     total = 400
     async with await psycopg.AsyncConnection.connect(layout, autocommit=True) as conn:
@@ -87,8 +88,7 @@ async def test_a_relay_killed_mid_batch_loses_and_doubles_nothing(
     # one row at a time (with two databases the relay may enqueue several rows at once)
     args = _args(layout, pg_url, pg_schema, "--batch", "100", "--concurrency", "1")
     # the victim blocks inside its 3rd batch, on the 250th row it routes
-    victim = RelayProcess(tmp_path, "victim", *args, "--pause-after", "250")
-    relays.append(victim)
+    victim = start_relay(relays, "victim", *args, "--pause-after", "250")
     await victim.wait_for("PAUSED")
     before = await status_counts(layout, pg_schema)
     runs_before = await runs_per_key(pg_url, pg_schema)
@@ -105,15 +105,14 @@ async def test_a_relay_killed_mid_batch_loses_and_doubles_nothing(
     after_kill = await status_counts(layout, pg_schema)
     assert after_kill == before, f"the killed batch changed rows: {after_kill}"
 
-    successor = RelayProcess(tmp_path, "successor", *args)
-    relays.append(successor)
+    successor = start_relay(relays, "successor", *args)
     await successor.wait_for("READY")
     await eventually(
         lambda: _all_dispatched(layout, pg_schema, total),
         timeout=60,
         what=f"{total} rows dispatched after the restart",
     )
-    successor.popen.send_signal(signal.SIGTERM)
+    successor.signal(signal.SIGTERM)
     created, dispatched = map(int, (await successor.wait_for("DONE")).split()[1:])
     assert dispatched == total - 200, f"the successor dispatched {dispatched}"
     # two databases: the 49 runs the victim enqueued are found under their keys, not redone
@@ -123,7 +122,7 @@ async def test_a_relay_killed_mid_batch_loses_and_doubles_nothing(
     assert set(per_key.values()) == {1}, f"keys with >1 run: {Counter(per_key.values())}"
     # rows are claimed in id order: the victim routed 0..249, the successor the 200 rows of
     # the batch that died with it and after, each once
-    assert sorted(victim.calls()) == list(range(250)), f"victim routed {len(victim.calls())}"
-    assert sorted(successor.calls()) == list(range(200, total)), (
-        f"successor routed {len(successor.calls())}"
+    assert sorted(calls(victim)) == list(range(250)), f"victim routed {len(calls(victim))}"
+    assert sorted(calls(successor)) == list(range(200, total)), (
+        f"successor routed {len(calls(successor))}"
     )

@@ -1,10 +1,12 @@
-"""A relay process for the outbox tests.
+"""A relay process for the outbox tests, started with `start_relay` (`_support.py` here).
 
-    python relay_proc.py --business-url URL --engine-url URL --schema S --name r1 --log FILE
-        [--mode auto|same_database|separate] [--batch N] [--pause-after K] [--concurrency C]
+    python -m tests.integration.outbox.relay_proc --business-url URL --engine-url URL
+        --schema S --name r1 --workdir DIR [--mode auto|same_database|separate] [--batch N]
+        [--pause-after K] [--concurrency C]
 
 Routes `item` events to `process_item` through a mapper that appends the payload's `n` to
-`--log` (one line per call, flushed), so the test can count how often each row was routed.
+`<workdir>/<name>.calls` (one line per call, flushed), so the test can count how often each row
+was routed.
 With `--pause-after K` the mapper prints `PAUSED` after its K-th call and blocks, mid-batch
 (mid-transaction), until the test SIGKILLs the process. Prints `READY <mode>` once the relay
 detected its mode, and `DONE <created> <dispatched>` after SIGTERM (a graceful stop).
@@ -14,22 +16,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
-import sys
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.outbox.tasks import process_item, registry
+from tests._procs.worker import exit_when_orphaned, say, stop_on_sigterm
+from tests.integration.outbox.tasks import process_item, registry
 from umt_backend_pg import OutboxRelay
 from umt_sdk import connect
 
 
 async def main(args: argparse.Namespace) -> None:
-    log = Path(args.log).open("a", buffering=1)  # noqa: ASYNC230, SIM115
+    calls_path = Path(args.workdir) / f"{args.name}.calls"
+    log = calls_path.open("a", buffering=1)
     calls = 0
 
     def mapper(payload: dict[str, Any]) -> dict[str, Any]:
@@ -37,7 +38,7 @@ async def main(args: argparse.Namespace) -> None:
         calls += 1
         log.write(f"{payload['n']}\n")
         if args.pause_after and calls == args.pause_after:
-            print("PAUSED", flush=True)
+            say("PAUSED")
             time.sleep(3600)  # blocks the loop mid-transaction until SIGKILL
         return {"n": payload["n"]}
 
@@ -54,14 +55,15 @@ async def main(args: argparse.Namespace) -> None:
         concurrency=args.concurrency,
         poll_interval=timedelta(seconds=0.5),
     )
+    orphan_watch = asyncio.create_task(exit_when_orphaned(os.getppid()))
     await relay.run_once()
-    print(f"READY {'same' if relay.same_database else 'separate'}", flush=True)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    say("READY", "same" if relay.same_database else "separate")
+    stop = stop_on_sigterm()
     async with relay:
         await stop.wait()
-    print(f"DONE {relay.totals.created} {relay.totals.dispatched}", flush=True)
+    say("DONE", relay.totals.created, relay.totals.dispatched)
     await engine.close()
+    orphan_watch.cancel()
 
 
 if __name__ == "__main__":
@@ -70,7 +72,7 @@ if __name__ == "__main__":
     parser.add_argument("--engine-url", required=True)
     parser.add_argument("--schema", required=True)
     parser.add_argument("--name", required=True)
-    parser.add_argument("--log", required=True)
+    parser.add_argument("--workdir", required=True)
     parser.add_argument("--mode", default="auto")
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--pause-after", type=int, default=0)

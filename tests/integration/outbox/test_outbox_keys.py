@@ -16,9 +16,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.outbox._support import eventually, q, rows, status_counts
-from tests.outbox.conftest import scratch_database
-from tests.outbox.tasks import process_item
+from tests._procs.support import fetch, q
+from tests.fixtures.pg import scratch_database
+from tests.integration.outbox._support import eventually, status_counts
+from tests.integration.outbox.tasks import process_item
 from umt_backend_pg import OutboxRelay, insert_outbox_event, install_outbox
 from umt_sdk import Engine
 from umt_sdk.exceptions import BackendError
@@ -39,7 +40,7 @@ async def _insert(url: str, schema: str, payload: dict[str, Any], table: str) ->
 
 
 async def _rows_of(url: str, schema: str, table: str) -> list[dict[str, Any]]:
-    return await rows(
+    return await fetch(
         url,
         sql.SQL("SELECT id, status, payload, last_error FROM {}.{} ORDER BY id").format(
             sql.Identifier(schema), sql.Identifier(table)
@@ -80,7 +81,7 @@ async def test_the_same_event_id_in_two_databases_and_two_tables_makes_two_runs(
     install_ids = {relay.install_id for relay in relays}
     assert None not in install_ids
     assert len(install_ids) == len(outboxes), "each outbox table has its own install id"
-    runs = await rows(
+    runs = await fetch(
         pg_url,
         q("SELECT idempotency_key AS key, input FROM {schema}.runs", pg_schema),
     )

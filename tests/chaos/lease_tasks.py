@@ -1,14 +1,13 @@
-"""A worker process for the lease and ledger chaos tests (`test_lease_*.py`).
+"""The tasks of the lease and ledger chaos tests (`test_lease_*.py`), their tables, and the
+test process's reads of those tables.
 
-    python lease_worker.py --url URL --schema S --versions lease.busy@1 --lease 1 \
-        --business lease_bookings --group a --workdir DIR --concurrency 4 --poll 0.2
-
-The command line is the one `tests.integration._support.Spawner` passes. The worker serves the
-tasks below until killed (SIGTERM stops it gracefully) and prints what the tests wait for, one
-line each, flushed: `READY ...`, then `<EVENT> <run key> <attempt token>` lines. Every body also
-appends a row to `<schema>.lease_log` (key, event, token, pid), so a test can count from the
-database how often, and under which attempt, each body really ran. Files in `--workdir` are the
-tests' switches (`touch` one to let a body go on).
+A worker process (`tests/_procs/worker.py`, started with the `lease_spawner` fixture of
+tests/chaos/conftest.py: a 0.2 s poll) serves them and prints what the tests wait for, one line
+each, flushed: `READY ...`, then `<EVENT> <run key> <attempt token>` lines
+(`Process.printed`, `Process.events`). Every body also appends a row to `<schema>.lease_log`
+(key, event, token, pid), so a test can count from the database how often, and under which
+attempt, each body really ran. Files in the worker's `--workdir` are the tests' switches
+(`touch` one to let a body go on).
 
 - `lease.busy`: one step held open for `hold` seconds, or until the file `done-<key>` exists
   when `hold` is 0, or until the run's abort signal fires (`ABORT_SEEN`, then it raises the
@@ -28,51 +27,29 @@ tests' switches (`touch` one to let a body go on).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import logging
 import os
 import signal
-import sys
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import attrs
 import psycopg
 from psycopg import sql
 
+from tests._procs.support import fetch, q
+from tests._procs.worker import config, say, until_file
 from umt_sdk import (
     AttemptInfo,
     FencingError,
-    Registry,
     TaskContext,
     TaskDefinition,
-    connect,
     task,
     with_attempt_token,
 )
 
-READY = "READY"
 LOG_TABLE = "lease_log"
+BUSINESS = "lease_bookings"
 KILLS_ITSELF_MAX_LOST_LEASES = 3
-
-
-@attrs.frozen
-class Config:
-    url: str
-    schema: str
-    business: str
-    workdir: Path
-
-
-_CONFIG: list[Config] = []
-
-
-def cfg() -> Config:
-    if not _CONFIG:
-        raise RuntimeError("these tasks run only inside lease_worker.py")
-    return _CONFIG[0]
 
 
 @attrs.frozen
@@ -108,36 +85,22 @@ def ddl(schema: str, business: str) -> sql.Composed:
     )
 
 
-def say(event: str, key: str, token: int) -> None:
-    print(f"{event} {key} {token}", flush=True)
-
-
 async def log(event: str, key: str, token: int) -> None:
-    async with await psycopg.AsyncConnection.connect(cfg().url, autocommit=True) as conn:
+    async with await psycopg.AsyncConnection.connect(config().url, autocommit=True) as conn:
         await conn.execute(
             sql.SQL("INSERT INTO {}.{} (key, event, token, pid) VALUES (%s, %s, %s, %s)").format(
-                sql.Identifier(cfg().schema), sql.Identifier(LOG_TABLE)
+                sql.Identifier(config().schema), sql.Identifier(LOG_TABLE)
             ),
             (key, event, token, os.getpid()),
         )
-
-
-async def until_file(name: str, *, limit: float = 60.0) -> bool:
-    """Wait for the switch file `name` in the workdir (at most `limit` seconds)."""
-    path = cfg().workdir / name
-    for _ in range(int(limit / 0.02)):
-        if path.exists():
-            return True
-        await asyncio.sleep(0.02)
-    return False
 
 
 async def heartbeat_named(run_id: Any, token: int, step_name: str) -> None:
     """Wait until a heartbeat has recorded that this execution is inside `step_name`."""
     query = sql.SQL(
         "SELECT current_step FROM {}.executions WHERE run_id = %s AND fencing_token = %s"
-    ).format(sql.Identifier(cfg().schema))
-    async with await psycopg.AsyncConnection.connect(cfg().url, autocommit=True) as conn:
+    ).format(sql.Identifier(config().schema))
+    async with await psycopg.AsyncConnection.connect(config().url, autocommit=True) as conn:
         for _ in range(1000):
             cur = await conn.execute(query, (run_id, token))
             row = await cur.fetchone()
@@ -186,7 +149,7 @@ async def fenced(ctx: TaskContext[Fenced]) -> str:
     async def commit(tx: Any, receipt: str) -> None:
         await tx.execute(
             sql.SQL("INSERT INTO {}.{} (key, token, pid) VALUES (%s, %s, %s)").format(
-                sql.Identifier(cfg().schema), sql.Identifier(cfg().business)
+                sql.Identifier(config().schema), sql.Identifier(config().business)
             ),
             (key, token, os.getpid()),
         )
@@ -199,7 +162,7 @@ async def fenced(ctx: TaskContext[Fenced]) -> str:
             await until_file(f"release-{key}")
 
     async def submit() -> str:
-        async with await psycopg.AsyncConnection.connect(cfg().url, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(config().url, autocommit=True) as conn:
             try:
                 receipt = await with_attempt_token(conn, f"book:{key}", act, commit=commit)
             except FencingError:
@@ -231,60 +194,17 @@ async def kills_itself(ctx: TaskContext[Doomed]) -> str:
     return value
 
 
-ALL_TASKS: list[TaskDefinition[Any, Any]] = [busy, fenced, kills_itself]
+TASKS: list[TaskDefinition[Any, Any]] = [busy, fenced, kills_itself]
 
 
-async def serve(args: argparse.Namespace) -> None:
-    _CONFIG.append(Config(args.url, args.schema, args.business, Path(args.workdir)))
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    orphan_watch = asyncio.create_task(exit_when_orphaned(os.getppid()))
-    engine = await connect(
-        args.url,
-        registry=Registry(ALL_TASKS),
-        schema=args.schema,
-        run_migrations=False,
-        max_size=args.concurrency + 4,
+async def log_rows(url: str, schema: str, key: str) -> list[dict[str, Any]]:
+    """The `lease_log` rows of `key`, in order."""
+    return await fetch(
+        url,
+        q("SELECT * FROM {schema}.{log} WHERE key = %s ORDER BY seq", schema, log=LOG_TABLE),
+        (key,),
     )
-    async with engine:
-        worker = engine.worker(
-            versions=args.versions.split(","),
-            concurrency=args.concurrency,
-            lease=timedelta(seconds=args.lease),
-            worker_id=f"{args.group}-{os.getpid()}",
-            poll_interval=timedelta(seconds=args.poll),
-            shutdown_grace=timedelta(seconds=1),
-        )
-        async with worker:
-            print(f"{READY} pid={os.getpid()} worker={worker.worker_id}", flush=True)
-            await stop.wait()
-    orphan_watch.cancel()
 
 
-async def exit_when_orphaned(parent: int) -> None:
-    """Die with the test process: a worker must not outlive a test run that was killed."""
-    while True:
-        await asyncio.sleep(0.5)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    for flag in ("--url", "--schema", "--versions", "--business", "--workdir"):
-        parser.add_argument(flag, required=True)
-    parser.add_argument("--lease", type=float, required=True)
-    parser.add_argument("--group", default="default")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--poll", type=float, default=1.0)
-    args = parser.parse_args()
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
-    )
-    asyncio.run(serve(args))
-
-
-if __name__ == "__main__":
-    main()
+async def bookings(url: str, schema: str) -> list[dict[str, Any]]:
+    return await fetch(url, q("SELECT * FROM {schema}.{b} ORDER BY key", schema, b=BUSINESS))

@@ -1,201 +1,23 @@
-"""Helpers of the integration tests: worker subprocesses and reads of the database."""
+"""What the integration tests check after their worker processes (`tests/integration/tasks.py`)
+were killed, frozen and restarted: every run exactly once, by the database and the files."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import attrs
-import psycopg
-from psycopg import sql
-from psycopg.rows import dict_row
 
-from tests.integration.worker_proc import (
-    EXT_TABLE,
-    PURE_STEPS,
-    READY,
-    business_table_ddl,
-    ext_table_ddl,
-)
+from tests._procs.support import fetch, q
+from tests.integration.tasks import EXT_TABLE, PURE_STEPS
 
-WORKER_PROGRAM = Path(__file__).with_name("worker_proc.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 T_IO_STEPS = ("s1", "s2", "side", "s3")
-
-
-class WorkerProcess:
-    """One `worker_proc.py` process; its stdout and stderr go to files in the test's tmp dir."""
-
-    def __init__(
-        self, args: list[str], logs: Path, name: str, *, program: Path = WORKER_PROGRAM
-    ) -> None:
-        self.name = name
-        self.out_path = logs / f"{name}.out"
-        self.err_path = logs / f"{name}.err"
-        self._out: IO[bytes] = self.out_path.open("wb")
-        self._err: IO[bytes] = self.err_path.open("wb")
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
-        self.popen = subprocess.Popen(
-            [sys.executable, str(program), *args],
-            stdout=self._out,
-            stderr=self._err,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO_ROOT,
-            env=env,
-        )
-        self.pid = self.popen.pid
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def errors(self) -> str:
-        return self.err_path.read_text(errors="replace")
-
-    def describe(self) -> str:
-        return (
-            f"worker {self.name} (pid {self.pid}, exit {self.popen.poll()})\n"
-            f"--- stdout ---\n{self.output()[-3000:]}\n--- stderr ---\n{self.errors()[-6000:]}"
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    async def wait_ready(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while READY not in self.output():
-            if not self.alive:
-                raise AssertionError(f"worker exited before it was ready\n{self.describe()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"worker not ready after {timeout} s\n{self.describe()}")
-            await asyncio.sleep(0.02)
-
-    def signal(self, signum: int) -> None:
-        self.popen.send_signal(signum)
-
-    def kill(self) -> None:
-        """SIGKILL and reap."""
-        if self.alive:
-            self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(timeout=10)
-
-    def close(self) -> None:
-        """Kill whatever is left (a stopped process too) and close the log files."""
-        try:
-            self.kill()
-        finally:
-            self._out.close()
-            self._err.close()
-
-
-@attrs.define
-class Spawner:
-    """Starts worker processes for one test and kills every one of them at teardown."""
-
-    url: str
-    schema: str
-    logs: Path
-    workdir: Path
-    business: str = "receipts"
-    started: list[WorkerProcess] = attrs.field(factory=list)
-
-    def start(
-        self,
-        *,
-        versions: str,
-        lease: float = 1.0,
-        group: str = "default",
-        concurrency: int = 4,
-        poll: float = 1.0,
-        url: str | None = None,
-        program: Path = WORKER_PROGRAM,
-    ) -> WorkerProcess:
-        name = f"{group}-{len(self.started)}"
-        args = [
-            "--url",
-            url or self.url,
-            "--schema",
-            self.schema,
-            "--versions",
-            versions,
-            "--lease",
-            str(lease),
-            "--business",
-            self.business,
-            "--group",
-            group,
-            "--workdir",
-            str(self.workdir),
-            "--concurrency",
-            str(concurrency),
-            "--poll",
-            str(poll),
-        ]
-        proc = WorkerProcess(args, self.logs, name, program=program)
-        self.started.append(proc)
-        return proc
-
-    def close(self) -> None:
-        errors = []
-        for proc in self.started:
-            try:
-                proc.close()
-            except Exception as exc:  # keep killing the others
-                errors.append(f"{proc.name}: {exc!r}")
-        if errors:
-            raise RuntimeError(f"could not stop worker processes: {errors}")
-
-
-async def create_tables(url: str, schema: str, business: str = "receipts") -> None:
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        await conn.execute(ext_table_ddl(schema))
-        await conn.execute(business_table_ddl(schema, business))
-
-
-async def fetch(url: str, query: sql.Composable | str, params: Any = None) -> list[dict[str, Any]]:
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(query, params)
-        return await cur.fetchall()
-
-
-def q(text: str, schema: str, **tables: str) -> sql.Composed:
-    """`text` with `{schema}` and other `{name}` placeholders filled with identifiers."""
-    return sql.SQL(text).format(
-        schema=sql.Identifier(schema), **{k: sql.Identifier(v) for k, v in tables.items()}
-    )
 
 
 async def ext_rows(url: str, schema: str) -> list[dict[str, Any]]:
     return await fetch(url, q("SELECT * FROM {schema}.{ext} ORDER BY seq", schema, ext=EXT_TABLE))
-
-
-async def eventually(
-    check: Callable[[], Awaitable[Any]],
-    *,
-    timeout: float,
-    what: str,
-    interval: float = 0.02,
-    on_timeout: Callable[[], str] | None = None,
-) -> Any:
-    """Poll `check()` until it returns something truthy; return that."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = f"\n{on_timeout()}" if on_timeout is not None else ""
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}{extra}")
-        await asyncio.sleep(interval)
 
 
 @attrs.frozen

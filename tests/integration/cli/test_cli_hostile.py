@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_cli import REGISTRY, REPO, Umt, one_error_line, umt_command
+from tests.integration.cli.test_cli import REGISTRY, REPO, Umt, one_error_line, umt_command
 from umt_sdk.cli import _app as _cli
 from umt_sdk.cli import redact_url
 

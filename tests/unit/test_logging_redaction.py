@@ -10,7 +10,7 @@ from typing import Any, cast
 import attrs
 import pytest
 
-from tests.observability._capture import StrictCapture, capturing, run_logger
+from tests.unit._capture import StrictCapture, capturing, run_logger
 from umt_sdk import Registry, TaskContext, connect, task
 from umt_sdk._logging import REDACTED, redact, redact_text
 from umt_sdk.testing import FakeClock

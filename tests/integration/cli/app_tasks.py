@@ -1,4 +1,4 @@
-"""A tiny task module for the CLI tests: `umt worker tests.cli.app_tasks:registry`."""
+"""A tiny task module for the CLI tests: `umt worker tests.integration.cli.app_tasks:registry`."""
 
 from __future__ import annotations
 

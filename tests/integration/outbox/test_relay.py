@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from psycopg_pool import AsyncConnectionPool
 
-from tests.outbox._support import eventually, q, rows, runs_per_key, status_counts
-from tests.outbox.tasks import Order, process_item, registry, ship_order
+from tests._procs.support import fetch, q
+from tests.integration.outbox._support import eventually, runs_per_key, status_counts
+from tests.integration.outbox.tasks import Order, process_item, registry, ship_order
 from umt_backend_pg import OutboxRelay, insert_outbox_event, install_outbox, outbox_ddl
 from umt_sdk import Engine, connect
 from umt_sdk.exceptions import TaskDefinitionError
@@ -31,7 +32,7 @@ async def _insert(url: str, schema: str, type_: str, payload: dict[str, Any], **
 
 
 async def _event(url: str, schema: str, event_id: int) -> dict[str, Any]:
-    found = await rows(
+    found = await fetch(
         url,
         q(
             "SELECT *, next_attempt_at - now() AS due_in FROM {schema}.outbox_event WHERE id = %s",
@@ -74,7 +75,7 @@ async def test_routes_keys_and_inputs_in_both_layouts(
         assert row["status"] == "dispatched", row
         assert row["published_at"] is not None, row
         assert row["attempts"] == 0, row
-    runs = await rows(
+    runs = await fetch(
         pg_url,
         q("SELECT idempotency_key AS k, task_name, input FROM {schema}.runs ORDER BY 1", pg_schema),
     )
@@ -387,7 +388,7 @@ async def test_an_unreachable_engine_charges_no_attempt(
     report = await relay.run_once()
     assert report.engine_unavailable, report
     assert (report.dispatched, report.retried, report.dead) == (0, 0, 0), report
-    pending = await rows(
+    pending = await fetch(
         second_db,
         q("SELECT attempts FROM {schema}.outbox_event WHERE status = 'pending'", pg_schema),
     )

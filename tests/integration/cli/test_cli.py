@@ -24,12 +24,12 @@ import pytest
 from click.testing import CliRunner, Result
 from psycopg import sql
 
-from tests.cli import app_tasks
+from tests.integration.cli import app_tasks
 from umt_sdk import RunStatus, connect
 from umt_sdk.cli import cli, parse_duration
 
-REPO = Path(__file__).resolve().parents[2]
-REGISTRY = "tests.cli.app_tasks:registry"
+REPO = Path(__file__).resolve().parents[3]
+REGISTRY = "tests.integration.cli.app_tasks:registry"
 SCRIPT = Path(sys.executable).parent / "umt"
 
 
@@ -131,7 +131,8 @@ def work_until(umt: Umt, run_id: str, statuses: set[RunStatus], timeout: float =
 
 @contextlib.contextmanager
 def worker_process(umt: Umt, *args: str) -> Iterator[subprocess.Popen[str]]:
-    """`umt worker tests.cli.app_tasks:registry ARGS` as a real process in the repo root."""
+    """`umt worker tests.integration.cli.app_tasks:registry ARGS` as a real process in the repo
+    root."""
     proc = subprocess.Popen(
         [*umt_command(), "worker", REGISTRY, *args],
         cwd=REPO,
@@ -286,10 +287,14 @@ def test_enqueue_of_an_unknown_task_lists_the_known_ones(umt: Umt) -> None:
 @pytest.mark.parametrize(
     ("ref", "message", "code"),
     [
-        ("tests.cli.app_tasks", "expected the registry as module:attribute", 2),
-        ("tests.cli.no_such_module:registry", "cannot import 'tests.cli.no_such_module'", 1),
-        ("tests.cli.app_tasks:nope", "has no attribute 'nope'", 1),
-        ("tests.cli.app_tasks:not_a_registry", "is a list, not a umt Registry", 1),
+        ("tests.integration.cli.app_tasks", "expected the registry as module:attribute", 2),
+        (
+            "tests.integration.cli.no_such_module:registry",
+            "cannot import 'tests.integration.cli.no_such_module'",
+            1,
+        ),
+        ("tests.integration.cli.app_tasks:nope", "has no attribute 'nope'", 1),
+        ("tests.integration.cli.app_tasks:not_a_registry", "is a list, not a umt Registry", 1),
     ],
 )
 def test_a_bad_registry_reference_is_explained(umt: Umt, ref: str, message: str, code: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli.test_cli import Umt
+from tests.integration.cli.test_cli import Umt
 
 
 @pytest.fixture
