@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = ["Histogram"]
 
@@ -86,14 +87,14 @@ class Histogram:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> Histogram:
+    def from_json(cls, data: Mapping[str, Any]) -> Histogram:
         h = cls()
         buckets = data.get("b") or {}
         assert isinstance(buckets, Mapping)
         h.buckets = {int(i): int(n) for i, n in buckets.items()}
-        h.count = int(data.get("n") or 0)  # type: ignore[call-overload]
-        h.total_ms = float(data.get("sum") or 0.0)  # type: ignore[arg-type]
-        h.max_ms = float(data.get("max") or 0.0)  # type: ignore[arg-type]
+        h.count = int(data.get("n") or 0)
+        h.total_ms = float(data.get("sum") or 0.0)
+        h.max_ms = float(data.get("max") or 0.0)
         return h
 
     @classmethod

@@ -148,6 +148,34 @@ class Steps:
         await self._host.guard(self._host.backend.record_step(self._host.lease, record))
         self.history.remember(record)
 
+    async def _fact_arrived(
+        self,
+        full: str,
+        name: str,
+        started: datetime,
+        now: datetime,
+        payload_json: str,
+        source: str,
+        payload_type: Any,
+    ) -> Any:
+        """Record the fact a wait received (from a signal or its `check()`) and return it as a
+        replay will see it."""
+        output = _fact_envelope(payload_json, source)
+        await self._record(
+            self._step_record(
+                full,
+                "fact",
+                status="completed",
+                started_at=started,
+                finished_at=now,
+                output_json=output,
+            )
+        )
+        self._telemetry.event(
+            "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": source}
+        )
+        return _fact_outcome(full, name, output, payload_type)
+
     def _step_record(self, name: str, kind: StepKind, **fields: Any) -> StepRecord:
         return StepRecord(
             name=name, kind=kind, fencing_token=self._host.lease.fencing_token, **fields
@@ -404,42 +432,18 @@ class Steps:
                         value = await value
                 if value is not None:
                     text = _serde.encode(value, payload_type, what=f"fact {name!r} from check()")
-                    output = '{"fact":' + text + ',"source":"check"}'
-                    await self._record(
-                        self._step_record(
-                            full,
-                            "fact",
-                            status="completed",
-                            started_at=started,
-                            finished_at=now,
-                            output_json=output,
-                        )
+                    return await self._fact_arrived(
+                        full, name, started, now, text, "check", payload_type
                     )
-                    self._telemetry.event(
-                        "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "check"}
-                    )
-                    return _fact_outcome(full, name, output, payload_type)  # as a replay sees it
             fact = _visible_fact(
                 await self._host.guard(
                     self._host.backend.get_facts(run_id=self._host.claimed.run_id, name=name)
                 )
             )
             if fact is not None:
-                output = '{"fact":' + fact.payload_json + ',"source":"signal"}'
-                await self._record(
-                    self._step_record(
-                        full,
-                        "fact",
-                        status="completed",
-                        started_at=started,
-                        finished_at=now,
-                        output_json=output,
-                    )
+                return await self._fact_arrived(
+                    full, name, started, now, fact.payload_json, "signal", payload_type
                 )
-                self._telemetry.event(
-                    "umt.fact.received", **{"umt.fact.name": name, "umt.fact.source": "signal"}
-                )
-                return _fact_outcome(full, name, output, payload_type)
             if deadline is not None and now >= deadline:
                 await self._record(
                     self._step_record(
@@ -495,6 +499,12 @@ def _visible_fact(facts: Sequence[Fact]) -> Fact | None:
         if fact.run_id is not None:
             return fact
     return facts[0] if facts else None
+
+
+def _fact_envelope(payload_json: str, source: str) -> str:
+    """The stored output of a fact wait that received one: the payload verbatim, and where it
+    came from (`signal` or `check`). Parsed only by `_fact_outcome`."""
+    return '{"fact":' + payload_json + ',"source":"' + source + '"}'
 
 
 def _fact_outcome(

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, TypeVar, cast
 from uuid import UUID
 
 import attrs
@@ -245,7 +245,7 @@ async def eventually(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return cast(T, value)  # what check() gave, awaited if it was awaitable
         if time.monotonic() > deadline:
             extra = f"\n{on_timeout()}" if on_timeout is not None else ""
             raise AssertionError(f"timed out after {timeout} s waiting for {what}{extra}")
