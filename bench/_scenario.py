@@ -30,6 +30,7 @@ import json
 import math
 import os
 import queue
+import re
 import sys
 import tempfile
 import threading
@@ -52,7 +53,7 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "active-readers": ("warmup", "clean", "active-readers", "recovery"),
     "high-load": ("warmup", "clean", "high-load", "recovery"),
 }
-HOT_TABLES = ("runs", "steps", "executions")
+HOT_TABLES = ("runs", "steps", "executions", "ready_0", "ready_1", "ready_2")
 
 
 def _log(message: str) -> None:
@@ -292,6 +293,11 @@ class Monitor:
                 "idx_tup_fetch": r[3],
                 "bytes": r[4],
             }
+        db = c.execute(
+            f"SELECT blks_hit + blks_read AS {MONITOR_TAG}, xact_commit + xact_rollback "
+            "FROM pg_stat_database WHERE datname = %s",
+            (self.dbname,),
+        ).fetchone()
         waits: dict[str, int] = {}
         xmin_age = None
         for r in c.execute(
@@ -316,6 +322,8 @@ class Monitor:
             "indexes": indexes,
             "waits": waits,
             "xmin_age": xmin_age,
+            "buffers": int(db[0]) if db else None,
+            "transactions": int(db[1]) if db else None,
             "monitor_ms": (time.perf_counter() - t0) * 1000,
         }
 
@@ -330,7 +338,7 @@ def _explain_claim(dsn: str, limit: int, lease_s: float) -> str:
     """EXPLAIN (ANALYZE, BUFFERS) of the worker's claim, rolled back (claims nothing).
 
     A claim whose timers branch is optional (`%(timers)s`) is explained both ways."""
-    from datetime import timedelta
+    from datetime import UTC, datetime, timedelta
 
     from umt_backend_pg._sql import queries, render
 
@@ -348,7 +356,10 @@ def _explain_claim(dsn: str, limit: int, lease_s: float) -> str:
     for timers in variants:
         if timers is not None:
             params["timers"] = timers
-            out.append(f"-- with timers = {timers}")
+            # A windowed timers read: from 6 s ago (umt_backend_pg._ready), as most reads are.
+            params["timers_after"] = datetime.now(UTC) - timedelta(seconds=6)
+            params["timers_margin"] = timedelta(seconds=5)
+            out.append(f"-- with timers = {timers} (from 6 s ago)")
         with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as conn:
             try:
                 cur = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + query, params)
@@ -652,6 +663,12 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
             )[:10]
         )
         p["explain_claim"] = explains.get(p["phase"])
+        p["work"] = _phase_work(
+            [s for w in windows if w.phase == p["phase"] for s in w.samples],
+            done,
+            last["index_tuples_read_per_scan"],
+            p["explain_claim"],
+        )
     cfg_out = asdict(cfg)
     result: dict[str, Any] = {
         "scenario": cfg.name,
@@ -689,6 +706,50 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
     if not cfg.keep_db:
         server.drop_db(dbname)
     return result
+
+
+def _claim_buffers(explain: str | None) -> list[int]:
+    """Shared buffers (hit + read) of each claim in an EXPLAIN (BUFFERS) text: its top plan
+    node's, one figure per variant (without the timers first, then with them)."""
+    found = []
+    for chunk in re.split(r"^-- with timers = .*$", explain or "", flags=re.M):
+        for line in chunk.splitlines():
+            m = re.search(r"Buffers: shared((?: \w+=\d+)+)", line)
+            if m:
+                counts = dict(kv.split("=") for kv in m.group(1).split())
+                found.append(int(counts.get("hit", 0)) + int(counts.get("read", 0)))
+                break
+    return found
+
+
+def _phase_work(
+    samples: list[dict[str, Any]],
+    completed: int,
+    reads_at_end: dict[str, float],
+    explain: str | None,
+) -> dict[str, Any]:
+    """Work a phase did, in counts the machine's load cannot move: shared buffers touched and
+    transactions per completed run (the whole database, the monitor's own reads included),
+    the share of `runs` updates that were HOT, index entries read per scan of every index in
+    the phase's last window, and the shared buffers of one claim (its EXPLAIN)."""
+    out: dict[str, Any] = {
+        "buffers_per_run": None,
+        "transactions_per_run": None,
+        "runs_hot_update_share": None,
+        "index_tuples_read_per_scan_at_end": reads_at_end,
+        "claim_shared_buffers": _claim_buffers(explain),  # [without timers, with timers]
+    }
+    if len(samples) < 2:
+        return out
+    a, b = samples[0], samples[-1]
+    if completed and a.get("buffers") is not None and b.get("buffers") is not None:
+        out["buffers_per_run"] = (b["buffers"] - a["buffers"]) / completed
+        out["transactions_per_run"] = (b["transactions"] - a["transactions"]) / completed
+    ra = (a.get("tables") or {}).get("runs") or {}
+    rb = (b.get("tables") or {}).get("runs") or {}
+    if rb and ra and rb["upd"] > ra["upd"]:
+        out["runs_hot_update_share"] = (rb["hot_upd"] - ra["hot_upd"]) / (rb["upd"] - ra["upd"])
+    return out
 
 
 def _sum_waits(items: Any) -> dict[str, int]:
@@ -780,6 +841,29 @@ def table(result: dict[str, Any]) -> str:
             f"{_mb(t.get('steps', {}).get('total_bytes')):>9}"
             f"{_mb(t.get('executions', {}).get('total_bytes')):>9}"
         )
+    lines += [
+        "",
+        "work per phase (counts, not times):",
+        f"{'phase':<15}{'buffers/run':>12}{'xacts/run':>10}{'runs HOT':>9}{'claim bufs':>11}"
+        "  index entries read per scan (last window)",
+    ]
+    for p in result["phases"]:
+        w = p.get("work") or {}
+        reads = w.get("index_tuples_read_per_scan_at_end") or {}
+        # The ready partitions' claim indexes are named by Postgres (ready_N_task_name_...).
+        shown = ", ".join(
+            f"{k.split('_task_name')[0]} {v:.0f}"
+            for k, v in sorted(reads.items())
+            if "claim" in k or (k.startswith("ready_") and "task_name" in k)
+        )
+        hot = w.get("runs_hot_update_share")
+        lines.append(
+            f"{p['phase']:<15}{_fmt(w.get('buffers_per_run')):>12}"
+            f"{_fmt(w.get('transactions_per_run')):>10}"
+            f"{'-' if hot is None else f'{hot:.0%}':>9}"
+            f"{'/'.join(str(b) for b in w.get('claim_shared_buffers') or []) or '-':>11}"
+            f"  {shown}"
+        )
     runs = result["runs"]
     lines += [
         "",
@@ -791,20 +875,26 @@ def table(result: dict[str, Any]) -> str:
         "per window:",
         f"{'phase':<15}{'t s':>7}{'enq/s':>8}{'done/s':>8}{'p50 ms':>10}{'p95 ms':>10}"
         f"{'p99 ms':>10}{'depth':>8}{'dead runs':>10}{'dead steps':>11}{'runs MB':>9}"
-        f"{'ready idx/scan':>15}{'xmin age':>9}  top wait",
+        f"{'ready idx/scan':>15}{'queue idx/scan':>15}{'xmin age':>9}  top wait",
     ]
     for r in result["windows"]:
         t = r["tables"] or {}
         pk = r["pickup"]
         waits = [(k, v) for k, v in r["waits"].items() if "ClientRead" not in k]
         top = f"{waits[0][0]} ({waits[0][1] / max(r['wait_samples'], 1):.1f})" if waits else "-"
-        reads = r["index_tuples_read_per_scan"].get("runs_claim_ready")
+        per_scan = r["index_tuples_read_per_scan"]
+        reads = per_scan.get("runs_claim_ready")
+        # The claim index of the `ready` partitions (named by Postgres: ready_N_task_name_...).
+        queue = max(
+            (v for k, v in per_scan.items() if k.startswith("ready_") and "task_name" in k),
+            default=None,
+        )
         lines.append(
             f"{r['phase']:<15}{r['t_s']:>7.0f}{r['enqueue_per_s']:>8.0f}"
             f"{r['completion_per_s']:>8.0f}{_fmt(pk['p50_ms']):>10}{_fmt(pk['p95_ms']):>10}"
             f"{_fmt(pk['p99_ms']):>10}{r['queue_depth'] or 0:>8}"
             f"{t.get('runs', {}).get('dead', '-'):>10}{t.get('steps', {}).get('dead', '-'):>11}"
-            f"{_mb(t.get('runs', {}).get('total_bytes')):>9}{_fmt(reads):>15}"
+            f"{_mb(t.get('runs', {}).get('total_bytes')):>9}{_fmt(reads):>15}{_fmt(queue):>15}"
             f"{r['oldest_xmin_age'] or 0:>9}  {top}"
         )
     return "\n".join(lines) + "\n"

@@ -1,8 +1,8 @@
 """The Postgres backend: the SPI over psycopg 3 with a pool, LISTEN/NOTIFY and named SQL.
 
 Round trips (each one statement and one commit unless noted):
-- enqueue: 1 (the insert and its NOTIFY in one statement; +1 on an idempotency hit, to read
-  the existing run);
+- enqueue: 1 (the insert, its `ready` row when it is claimable at once, and its NOTIFY in one
+  statement; +1 on an idempotency hit, to read the existing run);
 - claim: 1 for up to N runs, including their step records for replay (their outputs as the
   stored text), committed without waiting for the WAL flush: a claim lost in a server crash is
   caught by fencing, and the token epochs never hand its token out again;
@@ -10,17 +10,24 @@ Round trips (each one statement and one commit unless noted):
 - the ending (`end_execution`: complete, fail, retry, cancel, release, park on a sleep or a
   step's backoff): 1; park on a fact: 1 (lock + ending, pipelined in a transaction);
 - signal: 1 (lock + insert + wake-up + NOTIFY, pipelined in a transaction);
-- heartbeat: 1 per worker per interval, for every run it holds (also without the flush wait).
-A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete.
+- heartbeat: 1 per worker per interval, for every run it holds (also without the flush wait);
+- ready-queue rotation: 1 per worker about every half second, offered before a claim (a no-op
+  unless the slot behind is due; see `_ready`); the sweep of lost `ready` rows: 1 per worker
+  every 30 s.
+A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete. The
+claim reads the ready queue always, and the timers (due sleeps, backoffs, expired leases)
+about once a second, so a due timer starts within about a second of its time.
 
 Rooms the backend owns: `_wakeups` (the LISTEN loop and its wake-ups), `_checkpoints` (group
-commit of step records), `_ledger` (the operation ledger and the same-database probe); `_rows`
-turns rows into records.
+commit of step records), `_ledger` (the operation ledger and the same-database probe), `_ready`
+(when the claim reads timers, rotates and sweeps the ready queue); `_rows` turns rows into
+records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -35,6 +42,13 @@ from umt_backend_pg._checkpoints import Checkpoints
 from umt_backend_pg._errors import fenced, wrap_exceptions
 from umt_backend_pg._ledger import EngineDatabase, PostgresLedger
 from umt_backend_pg._migrate import migrate
+from umt_backend_pg._ready import (
+    MAX_MOVED,
+    SWEEP_GRACE,
+    SWEEP_PAGE,
+    TIMERS_MARGIN,
+    ClaimClocks,
+)
 from umt_backend_pg._rows import _error_json, _record, _step
 from umt_backend_pg._sql import queries, render, validate_schema
 from umt_backend_pg._wakeups import Wakeups
@@ -87,6 +101,7 @@ class PostgresBackend:
             listen=listen,
         )
         self._checkpoints = Checkpoints(self._all)
+        self._clocks = ClaimClocks()
         self._database = EngineDatabase(pool, schema=schema, queries=self._q)
 
     @classmethod
@@ -211,6 +226,13 @@ class PostgresBackend:
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
     ) -> Sequence[ClaimedRun]:
         self._wakeups.claiming(pairs)
+        if self._clocks.rotation_due():
+            await self._rotate_ready()
+        if self._clocks.sweep_due():
+            await self._sweep_ready()
+        key = frozenset(pairs)
+        timers = self._clocks.timers(key)
+        started = time.monotonic()
         rows = await self._all_async_commit(
             "claim_runs",
             {
@@ -222,10 +244,23 @@ class PostgresBackend:
                 "scan": limit + max(limit, 16),
                 "worker_id": worker_id,
                 "lease": lease,
+                "timers": timers.read,
+                "timers_after": timers.after,
+                "timers_margin": TIMERS_MARGIN,
             },
         )
+        if timers.read and rows:
+            self._clocks.timers_read(
+                key,
+                timers,
+                started=started,
+                timers_from=rows[0]["timers_from"],
+                left=rows[0]["timers_left"],
+            )
         claimed = []
         for row in rows:
+            if row["id"] is None:  # only the timers' row: nothing was claimed
+                continue
             # json_agg hands back steps as JSON: outputs as their stored text (untouched),
             # timestamps as text.
             steps = tuple(_step(s, s["output"]) for s in (row["steps"] or ()))
@@ -248,6 +283,41 @@ class PostgresBackend:
                 )
             )
         return claimed
+
+    async def _rotate_ready(self) -> None:
+        """Offer to truncate the next `ready` slot (see migrations/0003_ready_queue.sql)."""
+        outcome = "failed"
+        try:
+            with wrap_exceptions():
+                try:
+                    async with self._pool.connection() as conn:
+                        cur = await conn.execute(self._q["rotate_ready"], {"max_moved": MAX_MOVED})
+                        row = await cur.fetchone()
+                        outcome = row[0] if row else "failed"
+                except psycopg.errors.InsufficientPrivilege as exc:
+                    self._clocks.disable_rotation(str(exc).strip())
+        finally:
+            self._clocks.rotated(outcome)
+
+    async def _sweep_ready(self) -> None:
+        """Give queued runs whose `ready` row is gone back to the claim (see sweep_ready)."""
+        after = self._clocks.swept_to
+        try:
+            row = await self._one(
+                "sweep_ready",
+                {
+                    "grace": SWEEP_GRACE,
+                    "page": SWEEP_PAGE,
+                    "after_at": after[0] if after else None,
+                    "after_id": after[1] if after else None,
+                },
+            )
+        except BaseException:
+            self._clocks.sweep_failed()
+            raise
+        assert row is not None  # one row, always
+        last = (row["last_at"], row["last_id"]) if row["last_id"] is not None else None
+        self._clocks.swept(scanned=row["scanned"], requeued=row["requeued"], last=last)
 
     async def heartbeat(
         self, *, worker_id: str, beats: Sequence[Beat], lease: timedelta

@@ -1,21 +1,32 @@
 -- Named queries of the Postgres backend. Each block starts with `-- name: <query name>`.
 -- `{schema}` is replaced by the quoted engine schema; parameters are psycopg placeholders.
+--
+-- Lookups of one run by id read `runs` by id (and token) alone, in a MATERIALIZED CTE, and test
+-- the status afterwards: a `status = ...` next to `id = ...` lets the planner's generic plan
+-- pick a partial index whose predicate that status implies (runs_claim_timers for 'running'),
+-- and under a held snapshot that index holds every dead running version since it began, so
+-- one ending read tens of thousands of entries (tests/integration/test_query_plans.py).
 
 -- name: insert_run
 -- One statement: the run, and (only if it was inserted) the NOTIFY that wakes idle workers.
 -- Postgres delivers it at commit and folds identical notifications of one transaction.
+-- A run claimable at once (no delay) is also queued in `ready`, in the same statement.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
-        input_hash, trace_context, input
+        input_hash, trace_context, input, queued
     )
     VALUES (
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
         now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
-        %(input)s::jsonb
+        %(input)s::jsonb, %(delay)s::interval <= interval '0'
     )
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id
+    RETURNING id, task_name, task_version, priority, available_at, queued
+), queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
+    FROM inserted i WHERE i.queued
 )
 SELECT i.id, pg_notify(%(channel)s, %(pair)s) FROM inserted i;
 
@@ -35,43 +46,67 @@ SELECT 1;
 SET LOCAL synchronous_commit TO off;
 
 -- name: claim_runs
--- Up to %(limit)s runs of the worker's pairs: per pair, ready runs by priority then FIFO, plus
--- runs whose timer came; pairs take turns (fair slots); each claimed run gets a new token.
+-- Up to %(limit)s runs of the worker's pairs: per pair, runs in `ready` and pending runs not in
+-- it (delayed runs, retries, releases) by priority then FIFO, plus, when %(timers)s, runs whose
+-- timer came (a sleep's end, a wait's timeout, an expired lease) at or after %(timers_after)s
+-- (NULL: ever); pairs take turns (fair slots); each claimed run gets a new token and leaves
+-- `ready`.
 -- A run whose cancel was requested is handed out like any other, with its reason: the worker
 -- ends it canceled without running the handler (the SDK decides what a cancel means).
 -- A takeover of an expired lease reports the run's lost leases (the worker applies the limit).
--- Each pair offers up to %(scan)s (> %(limit)s) candidates, so rows that a concurrent claim
--- locked or took meanwhile (skipped below) do not leave the batch short.
+-- Each source offers up to %(scan)s (> %(limit)s) candidates, so rows that a concurrent claim
+-- locked or took meanwhile (skipped below) do not leave the batch short. A `ready` row is only a
+-- candidate: the run row is locked and its status rechecked.
+-- When the timers were read, one row comes back even if nothing was claimed (its id NULL), with
+-- `timers_from`: where the next read must start so that no due timer is passed over (the
+-- earliest timer offered and not claimed, locked by another claim or beyond %(limit)s; the last
+-- one offered of a pair whose timers filled %(scan)s; at most %(timers_margin)s before now, for
+-- a writer that commits late), and `timers_left`: some are due still (read again at once).
 WITH pairs AS (
     SELECT p.name, p.version
     FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
 ), candidates AS (
-    SELECT c.id, c.priority, c.available_at,
+    SELECT c.id, c.priority, c.available_at, c.timer, p.name AS pair_name,
+           p.version AS pair_version,
            row_number() OVER (
                PARTITION BY p.name, p.version ORDER BY c.priority DESC, c.available_at
            ) AS turn
     FROM pairs p
     CROSS JOIN LATERAL (
-        (SELECT r.id, r.priority, r.available_at
+        (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer
+         FROM {schema}.ready q
+         WHERE q.task_name = p.name AND q.task_version = p.version
+         ORDER BY q.priority DESC, q.available_at
+         LIMIT %(scan)s)
+        UNION ALL
+        (SELECT r.id, r.priority, r.available_at, false AS timer
          FROM {schema}.runs r
          WHERE r.task_name = p.name AND r.task_version = p.version
-           AND r.status = 'pending' AND r.available_at <= now()
+           AND r.status = 'pending' AND NOT r.queued AND r.available_at <= now()
          ORDER BY r.priority DESC, r.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT r.id, r.priority, r.available_at
+        (SELECT r.id, r.priority, r.available_at, true AS timer
          FROM {schema}.runs r
-         WHERE r.task_name = p.name AND r.task_version = p.version
-           AND r.status IN ('waiting', 'running') AND r.available_at <= now()
+         WHERE %(timers)s::boolean
+           AND r.task_name = p.name AND r.task_version = p.version
+           AND r.status IN ('waiting', 'running')
+           AND r.available_at >= COALESCE(%(timers_after)s::timestamptz, '-infinity')
+           AND r.available_at <= now()
            AND (r.status = 'waiting' OR r.lease_expires_at <= now())
          ORDER BY r.available_at
          LIMIT %(scan)s)
     ) AS c
+), distinct_candidates AS (
+    -- A woken waiting run is in `ready` and among the timers: offer it once.
+    SELECT DISTINCT ON (c.id) c.id, c.priority, c.available_at, c.turn
+    FROM candidates c
+    ORDER BY c.id, c.turn
 ), locked AS (
     SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token,
            CASE WHEN r.status = 'running' THEN r.lease_expires_at ELSE r.available_at END
                AS ready_at
-    FROM candidates c
+    FROM distinct_candidates c
     JOIN {schema}.runs r ON r.id = c.id
     WHERE r.status IN ('pending', 'waiting', 'running') AND r.available_at <= now()
       AND (r.status <> 'running' OR r.lease_expires_at <= now())
@@ -81,6 +116,7 @@ WITH pairs AS (
 ), claimed AS (
     UPDATE {schema}.runs r SET
         status = 'running',
+        queued = false,
         claims = r.claims + 1,
         fencing_token = {schema}.next_fencing_token(),
         lease_expirations = r.lease_expirations
@@ -97,6 +133,8 @@ WITH pairs AS (
               l.previous_token, l.ready_at,
               CASE WHEN r.cancel_requested_at IS NOT NULL
                    THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
+), dequeued AS (
+    DELETE FROM {schema}.ready q USING claimed c WHERE q.run_id = c.id
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM claimed c
@@ -106,10 +144,22 @@ WITH pairs AS (
     INSERT INTO {schema}.executions (run_id, fencing_token, worker_id, claimed_at, outcome)
     SELECT c.id, c.fencing_token, %(worker_id)s, now(), 'running'
     FROM claimed c
+), timers_due AS (
+    SELECT least(
+        (SELECT min(c.available_at) FROM candidates c
+         WHERE c.timer AND c.id NOT IN (SELECT l.id FROM locked l)),
+        (SELECT min(t.last_offered) FROM (
+             SELECT max(c.available_at) AS last_offered FROM candidates c WHERE c.timer
+             GROUP BY c.pair_name, c.pair_version HAVING count(*) >= %(scan)s) AS t)
+    ) AS due_from
+), timers_read AS (
+    SELECT least(d.due_from, now() - %(timers_margin)s::interval) AS timers_from,
+           d.due_from IS NOT NULL AS timers_left
+    FROM timers_due d WHERE %(timers)s::boolean
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason,
+       c.cancel_reason, t.timers_from, t.timers_left,
        CASE WHEN c.claims > 1 THEN (
            SELECT json_agg(json_build_object(
                'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
@@ -126,19 +176,58 @@ SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
              AND e.fencing_token >= COALESCE(
                  (SELECT max(s.fencing_token) FROM {schema}.steps s WHERE s.run_id = c.id), 0)
        ) ELSE 0 END AS lost_leases
-FROM claimed c;
+FROM claimed c
+FULL JOIN timers_read t ON true;
+
+-- name: rotate_ready
+-- Every half second a worker's backend offers to truncate the next `ready` slot.
+SELECT {schema}.rotate_ready(%(max_moved)s) AS outcome;
+
+-- name: sweep_ready
+-- A queued run (pending, `queued`) whose `ready` row is gone would never be claimed: every 30 s
+-- a worker pages through the queued runs older than %(grace)s, %(page)s at a time from where it
+-- stopped (%(after_at)s, %(after_id)s; NULL: the oldest), and hands each one with no `ready`
+-- row back to runs_claim_ready (queued = false), where the claim finds it in its order. Every
+-- write that queues, claims, moves or drops a `ready` row does so in the statement that changes
+-- the run, and a statement reads `ready` only after its lock: nothing in flight looks lost.
+WITH page AS MATERIALIZED (
+    SELECT r.id, r.available_at FROM {schema}.runs r
+    WHERE r.status = 'pending' AND r.queued
+      AND r.available_at <= now() - %(grace)s::interval
+      AND (r.available_at, r.id) > (COALESCE(%(after_at)s::timestamptz, '-infinity'),
+                                    COALESCE(%(after_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
+    ORDER BY r.available_at, r.id
+    LIMIT %(page)s
+), lost AS (
+    SELECT r.id FROM page p
+    JOIN {schema}.runs r ON r.id = p.id
+    WHERE r.status = 'pending' AND r.queued
+      AND NOT EXISTS (SELECT 1 FROM {schema}.ready q WHERE q.run_id = p.id)
+    FOR NO KEY UPDATE OF r SKIP LOCKED
+), requeued AS (
+    UPDATE {schema}.runs r SET queued = false FROM lost l WHERE r.id = l.id RETURNING r.id
+), last AS (
+    SELECT p.available_at, p.id FROM page p ORDER BY p.available_at DESC, p.id DESC LIMIT 1
+)
+SELECT (SELECT count(*) FROM page) AS scanned, (SELECT count(*) FROM requeued) AS requeued,
+       (SELECT available_at FROM last) AS last_at, (SELECT id FROM last) AS last_id;
 
 -- name: heartbeat
 WITH beats AS (
     SELECT b.id, b.token, b.step, b.step_started_at
     FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[], %(steps)s::text[],
                 %(step_started)s::timestamptz[]) AS b (id, token, step, step_started_at)
+), locked AS (
+    SELECT r.id, r.status FROM {schema}.runs r
+    JOIN beats b ON r.id = b.id AND r.fencing_token = b.token
+    ORDER BY r.id
+    FOR NO KEY UPDATE OF r
 ), extended AS (
     UPDATE {schema}.runs r SET
         lease_expires_at = now() + %(lease)s::interval,
         available_at = now() + %(lease)s::interval
-    FROM beats b
-    WHERE r.id = b.id AND r.fencing_token = b.token AND r.status = 'running'
+    FROM locked l
+    WHERE r.id = l.id AND l.status = 'running'
     RETURNING r.id, r.cancel_requested_at, r.cancel_reason
 ), noted AS (
     UPDATE {schema}.executions e SET current_step = b.step, step_started_at = b.step_started_at
@@ -165,11 +254,13 @@ WITH items AS (
         %(wakes)s::timestamptz[]
     ) AS i (run_id, token, lease, name, attempt, kind, status, output, error, started_at,
             finished_at, wake_at)
-), owned AS (
-    SELECT r.id, r.fencing_token, r.lease_expires_at
+), locked AS (
+    SELECT r.id, r.fencing_token, r.lease_expires_at, r.status
     FROM {schema}.runs r
-    WHERE r.id IN (SELECT run_id FROM items) AND r.status = 'running'
+    WHERE r.id IN (SELECT run_id FROM items)
     FOR KEY SHARE
+), owned AS (
+    SELECT l.id, l.fencing_token, l.lease_expires_at FROM locked l WHERE l.status = 'running'
 ), extended AS (
     UPDATE {schema}.runs r SET lease_expires_at = now() + i.lease
     FROM owned o
@@ -209,10 +300,12 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(name)s, 7219));
 -- %(wait_for)s, run after lock_fact_name_shared, in a new statement of the same transaction,
 -- so a concurrent signal is either seen here or sees this run waiting. A canceled execution
 -- keeps the step it was in (the worker names it with a last beat): the timeline shows it.
-WITH owned AS (
-    SELECT id, cancel_requested_at IS NOT NULL AS cancel_requested FROM {schema}.runs
-    WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running'
+WITH locked AS (
+    SELECT id, status, cancel_requested_at IS NOT NULL AS cancel_requested FROM {schema}.runs
+    WHERE id = %(run_id)s AND fencing_token = %(token)s
     FOR NO KEY UPDATE
+), owned AS (
+    SELECT id, cancel_requested FROM locked WHERE status = 'running'
 ), present AS (
     SELECT 1 FROM {schema}.facts
     WHERE %(wait_for)s::text IS NOT NULL AND name = %(wait_for)s
@@ -260,17 +353,34 @@ SELECT (SELECT count(*) FROM owned) AS owned,
        EXISTS (SELECT 1 FROM present) AS fact_present;
 
 -- name: insert_fact
+-- The fact, and (if it is new) the runs waiting for it woken: claimable now, queued in `ready`.
+-- A fact for one run reads that run by id alone (see the note at the top); a broadcast fact
+-- reads the runs waiting for its name through runs_waiting_for.
 WITH fact AS (
     INSERT INTO {schema}.facts (scope, name, run_id, payload)
     VALUES (COALESCE(%(run_id)s::uuid::text, '*'), %(name)s, %(run_id)s::uuid, %(payload)s::jsonb)
     ON CONFLICT (scope, name) DO NOTHING
     RETURNING 1
+), own AS MATERIALIZED (
+    SELECT r.id, r.status, r.wait_for FROM {schema}.runs r
+    WHERE %(run_id)s::uuid IS NOT NULL AND r.id = %(run_id)s AND EXISTS (SELECT 1 FROM fact)
+    FOR NO KEY UPDATE
+), broadcast AS (
+    SELECT r.id, r.status, r.wait_for FROM {schema}.runs r
+    WHERE %(run_id)s::uuid IS NULL AND r.status = 'waiting' AND r.wait_for = %(name)s
+      AND EXISTS (SELECT 1 FROM fact)
+    FOR NO KEY UPDATE
+), waiters AS (
+    SELECT id, status, wait_for FROM own UNION ALL SELECT id, status, wait_for FROM broadcast
 ), woken AS (
     UPDATE {schema}.runs r SET available_at = now(), updated_at = now()
-    WHERE r.status = 'waiting' AND r.wait_for = %(name)s
-      AND (%(run_id)s::uuid IS NULL OR r.id = %(run_id)s)
-      AND EXISTS (SELECT 1 FROM fact)
-    RETURNING r.task_name, r.task_version
+    FROM waiters w
+    WHERE r.id = w.id AND w.status = 'waiting' AND w.wait_for = %(name)s
+    RETURNING r.id, r.task_name, r.task_version, r.priority, r.available_at
+), queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
+    FROM woken w
 )
 SELECT (SELECT count(*) FROM fact) AS stored,
        (SELECT pg_notify(%(channel)s, string_agg(DISTINCT task_name || '@' || task_version, ','))
@@ -304,6 +414,8 @@ WITH target AS (
     FROM target t
     WHERE r.id = t.id AND t.status NOT IN ('completed', 'failed', 'canceled')
     RETURNING r.id, r.status
+), dequeued AS (
+    DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.status = 'canceled'
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM target t JOIN changed c ON c.id = t.id
@@ -368,8 +480,10 @@ SELECT EXISTS (
 -- Is the run still held under the attempt's token? A plain read, never a lock: a lock on the
 -- run row held across the caller's commit callback would block takeovers, cancels and the
 -- worker's heartbeat. The fence is the op_ledger row (see ledger_finish).
-SELECT 1 FROM {schema}.runs
-WHERE id = %(run_id)s AND fencing_token = %(token)s AND status = 'running';
+WITH run AS MATERIALIZED (
+    SELECT status FROM {schema}.runs WHERE id = %(run_id)s AND fencing_token = %(token)s
+)
+SELECT 1 FROM run WHERE status = 'running';
 
 -- name: ledger_peek
 -- The op's state before the commit callback runs (fence first); no lock either.
@@ -400,11 +514,18 @@ WHERE op_key = %(op_key)s AND fencing_token = %(token)s AND result IS NULL
 RETURNING 1;
 
 -- name: queue_depths
-SELECT r.task_name, r.task_version, count(*) AS depth
+-- Runs waiting to be claimed: in `ready`, or pending and not in it.
+SELECT d.task_name, d.task_version, count(*) AS depth
 FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
-JOIN {schema}.runs r
-  ON r.task_name = p.name AND r.task_version = p.version AND r.status = 'pending'
-GROUP BY r.task_name, r.task_version;
+CROSS JOIN LATERAL (
+    SELECT q.task_name, q.task_version FROM {schema}.ready q
+    WHERE q.task_name = p.name AND q.task_version = p.version
+    UNION ALL
+    SELECT r.task_name, r.task_version FROM {schema}.runs r
+    WHERE r.task_name = p.name AND r.task_version = p.version
+      AND r.status = 'pending' AND NOT r.queued
+) AS d
+GROUP BY d.task_name, d.task_version;
 
 -- name: install_ledger
 -- The operation ledger alone, for a business database separate from the engine's.

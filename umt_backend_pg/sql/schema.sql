@@ -30,12 +30,21 @@ CREATE TABLE {schema}.runs (
     cancel_reason       text,
     created_at          timestamptz NOT NULL DEFAULT now(),
     updated_at          timestamptz NOT NULL DEFAULT now(),
-    finished_at         timestamptz
-) WITH (fillfactor = 70);
+    finished_at         timestamptz,
+    -- pending and in `ready` (claimable at once): left out of runs_claim_ready.
+    queued              boolean NOT NULL DEFAULT false
+) WITH (
+    fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
+);
 
--- The claim reads only its own (name, version) pairs: ready runs by priority, then FIFO ...
+-- The claim reads only its own (name, version) pairs: `ready` (below), pending runs not in it
+-- (delayed runs, retries, releases) by priority, then FIFO ...
 CREATE INDEX runs_claim_ready ON {schema}.runs (task_name, task_version, priority DESC, available_at)
-    WHERE status = 'pending';
+    WHERE status = 'pending' AND NOT queued;
+-- Queued runs by age, for the sweeper: a queued run whose `ready` row is gone (a TRUNCATE or
+-- DELETE by hand, a bug) goes back to runs_claim_ready (see sweep_ready in queries.sql).
+CREATE INDEX runs_queued ON {schema}.runs (available_at, id) WHERE status = 'pending' AND queued;
 -- ... and runs whose timer came: a sleep's end, a wait's timeout or wake-up, a lease expiry.
 CREATE INDEX runs_claim_timers ON {schema}.runs (task_name, task_version, available_at)
     WHERE status IN ('waiting', 'running');
@@ -46,6 +55,90 @@ CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
 CREATE INDEX runs_finished ON {schema}.runs (finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
+
+-- The ready queue: runs claimable now, emptied by truncation (see migrations/0003_ready_queue.sql).
+CREATE TABLE {schema}.ready (
+    run_id          uuid NOT NULL,
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL,
+    priority        smallint NOT NULL,
+    available_at    timestamptz NOT NULL,
+    slot            smallint NOT NULL
+) PARTITION BY LIST (slot);
+CREATE TABLE {schema}.ready_0 PARTITION OF {schema}.ready FOR VALUES IN (0)
+    WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+          autovacuum_vacuum_cost_delay = 0);
+CREATE TABLE {schema}.ready_1 PARTITION OF {schema}.ready FOR VALUES IN (1)
+    WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+          autovacuum_vacuum_cost_delay = 0);
+CREATE TABLE {schema}.ready_2 PARTITION OF {schema}.ready FOR VALUES IN (2)
+    WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+          autovacuum_vacuum_cost_delay = 0);
+CREATE INDEX ready_claim ON {schema}.ready (task_name, task_version, priority DESC, available_at);
+CREATE INDEX ready_run ON {schema}.ready (run_id);
+
+-- The slot a row inserted now goes to (the statement's start, not the transaction's).
+CREATE FUNCTION {schema}.ready_slot() RETURNS smallint
+LANGUAGE sql STABLE AS $$
+    SELECT (floor(extract(epoch FROM statement_timestamp()) / 2)::bigint % 3)::smallint
+$$;
+
+-- Truncate the slot after the current one (written last 2-4 s ago, written next in 0-2 s) if it
+-- can be had at once: its claimable rows (at most `max_moved`) move to the current slot first,
+-- rows of runs no longer claimable are dropped. Returns what happened: 'truncated', 'clean'
+-- (nothing to do), 'busy' (a claim, an insert or a reader holds the slot), 'full' (more
+-- claimable rows than `max_moved`: a backlog, left to the claims).
+CREATE FUNCTION {schema}.rotate_ready(max_moved integer) RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    now_slot constant bigint := floor(extract(epoch FROM clock_timestamp()) / 2)::bigint;
+    target constant smallint := ((now_slot + 1) % 3)::smallint;
+    live integer;
+BEGIN
+    IF pg_relation_size(format('{schema}.ready_%s', target)::regclass) = 0 THEN
+        RETURN 'clean';
+    END IF;
+    BEGIN
+        IF target = 0 THEN
+            LOCK TABLE {schema}.ready_0 IN ACCESS EXCLUSIVE MODE NOWAIT;
+        ELSIF target = 1 THEN
+            LOCK TABLE {schema}.ready_1 IN ACCESS EXCLUSIVE MODE NOWAIT;
+        ELSE
+            LOCK TABLE {schema}.ready_2 IN ACCESS EXCLUSIVE MODE NOWAIT;
+        END IF;
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN 'busy';
+    END;
+    -- Under the lock no transaction that wrote the slot is still open: this sees all its rows.
+    SELECT count(*) INTO live FROM (
+        SELECT 1 FROM {schema}.ready q
+        JOIN {schema}.runs r ON r.id = q.run_id
+        WHERE q.slot = target
+          AND ((r.status = 'pending' AND r.queued) OR r.status = 'waiting')
+        LIMIT max_moved + 1
+    ) AS l;
+    IF live > max_moved THEN
+        RETURN 'full';
+    END IF;
+    IF live > 0 THEN
+        INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+        SELECT q.run_id, q.task_name, q.task_version, q.priority, q.available_at,
+               (now_slot % 3)::smallint
+        FROM {schema}.ready q
+        JOIN {schema}.runs r ON r.id = q.run_id
+        WHERE q.slot = target
+          AND ((r.status = 'pending' AND r.queued) OR r.status = 'waiting');
+    END IF;
+    IF target = 0 THEN
+        TRUNCATE {schema}.ready_0;
+    ELSIF target = 1 THEN
+        TRUNCATE {schema}.ready_1;
+    ELSE
+        TRUNCATE {schema}.ready_2;
+    END IF;
+    RETURN 'truncated';
+END
+$$;
 
 CREATE TABLE {schema}.steps (
     run_id          uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
@@ -73,7 +166,10 @@ CREATE TABLE {schema}.executions (
     current_step    text,
     step_started_at timestamptz,
     PRIMARY KEY (run_id, fencing_token)
-) WITH (fillfactor = 80);
+) WITH (
+    fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
+);
 
 -- Facts: first write wins per (scope, name); scope is a run id, or '*' for broadcast facts.
 CREATE TABLE {schema}.facts (
@@ -105,7 +201,9 @@ CREATE TABLE {schema}.token_epochs (
 CREATE FUNCTION {schema}.next_fencing_token() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    incarnation constant text := pg_postmaster_start_time()::text;
+    -- The start time as seconds since 1970 (numeric text): the same in every session, whatever
+    -- its TimeZone or DateStyle (a timestamptz's text is not).
+    incarnation constant text := extract(epoch FROM pg_postmaster_start_time())::text;
     block constant bigint := 4194304;  -- 2^22 tokens per epoch
     current_epoch bigint;
     token bigint;
