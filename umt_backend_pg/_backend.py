@@ -1,8 +1,10 @@
 """The Postgres backend: the SPI over psycopg 3 with a pool, LISTEN/NOTIFY and named SQL.
 
 Round trips (each one statement and one commit unless noted):
-- enqueue: 1 (the insert, its `ready` row when it is claimable at once, and its NOTIFY in one
-  statement; +1 on an idempotency hit, to read the existing run);
+- enqueue: 1 (the insert, and its `ready` row when it is claimable at once; +1 on an
+  idempotency hit, to read the existing run), then a NOTIFY in a transaction of its own that
+  does not wait for the flush, shared by the enqueues of this process meanwhile (`_notifier`);
+  in the caller's transaction (`conn=`), the NOTIFY is in the insert's statement;
 - claim: 1 for up to N runs, including their step records for replay (their outputs as the
   stored text), committed without waiting for the WAL flush: a claim lost in a server crash is
   caught by fencing, and the token epochs never hand its token out again;
@@ -20,8 +22,8 @@ about once a second, so a due timer starts within about a second of its time.
 
 Rooms the backend owns: `_wakeups` (the LISTEN loop and its wake-ups), `_checkpoints` (group
 commit of step records), `_ledger` (the operation ledger and the same-database probe), `_ready`
-(when the claim reads timers, rotates and sweeps the ready queue); `_rows` turns rows into
-records.
+(when the claim reads timers, rotates and sweeps the ready queue), `_notifier` (the enqueues'
+coalesced NOTIFY); `_rows` turns rows into records.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from umt_backend_pg._checkpoints import Checkpoints
 from umt_backend_pg._errors import fenced, wrap_exceptions
 from umt_backend_pg._ledger import EngineDatabase, PostgresLedger
 from umt_backend_pg._migrate import migrate
+from umt_backend_pg._notifier import Notifier
 from umt_backend_pg._ready import (
     MAX_MOVED,
     SWEEP_GRACE,
@@ -101,6 +104,7 @@ class PostgresBackend:
             listen=listen,
         )
         self._checkpoints = Checkpoints(self._all)
+        self._notifier = Notifier(pool, self._q, self.work_channel)
         self._clocks = ClaimClocks()
         self._database = EngineDatabase(pool, schema=schema, queries=self._q)
 
@@ -196,10 +200,13 @@ class PostgresBackend:
                     argument="conn",
                 )
             with wrap_exceptions():
-                return await self._enqueue_on(conn, new, params)
+                return await self._enqueue_on(conn, new, {**params, "notify": True})
         with wrap_exceptions():
             async with self._pool.connection() as own:  # autocommit: one statement, one commit
-                return await self._enqueue_on(own, new, params)
+                result = await self._enqueue_on(own, new, {**params, "notify": False})
+        if result.created:
+            await self._notifier.notify(f"{new.task_name}@{new.task_version}")
+        return result
 
     async def _enqueue_on(
         self, conn: psycopg.AsyncConnection[Any], new: NewRun, params: dict[str, Any]
@@ -514,4 +521,5 @@ class PostgresBackend:
     async def close(self) -> None:
         await self._wakeups.close()
         await self._checkpoints.close()
+        await self._notifier.close()
         await self._pool.close()

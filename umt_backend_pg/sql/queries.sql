@@ -8,8 +8,9 @@
 -- one ending read tens of thousands of entries (tests/integration/test_query_plans.py).
 
 -- name: insert_run
--- One statement: the run, and (only if it was inserted) the NOTIFY that wakes idle workers.
--- Postgres delivers it at commit and folds identical notifications of one transaction.
+-- One statement: the run, and (only if it was inserted, and when %(notify)s) the NOTIFY that
+-- wakes idle workers, delivered at commit. Only an enqueue in the caller's transaction notifies
+-- here; the others are notified after their commit, coalesced (see _notifier.py).
 -- A run claimable at once (no delay) is also queued in `ready`, in the same statement.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
@@ -28,7 +29,8 @@ WITH inserted AS (
     SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
     FROM inserted i WHERE i.queued
 )
-SELECT i.id, pg_notify(%(channel)s, %(pair)s) FROM inserted i;
+SELECT i.id, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, %(pair)s) END
+FROM inserted i;
 
 -- name: find_idempotent_run
 SELECT id, input_hash, task_version FROM {schema}.runs
@@ -36,6 +38,13 @@ WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
 
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s);
+
+-- name: notify_enqueued
+-- The enqueues' coalesced wake-up (see _notifier.py): one statement, its own transaction,
+-- committed without waiting for the WAL flush, so the server-wide NOTIFY lock that every
+-- notifying commit takes is held only for a moment.
+SELECT set_config('synchronous_commit', 'off', true), pg_notify(%(channel)s, p.payload)
+FROM unnest(%(payloads)s::text[]) AS p (payload);
 
 -- name: ping
 -- Is the connection still there (the LISTEN connection, after a quiet while)?
