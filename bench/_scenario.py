@@ -252,6 +252,12 @@ class Monitor:
         self.conn = psycopg.connect(dsn, autocommit=True)
         self.dbname = dbname
         self.conn.execute("SET application_name = 'bench_monitor'")
+        # Postgres 18 counts each backend's buffer accesses: the monitor's own are taken out of
+        # the work per run (its queries read the bloated indexes too).
+        row = self.conn.execute(
+            "SELECT to_regproc('pg_catalog.pg_stat_get_backend_io') IS NOT NULL"
+        ).fetchone()
+        self.counts_itself = bool(row and row[0])
 
     def sample(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -298,6 +304,13 @@ class Monitor:
             "FROM pg_stat_database WHERE datname = %s",
             (self.dbname,),
         ).fetchone()
+        own = None
+        if self.counts_itself:
+            r = c.execute(
+                f"SELECT coalesce(sum(hits) + sum(reads), 0) AS {MONITOR_TAG} "
+                "FROM pg_stat_get_backend_io(pg_backend_pid())"
+            ).fetchone()
+            own = int(r[0]) if r else None
         waits: dict[str, int] = {}
         xmin_age = None
         for r in c.execute(
@@ -323,6 +336,7 @@ class Monitor:
             "waits": waits,
             "xmin_age": xmin_age,
             "buffers": int(db[0]) if db else None,
+            "monitor_buffers": own,
             "transactions": int(db[1]) if db else None,
             "monitor_ms": (time.perf_counter() - t0) * 1000,
         }
@@ -729,11 +743,14 @@ def _phase_work(
     explain: str | None,
 ) -> dict[str, Any]:
     """Work a phase did, in counts the machine's load cannot move: shared buffers touched and
-    transactions per completed run (the whole database, the monitor's own reads included),
-    the share of `runs` updates that were HOT, index entries read per scan of every index in
-    the phase's last window, and the shared buffers of one claim (its EXPLAIN)."""
+    transactions per completed run (the whole database; on Postgres 18 also without the
+    monitor's own queries, `engine_buffers_per_run`), the share of `runs` updates that were
+    HOT, index entries read per scan of every index in the phase's last window, and the shared
+    buffers of one claim (its EXPLAIN)."""
     out: dict[str, Any] = {
         "buffers_per_run": None,
+        "engine_buffers_per_run": None,  # without the monitor's own (Postgres 18)
+        "monitor_buffers_per_run": None,
         "transactions_per_run": None,
         "runs_hot_update_share": None,
         "index_tuples_read_per_scan_at_end": reads_at_end,
@@ -745,6 +762,10 @@ def _phase_work(
     if completed and a.get("buffers") is not None and b.get("buffers") is not None:
         out["buffers_per_run"] = (b["buffers"] - a["buffers"]) / completed
         out["transactions_per_run"] = (b["transactions"] - a["transactions"]) / completed
+        if a.get("monitor_buffers") is not None and b.get("monitor_buffers") is not None:
+            monitor = b["monitor_buffers"] - a["monitor_buffers"]
+            out["monitor_buffers_per_run"] = monitor / completed
+            out["engine_buffers_per_run"] = (b["buffers"] - a["buffers"] - monitor) / completed
     ra = (a.get("tables") or {}).get("runs") or {}
     rb = (b.get("tables") or {}).get("runs") or {}
     if rb and ra and rb["upd"] > ra["upd"]:
@@ -844,7 +865,8 @@ def table(result: dict[str, Any]) -> str:
     lines += [
         "",
         "work per phase (counts, not times):",
-        f"{'phase':<15}{'buffers/run':>12}{'xacts/run':>10}{'runs HOT':>9}{'claim bufs':>11}"
+        f"{'phase':<15}{'buffers/run':>12}{'w/o monitor':>12}{'xacts/run':>10}{'runs HOT':>9}"
+        f"{'claim bufs':>11}"
         "  index entries read per scan (last window)",
     ]
     for p in result["phases"]:
@@ -859,6 +881,7 @@ def table(result: dict[str, Any]) -> str:
         hot = w.get("runs_hot_update_share")
         lines.append(
             f"{p['phase']:<15}{_fmt(w.get('buffers_per_run')):>12}"
+            f"{_fmt(w.get('engine_buffers_per_run')):>12}"
             f"{_fmt(w.get('transactions_per_run')):>10}"
             f"{'-' if hot is None else f'{hot:.0%}':>9}"
             f"{'/'.join(str(b) for b in w.get('claim_shared_buffers') or []) or '-':>11}"

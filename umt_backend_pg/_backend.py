@@ -2,9 +2,10 @@
 
 Round trips (each one statement and one commit unless noted):
 - enqueue: 1 (the insert, and its `ready` row when it is claimable at once; +1 on an
-  idempotency hit, to read the existing run), then a NOTIFY in a transaction of its own that
-  does not wait for the flush, shared by the enqueues of this process meanwhile (`_notifier`);
-  in the caller's transaction (`conn=`), the NOTIFY is in the insert's statement;
+  idempotency hit, to read the existing run); then, in the background, a NOTIFY in a
+  statement of its own that does not wait for the flush, shared by the enqueues of this
+  process meanwhile (`_notifier`); in the caller's transaction (`conn=`), the NOTIFY is in the
+  insert's statement;
 - claim: 1 for up to N runs, including their step records for replay (their outputs as the
   stored text), committed without waiting for the WAL flush: a claim lost in a server crash is
   caught by fencing, and the token epochs never hand its token out again;
@@ -205,7 +206,7 @@ class PostgresBackend:
             async with self._pool.connection() as own:  # autocommit: one statement, one commit
                 result = await self._enqueue_on(own, new, {**params, "notify": False})
         if result.created:
-            await self._notifier.notify(f"{new.task_name}@{new.task_version}")
+            self._notifier.notify(f"{new.task_name}@{new.task_version}")
         return result
 
     async def _enqueue_on(

@@ -5,14 +5,15 @@ through its WAL flush, so notifying transactions commit one at a time and share 
 sixteen connections enqueueing at once, each insert notifying in its own statement, spent 90%
 of their time waiting on that lock and enqueued half as fast as without the NOTIFY
 (`python -m bench.notify_lock`). So an enqueue commits its run without a NOTIFY (a durable
-commit like any other, which Postgres flushes in groups), and then waits for a notification
-sent after that commit: one transaction at a time per process, naming every pair enqueued since
-the last one, committed without waiting for the flush (a notification lost in a crash costs a
-poll interval; it carries nothing durable). An enqueue in the caller's transaction
-(`enqueue(conn=...)`) still notifies in that transaction, since only its commit makes the run
-visible.
+commit like any other, which Postgres flushes in groups) and returns; the notification follows
+in the background: one statement at a time per process, naming every pair enqueued since the
+last one, committed without waiting for the flush (a notification lost in a crash, or with a
+process that exits without closing its engine, costs a poll interval; it carries nothing
+durable). Closing the backend waits for the notifications asked for. An enqueue in the
+caller's transaction (`enqueue(conn=...)`) still notifies in that transaction, since only its
+commit makes the run visible.
 
-A failed notification never fails the enqueue: the run is stored, and idle workers find it at
+A failed notification never fails an enqueue: the run is stored, and idle workers find it at
 their next poll.
 """
 
@@ -44,40 +45,35 @@ class Notifier:
         self._q = queries
         self._channel = channel
         self._pairs: set[str] = set()
-        self._waiters: list[asyncio.Future[None]] = []
         self._sender: asyncio.Task[None] | None = None
 
-    async def notify(self, pair: str) -> None:
-        """Return once a notification naming `pair` was sent after this call (or failed)."""
-        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def notify(self, pair: str) -> None:
+        """Have a notification naming `pair` sent soon, after everything committed so far."""
         self._pairs.add(pair)
-        self._waiters.append(sent)
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_all(), name="umt-notifier")
-        # The sender outlives a canceled caller: the others waiting on it still need it.
-        await asyncio.shield(sent)
+
+    async def flush(self) -> None:
+        """Return once every notification asked for so far was sent (or failed)."""
+        while self._sender is not None and not self._sender.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._sender)
 
     async def close(self) -> None:
-        if self._sender is not None:
-            with contextlib.suppress(BaseException):
-                await self._sender
+        await self.flush()
 
     async def _send_all(self) -> None:
-        while self._waiters:
-            pairs, waiters = sorted(self._pairs), self._waiters
-            self._pairs, self._waiters = set(), []
+        while self._pairs:
+            pairs = sorted(self._pairs)
+            self._pairs = set()
             try:
                 await self._send(pairs)
-            except Exception as exc:
+            except Exception as exc:  # any failure: the runs are stored; say it and go on
                 _log.warning(
                     "umt: could not notify idle workers of new runs (%s); they find them at "
                     "their next poll",
                     str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
                 )
-            finally:
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
 
     async def _send(self, pairs: list[str]) -> None:
         payloads: list[str] = []

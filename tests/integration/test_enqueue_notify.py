@@ -1,6 +1,7 @@
-"""An enqueue wakes idle workers with a NOTIFY sent after its commit, shared with the enqueues of
-the same process meanwhile (umt_backend_pg/_notifier.py); one in the caller's transaction
-notifies at that transaction's commit, not before."""
+"""An enqueue wakes idle workers with a NOTIFY sent after its commit, in the background, shared
+with the enqueues of the same process meanwhile (umt_backend_pg/_notifier.py); closing the
+backend sends what is still due; one in the caller's transaction notifies at that
+transaction's commit, not before."""
 
 from __future__ import annotations
 
@@ -73,14 +74,24 @@ async def test_concurrent_enqueues_share_their_notifications_and_each_is_named(
     assert 1 <= len(payloads) < len(runs), f"{len(payloads)} notifications for {len(runs)} runs"
 
 
-async def test_an_enqueue_returns_after_its_notification_was_sent(
+async def test_a_notification_follows_each_enqueue(
     backend: PostgresBackend, listener: psycopg.AsyncConnection[object]
 ) -> None:
     for pair in (A, B, A):
         await backend.enqueue(new_run(pair))
-        # Sent (and committed) before enqueue returned: it is there to be read at once.
-        payloads = await received(listener, 0.5)
+        payloads = await received(listener, 1.0)
         assert f"{pair.name}@{pair.version}" in {x for p in payloads for x in p.split(",")}
+
+
+async def test_closing_the_backend_sends_the_notifications_asked_for(
+    pg_url: str, pg_schema: str, listener: psycopg.AsyncConnection[object]
+) -> None:
+    other = await PostgresBackend.open(
+        pg_url, schema=pg_schema, run_migrations=False, listen=False, max_size=2
+    )
+    await other.enqueue(new_run(B))
+    await other.close()  # at once, as a script that enqueues and exits
+    assert "notify.b@2" in {x for p in await received(listener, 1.0) for x in p.split(",")}
 
 
 async def test_an_idempotent_hit_does_not_notify(
