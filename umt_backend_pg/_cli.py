@@ -113,6 +113,10 @@ def default_url(options: Mapping[str, Any]) -> str | None:
         from umt_backend_pg import _embedded
     except ImportError as exc:
         raise CliError(f"no database ({exc}). {_HOW_TO_GET_A_DATABASE}") from exc
+    try:
+        _embedded.require()  # before saying that it starts
+    except RuntimeError as exc:
+        raise CliError(f"no database: {exc}") from exc
     if _embedded.running_url(DEFAULT_DATA_DIR) is None:
         click.echo(
             f"starting the embedded Postgres in {DEFAULT_DATA_DIR} for this command "

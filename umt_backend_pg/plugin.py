@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from umt_backend_pg import NEEDS_PSYCOPG
 from umt_sdk.backend import Backend, Clock, hookimpl
-from umt_sdk.exceptions import UsageError
+from umt_sdk.exceptions import BackendNotFoundError, UsageError
 
 if TYPE_CHECKING:
     import click
@@ -56,10 +57,10 @@ def umt_open_backend(
             )
         try:
             from umt_backend_pg._backend import PostgresBackend
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ImportError(
-                "the Postgres backend needs psycopg: pip install 'umt-tasks[pg]'"
-            ) from exc
+        except ModuleNotFoundError as exc:  # the `pg` extra is not installed
+            if exc.name and exc.name.split(".")[0] in ("psycopg", "psycopg_pool"):
+                raise BackendNotFoundError(NEEDS_PSYCOPG) from exc
+            raise
         return await PostgresBackend.open(url, **options)
 
     return open_backend()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -23,10 +24,30 @@ class PluginHost:
     def __init__(self, extra_plugins: Iterable[object] = ()) -> None:
         self._pm = pluggy.PluginManager("umt")
         self._pm.add_hookspecs(_hookspecs.BackendHookspecs)
-        self._pm.load_setuptools_entrypoints("umt")
+        self._failed: dict[str, str] = {}
+        self._load_entry_points()
         for plugin in extra_plugins:
             if not self._pm.is_registered(plugin):
                 self._pm.register(plugin)
+
+    def _load_entry_points(self) -> None:
+        """Every plugin of the `umt` entry-point group that imports; one that cannot (a missing
+        dependency, a bug) is left out and named in the errors, never breaks the others."""
+        for ep in importlib.metadata.entry_points(group="umt"):
+            if self._pm.get_plugin(ep.name) is not None or self._pm.is_blocked(ep.name):
+                continue  # the same distribution found twice on the path
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                text = str(exc).strip().splitlines()
+                self._failed[ep.name] = f"{type(exc).__name__}: {text[0] if text else ''}"
+                continue
+            self._pm.register(plugin, name=ep.name)
+
+    @property
+    def failed_plugins(self) -> Mapping[str, str]:
+        """Plugins of the `umt` group that could not be loaded, with the error of each."""
+        return dict(self._failed)
 
     def schemes(self) -> list[str]:
         found: list[str] = []
@@ -60,11 +81,15 @@ class PluginHost:
         opener = self._pm.hook.umt_open_backend(url=url, clock=clock, options=dict(options))
         if opener is None:
             scheme = urlsplit(url).scheme or "(none)"
+            failed = "".join(
+                f"; plugin {name!r} could not be loaded ({why})"
+                for name, why in sorted(self._failed.items())
+            )
             raise BackendNotFoundError(
                 f"no installed backend serves URLs of scheme {scheme!r} ({url.split('@')[-1]!r}); "
                 f"installed schemes: {', '.join(self.schemes()) or 'none'} "
-                f"(plugins: {', '.join(self.plugin_names()) or 'none'}). Install the backend's "
-                "package, or pass its plugin module with connect(..., plugins=[...])"
+                f"(plugins: {', '.join(self.plugin_names()) or 'none'}{failed}). Install the "
+                "backend's package, or pass its plugin module with connect(..., plugins=[...])"
             )
         backend: Backend = await opener
         return backend

@@ -118,3 +118,49 @@ async def test_the_memory_backend_refuses_options() -> None:
     ) as caught:
         await connect("memory://", pool_size=5, dsn="x")
     assert caught.value.argument == "dsn, pool_size"
+
+
+async def test_a_plugin_that_cannot_be_imported_leaves_the_others_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An installed plugin whose module fails to import (a missing dependency, as the Postgres
+    # backend without the `pg` extra once did) must not take the memory backend down with it.
+    import importlib.metadata
+
+    from umt_sdk import _plugins
+
+    real = importlib.metadata.entry_points(group="umt")
+    broken = importlib.metadata.EntryPoint(
+        name="broken", value="umt_no_such_backend_module.plugin", group="umt"
+    )
+    monkeypatch.setattr(_plugins.importlib.metadata, "entry_points", lambda group: [*real, broken])
+    engine = await connect("memory://", registry=Registry([double]))
+    try:
+        async with engine.worker():
+            run = await engine.enqueue(double, 21)
+            assert await run.result(timeout=5) == 42
+    finally:
+        await engine.close()
+    with pytest.raises(BackendNotFoundError) as caught:
+        await connect("broken://x", registry=Registry([double]))
+    assert "'broken' could not be loaded" in str(caught.value)
+    assert "ModuleNotFoundError" in str(caught.value)
+
+
+def test_the_postgres_plugin_and_cli_import_without_psycopg() -> None:
+    # Every `connect` and the `umt` command load the plugin module: it and the package must not
+    # import the driver, which a plain install (no `pg` extra) does not have.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import umt_backend_pg.plugin, umt_backend_pg._cli, umt_sdk.cli\n"
+        "drivers = ('psycopg', 'psycopg_pool')\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in drivers)\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr

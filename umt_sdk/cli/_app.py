@@ -280,8 +280,11 @@ def _translated(where: str = "") -> Iterator[None]:
 
 def run(coro: Coroutine[Any, Any, T], cfg: CliConfig | None = None) -> T:
     """Run a command's coroutine; umt's errors become one line and the right exit code."""
-    with _translated(cfg.where() if cfg is not None else ""):
-        return asyncio.run(coro)
+    try:
+        with _translated(cfg.where() if cfg is not None else ""):
+            return asyncio.run(coro)
+    finally:
+        coro.close()  # not started when an error came first: never left "never awaited"
 
 
 def load_registry(ref: str) -> Registry:

@@ -71,8 +71,14 @@ class Umt:
         return data
 
     def env(self) -> dict[str, str]:
-        """The environment of a `umt` subprocess on this database and schema."""
-        return {**os.environ, "UMT_DATABASE_URL": self.url, "UMT_SCHEMA": self.schema}
+        """The environment of a `umt` subprocess on this database and schema; a coroutine left
+        un-awaited on any path is an error there (its traceback fails the test)."""
+        return {
+            **os.environ,
+            "UMT_DATABASE_URL": self.url,
+            "UMT_SCHEMA": self.schema,
+            "PYTHONWARNINGS": "error::RuntimeWarning",
+        }
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ Each case runs in-process (click's CliRunner) and, where the terminal is the poi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -32,8 +33,10 @@ UNREACHABLE = [
 
 
 def run_umt(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    # A coroutine left un-awaited on an error path prints a traceback: one more failure.
+    env = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}
     return subprocess.run(
-        [*umt_command(), *args], cwd=cwd, capture_output=True, text=True, timeout=60
+        [*umt_command(), *args], cwd=cwd, capture_output=True, text=True, timeout=60, env=env
     )
 
 
