@@ -547,9 +547,21 @@ def runs_watch(
         return f"{_list_text(page.runs)}\n\n{len(page.runs)} shown: {summary}"
 
     async def go() -> None:
+        # Ctrl-C ends the watch between two frames. It is not left to cancel the running task:
+        # on Python 3.11 a cancellation that lands as an inner wait completes can be lost,
+        # and the watch would go on. A second Ctrl-C interrupts at once.
+        interrupted = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_sigint() -> None:
+            interrupted.set()
+            loop.remove_signal_handler(signal.SIGINT)
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
         async with open_engine(cfg) as engine:
             done = 0
-            while True:
+            while not interrupted.is_set():
                 text = await frame(engine)
                 stamp = datetime.now().strftime("%H:%M:%S")
                 if tty:
@@ -563,7 +575,9 @@ def runs_watch(
                 done += 1
                 if iterations is not None and done >= iterations:
                     return
-                await asyncio.sleep(interval.total_seconds())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval.total_seconds()):
+                        await interrupted.wait()
 
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a watch ends
         run(go(), cfg)
