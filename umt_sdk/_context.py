@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any, Generic, Protocol, TypeVar, overload
 from uuid import UUID
 
+from umt_sdk._abort import Aborts, AbortState, Release
 from umt_sdk._names import check_name, inline_target
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
@@ -41,9 +42,7 @@ class Runner(Protocol):
     @property
     def logger(self) -> logging.LoggerAdapter[logging.Logger]: ...
     @property
-    def abort_event(self) -> asyncio.Event: ...
-    @property
-    def abort_reason(self) -> str | None: ...
+    def aborts(self) -> Aborts: ...
 
     def run_step(
         self,
@@ -267,8 +266,9 @@ class _BaseContext(Generic[I]):
 
     @property
     def canceled(self) -> bool:
-        """True once the run's cancel was requested (or this attempt lost its lease)."""
-        return self._execution.abort_event.is_set()
+        """True once the run's cancel was requested (or this attempt lost its lease). A
+        worker shutting down is not a cancel: the run goes on elsewhere."""
+        return self._execution.aborts.state >= AbortState.CANCELING
 
     @property
     def cancelled(self) -> bool:
@@ -281,17 +281,25 @@ class _BaseContext(Generic[I]):
     @property
     def abort_reason(self) -> str | None:
         """Why the abort signal fired, or None."""
-        return self._execution.abort_reason
+        return self._execution.aborts.reason
 
     @property
     def abort_event(self) -> asyncio.Event:
-        """An event set when the abort signal fires: await it to react at once."""
-        return self._execution.abort_event
+        """Set when the abort signal fires (the run's cancel, a lost lease, or the worker
+        shutting down): await it to react at once, then call `throw_if_canceled()`."""
+        return self._execution.aborts.event
 
     def throw_if_canceled(self) -> None:
-        """Raise `CanceledError` (with the reason) if the abort signal has fired."""
-        if self._execution.abort_event.is_set():
-            reason = self._execution.abort_reason or "canceled"
+        """Stop the handler if the abort signal has fired: `CanceledError` (with the reason)
+        when the run's cancel was requested or this attempt lost its lease. When the worker
+        is shutting down it raises the engine's release signal instead (a `BaseException`:
+        let it through), and the run is handed back, uncharged, for another worker to
+        finish."""
+        aborts = self._execution.aborts
+        if aborts.state is AbortState.RELEASING:
+            raise Release
+        if aborts.state >= AbortState.CANCELING:
+            reason = aborts.reason or "canceled"
             raise CanceledError(f"run {self.run_id} aborted: {reason}", reason=reason)
 
     def __repr__(self) -> str:

@@ -11,14 +11,18 @@ process is going away. Its telemetry lives behind one seam, `ExecutionTelemetry`
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import Executor
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from umt_sdk import _serde
+from umt_sdk._abort import AbortKind, Aborts, Release, Stop, Suspend, Verdict
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
 from umt_sdk._history import History
 from umt_sdk._logging import RunLogger
@@ -34,7 +38,7 @@ from umt_sdk._spi import (
     SimulatedCrash,
     StepRecord,
 )
-from umt_sdk._steps import AbortKind, Release, Steps, Stop, Suspend, error_info
+from umt_sdk._steps import Steps, error_info
 from umt_sdk._task import TaskDefinition
 from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
 from umt_sdk.exceptions import (
@@ -66,11 +70,13 @@ class Execution:
         lease_duration: timedelta,
         loop: asyncio.AbstractEventLoop,
         telemetry: Telemetry,
+        threads: Executor | None = None,
     ) -> None:
         self.backend = backend
         self.claimed = claimed
         self.definition = definition
         self.loop = loop
+        self._threads = threads
         self.lease = Lease(
             run_id=claimed.run_id,
             fencing_token=claimed.fencing_token,
@@ -82,13 +88,9 @@ class Execution:
         self.steps = Steps(self, self.history, self.telemetry)
         self._started_monotonic = time.monotonic()
         self._loop_thread = threading.get_ident()
-        self.abort_event = asyncio.Event()
-        self.abort_reason: str | None = None
-        self.abort_kind: AbortKind | None = None
-        self.cancel_requested = False
+        self.aborts = Aborts(loop)
         # What the last heartbeat that reached the backend said about the step.
         self.beaten_step: tuple[str, datetime] | None = None
-        self.stopped = False
         # Set while the write that hands the run back (the ending) is in flight: a heartbeat
         # racing with it may find the run released, which is not a lost lease.
         self.letting_go = False
@@ -112,6 +114,23 @@ class Execution:
     @property
     def trace_id(self) -> str:
         return self.telemetry.trace_id
+
+    @property
+    def stopped(self) -> bool:
+        """No more writes: the lease is lost or the process is going away."""
+        return self.aborts.stopped
+
+    @property
+    def abort_event(self) -> asyncio.Event:
+        return self.aborts.event
+
+    @property
+    def abort_reason(self) -> str | None:
+        return self.aborts.reason
+
+    @property
+    def abort_kind(self) -> AbortKind | None:
+        return self.aborts.kind
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -156,36 +175,33 @@ class Execution:
         )
 
     def abort(self, kind: AbortKind, reason: str) -> None:
-        """Fire the abort signal. Lease loss, shutdown and crashes also stop all writes."""
+        """Fire the abort signal (see `_abort`): once per change of state, so a cancel that
+        every heartbeat reads again is announced once. A lost lease or a crash also cuts the
+        handler off."""
+        if not self.aborts.fire(kind, reason):
+            return
         if kind == "cancel":
-            self.cancel_requested = True
             self.telemetry.event("umt.cancel_requested", **{"umt.cancel.reason": reason})
         elif kind == "lease_lost":
             self.telemetry.event("umt.lease_lost", **{"umt.reason": reason})
-        if kind in ("lease_lost", "crash"):
-            self.stopped = True
-        if self.abort_kind is None or kind in ("lease_lost", "crash"):
-            self.abort_kind = kind
-            self.abort_reason = reason
-        self.loop.call_soon_threadsafe(self.abort_event.set)
-        if kind in ("lease_lost", "crash") and self.task is not None:
+        if self.aborts.stopped and self.task is not None:
             self.loop.call_soon_threadsafe(self.task.cancel)
 
     def check_before_step(self) -> None:
-        """Raise what must happen instead of the next step: stop, release, or the cancel."""
-        if self.stopped:
-            raise Stop
-        if self.abort_kind == "shutdown":
-            raise Release
-        if self.cancel_requested:
-            reason = self.abort_reason or "canceled"
-            raise CanceledError(f"run {self.claimed.run_id} canceled: {reason}", reason=reason)
+        """Raise what must happen instead of the next step: stop, the cancel, or release."""
+        self.aborts.raise_at_boundary(f"run {self.claimed.run_id}")
 
     def go_live(self) -> None:
         """The first step the last execution did not finish: from here on, logs speak."""
         self.replaying = False
 
     # -- threads --------------------------------------------------------------------------------
+
+    async def in_thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run plain `fn` in the worker's threads (with the caller's context variables)."""
+        context = contextvars.copy_context()
+        call = functools.partial(context.run, fn, *args, **kwargs)
+        return await self.loop.run_in_executor(self._threads, call)
 
     def in_handler_thread(self) -> bool:
         return threading.get_ident() != self._loop_thread
@@ -364,28 +380,30 @@ class Execution:
             if definition.is_async:
                 output = await definition.fn(TaskContext(self, value))
             else:
-                output = await asyncio.to_thread(definition.fn, SyncTaskContext(self, value))
+                output = await self.in_thread(definition.fn, SyncTaskContext(self, value))
             output_json = _serde.encode(output, definition.output_type, what="task output")
             if definition.output_type is not Any and not _serde.decodes_to_itself(
                 output, definition.output_type
             ):  # what result() will decode: if that would fail, fail the run now
                 _serde.decode(output_json, definition.output_type, what="task output")
-        except (Stop, Suspend, SimulatedCrash):
-            raise
-        except Release:
-            await self._release()
-            return
-        except asyncio.CancelledError:
-            if self.stopped:
-                raise
-            if self.abort_kind == "shutdown":
-                await self._release()
-                return
-            raise
-        except Exception as exc:
-            if self.stopped:
+        except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
+            task = asyncio.current_task()
+            verdict = self.aborts.classify(
+                exc, cancelled_by_worker=task is not None and task.cancelling() > 0
+            )
+            if verdict in (Verdict.SUSPEND, Verdict.STOP):
+                if isinstance(exc, (Stop, Suspend, asyncio.CancelledError, SimulatedCrash)):
+                    raise
                 raise Stop from None
-            await self._finish_failed(exc)
+            if verdict is Verdict.FENCED:
+                self.fenced()
+                raise Stop from None
+            if verdict is Verdict.RELEASE:
+                await self._release()
+            elif verdict is Verdict.CANCEL:
+                await self._finish_canceled(exc)
+            else:
+                await self._finish_failed(exc)
             return
         await self._end(Ending(status="completed", outcome="completed", output_json=output_json))
         self._outcome("completed")
@@ -436,11 +454,8 @@ class Execution:
                 return execution.current_step
         return None
 
-    async def _finish_failed(self, exc: Exception) -> None:
-        """The handler raised: end canceled (its cancel was requested), retry later, or fail."""
-        if self.cancel_requested:
-            await self._finish_canceled(exc)
-            return
+    async def _finish_failed(self, exc: BaseException) -> None:
+        """The handler raised (or its input could not be decoded): retry later, or fail."""
         info = error_info(exc)
         policy = self.definition.retry
         failures = self.claimed.failures + 1
@@ -464,9 +479,10 @@ class Execution:
             return
         self._outcome("retrying", exc)
 
-    async def _finish_canceled(self, exc: Exception) -> None:
+    async def _finish_canceled(self, exc: BaseException) -> None:
         """End canceled, keeping the handler's error unless it is the cancel itself."""
-        error = None if isinstance(exc, CanceledError) else error_info(exc)
+        itself = isinstance(exc, (CanceledError, asyncio.CancelledError))
+        error = None if itself else error_info(exc)
         await self._name_canceled_step()
         await self._end(Ending(status="canceled", outcome="canceled", error=error))
         self._outcome("canceled", exc)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 from attrs import field, frozen
@@ -31,22 +32,34 @@ _ALWAYS_FINAL: tuple[type[BaseException], ...] = (
 # The validators guard RetryPolicy(...), a call of the API: what they refuse is a UsageError.
 
 
-def _positive(_: object, attribute: object, value: timedelta) -> None:
-    if value <= timedelta(0):
-        name = getattr(attribute, "name", "?")
-        raise UsageError(f"RetryPolicy: {name} must be > 0, got {value}", argument=name)
-
-
-def _at_least_one(_: object, __: object, value: int) -> None:
-    if value < 1:
+def _positive(_: object, attribute: object, value: object) -> None:
+    name = getattr(attribute, "name", "?")
+    if not isinstance(value, timedelta) or value <= timedelta(0):
         raise UsageError(
-            f"RetryPolicy: max_attempts must be >= 1, got {value}", argument="max_attempts"
+            f"RetryPolicy: {name} must be a timedelta > 0 such as timedelta(seconds=1), "
+            f"got {value!r}",
+            argument=name,
         )
 
 
-def _backoff_ok(_: object, __: object, value: float) -> None:
-    if value < 1.0:
-        raise UsageError(f"RetryPolicy: backoff must be >= 1.0, got {value}", argument="backoff")
+def _at_least_one(_: object, __: object, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UsageError(
+            f"RetryPolicy: max_attempts must be a whole number >= 1, got {value!r}",
+            argument="max_attempts",
+        )
+
+
+def _backoff_ok(_: object, __: object, value: object) -> None:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 1.0
+    ):
+        raise UsageError(
+            f"RetryPolicy: backoff must be a number >= 1.0, got {value!r}", argument="backoff"
+        )
 
 
 def _exception_types(_: object, __: object, value: object) -> None:

@@ -16,9 +16,10 @@ import json
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from umt_sdk import _serde
+from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
 from umt_sdk._history import History
 from umt_sdk._names import check_name
 from umt_sdk._retry import RetryPolicy
@@ -37,33 +38,44 @@ from umt_sdk._telemetry import ExecutionTelemetry
 from umt_sdk.exceptions import (
     CanceledError,
     FactTimeoutError,
-    FencingError,
     PayloadError,
     StepFailedError,
     UsageError,
 )
 
-__all__ = ["AbortKind", "StepHost", "Steps", "Stop", "Suspend", "Release", "error_info"]
+__all__ = ["StepHost", "Steps", "error_info"]
 
 T = TypeVar("T")
 
-AbortKind = Literal["cancel", "lease_lost", "shutdown", "crash"]
+
+def _check_wait_arguments(name: str, *, timeout: object, check: object, poll: object) -> None:
+    """`wait_for_fact`'s arguments are a call of the API: a wrong one is a UsageError (the run
+    fails at once, never retried), not arithmetic failing later."""
+    for argument, value, least in (("timeout", timeout, "0"), ("poll_interval", poll, "> 0")):
+        if value is None:
+            continue
+        if (
+            not isinstance(value, timedelta)
+            or value < timedelta(0)
+            or (argument == "poll_interval" and value == timedelta(0))
+        ):
+            raise UsageError(
+                f"wait_for_fact {name!r}: {argument} must be a timedelta (>= {least}) such as "
+                f"timedelta(seconds=30), or None; got {value!r}",
+                argument=argument,
+            )
+    if check is not None and not callable(check):
+        raise UsageError(
+            f"wait_for_fact {name!r}: check must be a function returning the fact or None, "
+            f"got {check!r}",
+            argument="check",
+        )
 
 
-class Suspend(BaseException):
-    """The run is parked; unwind the handler without recording anything else."""
-
-    step_outcome: ClassVar[str] = "retrying"
-
-
-class Stop(BaseException):
-    """This execution must stop writing: its lease is lost or its process is going away."""
-
-
-class Release(BaseException):
-    """The worker is shutting down: give the run back at the next step boundary."""
-
-    step_outcome: ClassVar[str] = "released"
+def _cancelled_by_worker() -> bool:
+    """The running task has a cancellation pending: the worker cancelled the execution."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def error_info(exc: BaseException) -> ErrorInfo:
@@ -78,14 +90,35 @@ def error_info(exc: BaseException) -> ErrorInfo:
         if kind.__module__ == "builtins"
         else f"{kind.__module__}.{kind.__qualname__}"
     )
-    message = str(exc)
+    message = _printed(exc)
     if isinstance(exc, StepFailedError) and exc.error_type:
         message = f"{exc.step_name}: {exc.error_type}: {exc.error_message}"
+    if len(message) > MESSAGE_LIMIT:
+        message = f"{message[:MESSAGE_LIMIT]}... ({len(message) - MESSAGE_LIMIT} more characters)"
+    try:
+        trace = "".join(traceback.format_exception(exc))[-8000:]
+    except Exception:  # the traceback module is careful, but this is user code's object
+        trace = ""
     return ErrorInfo(
         type=_serde.clean_text(name),
         message=_serde.clean_text(message),
-        traceback=_serde.clean_text("".join(traceback.format_exception(exc))[-8000:]),
+        traceback=_serde.clean_text(trace),
     )
+
+
+MESSAGE_LIMIT = 65_536
+"""Characters of an error message that are kept (the rest is counted, not stored)."""
+
+
+def _printed(exc: BaseException) -> str:
+    """The error's text, whatever its `__str__` does: recording it never depends on it."""
+    try:
+        return str(exc)
+    except Exception:
+        try:
+            return f"<unprintable {type(exc).__qualname__} object: {exc!r}>"
+        except Exception:
+            return f"<unprintable {type(exc).__qualname__} object>"
 
 
 class StepHost(Protocol):
@@ -101,17 +134,14 @@ class StepHost(Protocol):
     @property
     def default_retry(self) -> RetryPolicy: ...
     @property
-    def stopped(self) -> bool: ...
-    @property
-    def abort_kind(self) -> AbortKind | None: ...
-    @property
-    def cancel_requested(self) -> bool: ...
+    def aborts(self) -> Aborts: ...
 
     def now(self) -> datetime: ...
     def check_before_step(self) -> None: ...
     def go_live(self) -> None: ...
     def fenced(self) -> None: ...
     def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
+    async def in_thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T: ...
     async def guard(self, awaitable: Awaitable[T]) -> T: ...
     async def park(
         self,
@@ -251,25 +281,29 @@ class Steps:
             else:
                 # Plain bodies run in a thread (the handler's own thread already, for plain
                 # tasks: the loop never blocks on user code).
-                value = await asyncio.to_thread(fn, *args, **kwargs)
+                value = await self._host.in_thread(fn, *args, **kwargs)
                 if inspect.isawaitable(value):
                     value = await value
-        except (Stop, Suspend, Release, SimulatedCrash, asyncio.CancelledError):
-            raise
-        except FencingError:
-            self._host.fenced()
-            raise Stop from None
-        except Exception as exc:
-            if self._host.stopped:
+        except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
+            verdict = self._host.aborts.classify(exc, cancelled_by_worker=_cancelled_by_worker())
+            if verdict in (Verdict.SUSPEND, Verdict.STOP):
+                if isinstance(exc, (Stop, Suspend, asyncio.CancelledError, SimulatedCrash)):
+                    raise
                 raise Stop from None
-            if self._host.abort_kind == "shutdown":
+            if verdict is Verdict.FENCED:
+                self._host.fenced()
+                raise Stop from None
+            if verdict is Verdict.RELEASE:
                 raise Release from None
-            if isinstance(exc, CanceledError) and self._host.cancel_requested:
+            if verdict is Verdict.CANCEL and isinstance(
+                exc, (CanceledError, asyncio.CancelledError)
+            ):
                 self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
+            # A failure of the step's code (while canceling: recorded, never retried).
             policy = retry or self._host.default_retry
             info = error_info(exc)
-            if policy.should_retry(exc, attempt) and not self._host.cancel_requested:
+            if policy.should_retry(exc, attempt) and not self._host.aborts.canceling:
                 now = self._host.now()
                 record = self._step_record(
                     full,
@@ -342,6 +376,7 @@ class Steps:
         return value
 
     async def sleep(self, name: str, duration: timedelta) -> None:
+        check_name("sleep", name, argument="name")
         if not isinstance(duration, timedelta):
             raise UsageError(
                 f"sleep {name!r}: duration must be a timedelta such as timedelta(minutes=5), "
@@ -408,6 +443,7 @@ class Steps:
         poll: timedelta | None,
     ) -> Any:
         check_name("fact", name, argument="name")
+        _check_wait_arguments(name, timeout=timeout, check=check, poll=poll)
         full = self.history.occurrence(name)
         last = self.history.last(full, "fact")
         if last is not None and last.status == "completed":
@@ -427,7 +463,7 @@ class Steps:
                 if inspect.iscoroutinefunction(check):
                     value = await check()
                 else:
-                    value = await asyncio.to_thread(check)
+                    value = await self._host.in_thread(check)
                     if inspect.isawaitable(value):
                         value = await value
                 if value is not None:

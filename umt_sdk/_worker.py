@@ -9,6 +9,7 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -126,6 +127,13 @@ class Worker:
         """Set by a cancel hint: heartbeat now (the heartbeat reads the runs' cancel state)."""
         self._remove_listener: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Plain handlers, plain step bodies and `check=` functions run here, never in the
+        # loop's default pool (min(32, cores + 4) threads): a plain handler holds a thread
+        # while its plain step needs another, so at most two per slot, and a pool smaller than
+        # that deadlocks once every thread is a handler waiting for its step.
+        self._threads = ThreadPoolExecutor(
+            max_workers=2 * concurrency + 4, thread_name_prefix="umt-worker"
+        )
         self.crashed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -173,6 +181,8 @@ class Worker:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
         self._tasks = []
+        # Threads still running a handler that ignored the shutdown finish on their own.
+        self._threads.shutdown(wait=False)
 
     # -- testing hooks (used through umt_sdk.testing) -----------------------------------------
 
@@ -248,6 +258,7 @@ class Worker:
             lease_duration=self.lease,
             loop=self._loop,
             telemetry=self.telemetry,
+            threads=self._threads,
         )
         execution.on_step_start = self._step_started.set
         self._executions[claimed.run_id] = execution

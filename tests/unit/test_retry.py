@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from umt_sdk import RetryPolicy
 from umt_sdk.exceptions import (
@@ -185,3 +188,43 @@ def test_some_errors_are_always_final(error: Exception) -> None:
 def test_backend_errors_are_retried() -> None:
     assert RetryPolicy().should_retry(BackendError(), 1)
     assert RetryPolicy().should_retry(BackendUnavailableError(), 1)
+
+
+_FIELDS = ("initial", "max_interval", "max_attempts", "backoff")
+_ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.timedeltas(),
+    st.lists(st.integers(), max_size=2),
+    st.decimals(allow_nan=False, allow_infinity=False),
+)
+
+
+def _valid(field: str, value: object) -> bool:
+    if field in ("initial", "max_interval"):
+        return isinstance(value, timedelta) and value > timedelta(0)
+    if field == "max_attempts":
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 1.0
+    )
+
+
+@given(field=st.sampled_from(_FIELDS), value=_ANY_VALUE)
+def test_a_retry_policy_takes_a_valid_value_or_refuses_it_with_a_usage_error(
+    field: str, value: object
+) -> None:
+    # A refused argument is a UsageError naming it (never retried inside a handler), never a
+    # TypeError out of a comparison.
+    if _valid(field, value):
+        RetryPolicy(**{field: value})  # type: ignore[arg-type]  # any value, as users write
+        return
+    with pytest.raises(UsageError) as caught:
+        RetryPolicy(**{field: value})  # type: ignore[arg-type]
+    assert caught.value.argument == field

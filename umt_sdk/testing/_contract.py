@@ -334,7 +334,132 @@ async def inching_task(ctx: TaskContext[Job]) -> list[str]:
     return [await ctx.step.run(name, part, name) for name in ("p1", "p2", "p3", "p4")]
 
 
+# -- the abort table: how each handler shape ends under each abort --------------------------------
+
+ABORT_SHAPES = ("ignores", "throws", "catches", "sync")
+"""ignores: waits for its go-ahead without looking at the abort; throws: awaits the abort
+signal (or the go-ahead), then calls throw_if_canceled(); catches: the same, but catches
+CanceledError and returns; sync: a plain handler that polls throw_if_canceled()."""
+
+
+async def _abort_or_go(ctx: TaskContext[Job]) -> None:
+    go = asyncio.ensure_future(_gate(f"{ctx.input.key}:go").wait())
+    abort = asyncio.ensure_future(ctx.abort_event.wait())
+    try:
+        await asyncio.wait({go, abort}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        go.cancel()
+        abort.cancel()
+
+
+@task("contract.aborts", version=1)
+async def aborts_task(ctx: TaskContext[Job]) -> str:
+    key, shape = ctx.input.key, ABORT_SHAPES[ctx.input.n]
+
+    def body(name: str) -> str:
+        BODY_RUNS[(key, name)] += 1
+        return name
+
+    await ctx.step.run("a", body, "a")
+    _gate(f"{key}:in").set()
+    if shape == "ignores":
+        await _gate(f"{key}:go").wait()
+    else:
+        await _abort_or_go(ctx)
+        if shape == "catches":
+            try:
+                ctx.throw_if_canceled()
+            except CanceledError:
+                return "caught"
+        else:
+            ctx.throw_if_canceled()
+    await ctx.step.run("b", body, "b")
+    return "done"
+
+
+@task("contract.aborts_sync", version=1)
+def aborts_sync_task(ctx: SyncTaskContext[Job]) -> str:
+    key = ctx.input.key
+
+    def body(name: str) -> str:
+        BODY_RUNS[(key, name)] += 1
+        return name
+
+    ctx.step.run("a", body, "a")
+    BUSINESS[f"{key}:in"] = True
+    while not BUSINESS.get(f"{key}:go"):
+        ctx.throw_if_canceled()
+        time.sleep(0.01)
+    ctx.step.run("b", body, "b")
+    return "done"
+
+
+@task("contract.plain_nested", version=1)
+def plain_nested_task(ctx: SyncTaskContext[Job]) -> int:
+    """The shape docs/writing-tasks.md shows: a plain handler calling a plain step."""
+    doubled: int = ctx.step.run("double", lambda n: 2 * n, ctx.input.n)
+    return doubled + 1
+
+
+@task("contract.own_cancelled_error", version=1, retry=RetryPolicy.none())
+async def own_cancelled_error_task(ctx: TaskContext[Job]) -> str:
+    """A step whose code raises `asyncio.CancelledError` itself (a library cancelling a future
+    of its own): a failure of that step, not the worker stopping the execution."""
+
+    async def body() -> str:
+        BODY_RUNS[(ctx.input.key, "inner")] += 1
+        inner: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        inner.cancel()
+        return await inner
+
+    try:
+        await ctx.step.run("inner", body, retry=RetryPolicy.none())
+    except StepFailedError as exc:
+        return f"step failed: {exc.error_type}"
+    return "not reached"
+
+
+class Unprintable(Exception):
+    """An error whose `__str__` and `__repr__` raise: umt still records it."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr either")
+
+
+@task("contract.unprintable", version=1, retry=RetryPolicy.none())
+async def unprintable_task(ctx: TaskContext[Job]) -> str:
+    def body() -> str:
+        BODY_RUNS[(ctx.input.key, "boom")] += 1
+        raise Unprintable
+
+    try:
+        await ctx.step.run("boom", body, retry=RetryPolicy.none())
+    except StepFailedError as exc:
+        return exc.error_type
+    return "not reached"
+
+
+@task("contract.bad_wait", version=1, retry=RetryPolicy(max_attempts=3))
+async def bad_wait_task(ctx: TaskContext[Job]) -> str:
+    """Arguments of the wrong type, as users write them: seconds where a timedelta goes."""
+    BODY_RUNS[(ctx.input.key, "handler")] += 1
+    if ctx.input.n == 0:
+        await ctx.step.wait_for_fact("go", timeout=30)  # type: ignore[arg-type]  # under test
+    else:
+        await ctx.step.wait_for_fact("go", poll_interval=5)  # type: ignore[arg-type]
+    return "not reached"
+
+
 ALL_TASKS: list[TaskDefinition[Any, Any]] = [
+    bad_wait_task,
+    plain_nested_task,
+    own_cancelled_error_task,
+    unprintable_task,
+    aborts_task,
+    aborts_sync_task,
     steps_task,
     echo_task,
     echo_task_v2,
@@ -585,6 +710,132 @@ class BackendContract:
             await wait_until(engine, handle.run_id, lambda i: i.status == "waiting", what="parked")
             BUSINESS["plan-9"] = "approved-by-alice"
             assert await handle.result(timeout=15) == "approved-by-alice"
+
+    # -- execution semantics under user code ------------------------------------------------------
+
+    async def test_plain_handlers_calling_plain_steps_never_deadlock(self, engine: Engine) -> None:
+        """Each plain handler holds a thread while its plain step needs another: with more
+        slots than the default thread pool has threads, every run must still finish."""
+        handles = [
+            await engine.enqueue(plain_nested_task, Job(key=f"p{i}", n=i)) for i in range(70)
+        ]
+        async with engine.worker(concurrency=64):
+            results = [await h.result(timeout=60) for h in handles]
+        assert results == [2 * i + 1 for i in range(70)]
+
+    async def test_a_cancelled_error_raised_by_step_code_fails_the_step(
+        self, engine: Engine
+    ) -> None:
+        handle = await engine.enqueue(own_cancelled_error_task, Job(key="own-cancel"))
+        async with engine.worker():
+            result = await handle.result(timeout=15)
+        assert result == "step failed: asyncio.exceptions.CancelledError"
+        assert BODY_RUNS[("own-cancel", "inner")] == 1
+        info = await engine.get(handle.run_id)
+        assert [e.outcome for e in info.executions] == ["completed"]
+        (record,) = [s for s in info.timeline if s.name == "inner"]
+        assert record.status == "failed"
+
+    async def test_an_error_that_cannot_be_printed_is_still_recorded(self, engine: Engine) -> None:
+        handle = await engine.enqueue(unprintable_task, Job(key="unprintable"))
+        async with engine.worker():
+            result = await handle.result(timeout=15)
+        assert result.endswith("Unprintable")
+        assert BODY_RUNS[("unprintable", "boom")] == 1
+        info = await engine.get(handle.run_id)
+        (record,) = [s for s in info.timeline if s.name == "boom"]
+        assert record.status == "failed"
+        assert record.error is not None
+        assert "unprintable" in record.error.message
+
+    @pytest.mark.parametrize(("n", "argument"), [(0, "timeout"), (1, "poll_interval")])
+    async def test_a_wrong_type_argument_fails_the_run_at_once(
+        self, engine: Engine, n: int, argument: str
+    ) -> None:
+        handle = await engine.enqueue(bad_wait_task, Job(key=f"bad-{argument}", n=n))
+        async with engine.worker():
+            with pytest.raises(RunFailedError) as caught:
+                await handle.result(timeout=15)
+        assert caught.value.error_type == "umt_sdk.UsageError"
+        assert argument in caught.value.error_message
+        assert BODY_RUNS[(f"bad-{argument}", "handler")] == 1, "a refused argument is not retried"
+
+    # -- the abort table --------------------------------------------------------------------------
+
+    async def _start_abort_shape(self, engine: Engine, key: str, shape: str) -> UUID:
+        if shape == "sync":
+            handle = await engine.enqueue(aborts_sync_task, Job(key=key))
+        else:
+            handle = await engine.enqueue(aborts_task, Job(key=key, n=ABORT_SHAPES.index(shape)))
+        return handle.run_id
+
+    async def _inside(self, key: str, shape: str) -> None:
+        if shape == "sync":
+            await _eventually(lambda: _true(bool(BUSINESS.get(f"{key}:in"))))
+        else:
+            await asyncio.wait_for(_gate(f"{key}:in").wait(), 15)
+
+    def _go(self, key: str) -> None:
+        _gate(f"{key}:go").set()
+        BUSINESS[f"{key}:go"] = True
+
+    @pytest.mark.parametrize("shape", ABORT_SHAPES)
+    async def test_a_worker_shutting_down_hands_the_run_back_uncharged(
+        self, engine: Engine, shape: str
+    ) -> None:
+        """A deploy: the worker stops gracefully while a handler is between steps. Whatever the
+        handler does with the abort signal, the run is released (never failed, never charged
+        a failure), and the next worker finishes it without running a completed step again."""
+        key = f"shutdown-{shape}"
+        run_id = await self._start_abort_shape(engine, key, shape)
+        async with engine.worker(shutdown_grace=timedelta(milliseconds=300)):
+            await self._inside(key, shape)
+        info = await engine.get(run_id)
+        assert info.status == "pending", (shape, info.status, info.error)
+        assert info.failures == 0
+        assert [e.outcome for e in info.executions] == ["released"]
+        self._go(key)
+        async with engine.worker():
+            assert await engine.result(run_id, timeout=15) == "done"
+        info = await engine.get(run_id)
+        assert (info.status, info.failures) == ("completed", 0)
+        assert [e.outcome for e in info.executions] == ["released", "completed"]
+        assert BODY_RUNS[(key, "a")] == 1
+        assert BODY_RUNS[(key, "b")] == 1
+
+    @pytest.mark.parametrize("shape", ["throws", "catches", "sync"])
+    async def test_a_cancel_ends_the_run_as_the_handler_answers_it(
+        self, engine: Engine, shape: str
+    ) -> None:
+        """The run's cancel: a handler that lets `CanceledError` out ends canceled, one that
+        catches it and returns completes with what it returned."""
+        key = f"cancel-{shape}"
+        run_id = await self._start_abort_shape(engine, key, shape)
+        async with engine.worker():
+            await self._inside(key, shape)
+            assert await engine.cancel(run_id, reason="no longer wanted") == "requested"
+            if shape == "catches":
+                assert await engine.result(run_id, timeout=15) == "caught"
+            else:
+                with pytest.raises(RunCanceledError) as caught:
+                    await engine.result(run_id, timeout=15)
+                assert caught.value.reason == "no longer wanted"
+        info = await engine.get(run_id)
+        assert info.status == ("completed" if shape == "catches" else "canceled")
+        assert info.failures == 0
+        assert info.error is None
+        assert BODY_RUNS[(key, "b")] == 0
+
+    async def test_a_cancel_during_a_shutdown_ends_the_run_canceled(self, engine: Engine) -> None:
+        """Both at once: the cancel wins; the run is not handed back to be started again."""
+        key = "cancel-and-shutdown"
+        run_id = await self._start_abort_shape(engine, key, "ignores")
+        async with engine.worker(shutdown_grace=timedelta(milliseconds=300)):
+            await self._inside(key, "ignores")
+            assert await engine.cancel(run_id, reason="both") == "requested"
+        info = await engine.get(run_id)
+        assert info.status == "canceled", (info.status, info.error)
+        assert info.failures == 0
 
     # -- cancel -----------------------------------------------------------------------------------
 
