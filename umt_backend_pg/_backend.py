@@ -83,6 +83,25 @@ from umt_sdk.exceptions import (
 __all__ = ["PostgresBackend"]
 
 
+# TCP settings for the pool's connections unless the URL sets its own: a peer that vanished
+# (a crashed host, a dropped NAT entry) is noticed in about 30 s instead of the kernel's two
+# hours, and data that is never acknowledged fails the connection after 30 s. A peer that
+# acknowledges and never answers (a proxy holding the connection) is what the worker's deadline
+# on its claim and heartbeat is for (umt_sdk._worker).
+_NETWORK_DEFAULTS: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
+
+def _network_defaults(url: str) -> dict[str, Any]:
+    given = psycopg.conninfo.conninfo_to_dict(url)
+    return {k: v for k, v in _NETWORK_DEFAULTS.items() if k not in given}
+
+
 class PostgresBackend:
     """Runs, steps, facts and the ledger in one Postgres schema. Open with `open()`."""
 
@@ -128,7 +147,7 @@ class PostgresBackend:
             url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, **_network_defaults(url)},
             open=False,
             name=f"umt-{schema}",
         )

@@ -91,6 +91,8 @@ class Execution:
         self.aborts = Aborts(loop)
         # What the last heartbeat that reached the backend said about the step.
         self.beaten_step: tuple[str, datetime] | None = None
+        # Until when (monotonic) the lease is known held: the claim, then each heartbeat.
+        self.lease_until = float("inf")
         # Set while the write that hands the run back (the ending) is in flight: a heartbeat
         # racing with it may find the run released, which is not a lost lease.
         self.letting_go = False

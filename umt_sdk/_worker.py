@@ -8,19 +8,21 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from umt_sdk._execution import Execution
 from umt_sdk._spi import Backend, Beat, ClaimedRun, TaskPair
 from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
-from umt_sdk.exceptions import BackendError, UsageError
+from umt_sdk.exceptions import BackendError, BackendUnavailableError, UsageError
 
 __all__ = ["Worker"]
+
+T = TypeVar("T")
 
 _log = logging.getLogger("umt.worker")
 
@@ -217,9 +219,13 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
+            started = time.monotonic()
             try:
-                claimed = await self.backend.claim(
-                    worker_id=self.worker_id, pairs=self.pairs, limit=free, lease=self.lease
+                claimed = await self._within_lease(
+                    "claiming runs",
+                    self.backend.claim(
+                        worker_id=self.worker_id, pairs=self.pairs, limit=free, lease=self.lease
+                    ),
                 )
                 outage.succeeded()
             except Exception as exc:
@@ -231,11 +237,11 @@ class Worker:
                 continue
             if self._stopping:
                 for run in claimed:  # claimed while stopping: give back at once
-                    self._spawn(run)
+                    self._spawn(run, started)
                     self._executions[run.run_id].abort("shutdown", "worker shutting down")
                 return
             for run in claimed:
-                self._spawn(run)
+                self._spawn(run, started)
             # A short batch may only mean that a concurrent claim took some candidates: ask
             # again at once, and wait only when a claim finds nothing.
             if not claimed:
@@ -247,7 +253,7 @@ class Worker:
                     _log.debug("waiting for work failed (%s); polling", exc)
                     await asyncio.sleep(self.poll_interval.total_seconds())
 
-    def _spawn(self, claimed: ClaimedRun) -> None:
+    def _spawn(self, claimed: ClaimedRun, claim_started: float) -> None:
         assert self._loop is not None
         definition = self.registry.get(claimed.task_name, claimed.task_version)
         execution = Execution(
@@ -261,6 +267,7 @@ class Worker:
             threads=self._threads,
         )
         execution.on_step_start = self._step_started.set
+        execution.lease_until = claim_started + self.lease.total_seconds()
         self._executions[claimed.run_id] = execution
         task = asyncio.create_task(execution.execute(), name=f"umt-run-{claimed.run_id}")
         execution.task = task
@@ -318,6 +325,7 @@ class Worker:
             last = time.monotonic()
             if self._heartbeats_paused:
                 continue
+            self._stop_expired_leases()
             live = [e for e in self._executions.values() if not e.stopped and not e.letting_go]
             if not live:
                 continue
@@ -331,16 +339,23 @@ class Worker:
                 )
                 for e, step in zip(live, steps, strict=True)
             ]
+            beat_started = time.monotonic()
             try:
-                result = await self.backend.heartbeat(
-                    worker_id=self.worker_id, beats=beats, lease=self.lease
+                result = await self._within_lease(
+                    "heartbeat",
+                    self.backend.heartbeat(worker_id=self.worker_id, beats=beats, lease=self.lease),
                 )
                 outage.succeeded()
             except Exception as exc:  # leases may expire meanwhile; fencing keeps that safe
                 if self._stopping:
                     return
                 outage.failed(exc, interval)
+                self._stop_expired_leases()
                 continue
+            renewed = beat_started + self.lease.total_seconds()
+            for execution in live:
+                if execution.claimed.run_id not in result.lost:
+                    execution.lease_until = max(execution.lease_until, renewed)
             for execution, step in zip(live, steps, strict=True):
                 execution.beaten_step = step
             for execution in live:
@@ -355,6 +370,32 @@ class Worker:
                     # The one place a cancel takes effect: the backend read it from what is
                     # stored, for a run this execution still holds under its token.
                     execution.abort("cancel", result.cancel_requested[run_id] or "canceled")
+
+    async def _within_lease(self, what: str, call: Awaitable[T]) -> T:
+        """A backend call of the worker's own loops, answered within the lease or given up: a
+        connection that went silent (a dropped NAT or firewall entry) must not hold the
+        worker forever. The backend's driver cleans up the connection it leaves."""
+        try:
+            async with asyncio.timeout(self.lease.total_seconds()):
+                return await call
+        except TimeoutError:
+            raise BackendUnavailableError(
+                f"{what} got no answer within the lease ({self.lease.total_seconds():g} s)"
+            ) from None
+
+    def _stop_expired_leases(self) -> None:
+        """An execution whose lease no heartbeat renewed in time may be another worker's by
+        now: it stops as if told so (its writes would be refused anyway, or never answered)."""
+        now = time.monotonic()
+        for execution in list(self._executions.values()):
+            if not execution.stopped and not execution.letting_go and now >= execution.lease_until:
+                _log.warning(
+                    "the lease of run %s expired before a heartbeat could renew it; stopping "
+                    "its execution (another worker takes the run over)",
+                    execution.claimed.run_id,
+                )
+                execution.telemetry.lease_lost()
+                execution.abort("lease_lost", "lease expired: the backend did not answer in time")
 
     async def _depth_loop(self) -> None:
         """Refresh the queue-depth gauge of this worker's pairs (cheap, every 10 s)."""
