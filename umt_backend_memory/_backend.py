@@ -697,6 +697,11 @@ class MemoryBackend:
             run = self._runs.get(run_id)
             return None if run is None else self._record(run, full=True)
 
+    async def get_run_head(self, run_id: UUID) -> RunRecord | None:
+        with self._lock:
+            run = self._runs.get(run_id)
+            return None if run is None else self._record(run, full=False)
+
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
         with self._lock:
             runs = sorted(self._runs.values(), key=lambda r: r.seq, reverse=True)

@@ -485,6 +485,10 @@ class PostgresBackend:
                 executions = await cur.fetchall()
         return _record(row, steps, executions)
 
+    async def get_run_head(self, run_id: UUID) -> RunRecord | None:
+        row = await self._one("get_run", {"run_id": run_id})
+        return None if row is None else _record(row)
+
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
         rows = await self._all(
             "list_runs",

@@ -289,7 +289,7 @@ class Engine:
         """An idempotency hit must name a run of the version asked for, or the handle lies."""
         existing = result.task_version
         if existing is None:  # the backend does not say: read the run
-            record = await self.backend.get_run(result.run_id)
+            record = await self.backend.get_run_head(result.run_id)
             if record is None:
                 return  # not visible here (inside the caller's transaction, say)
             existing = record.task_version
@@ -391,7 +391,7 @@ class Engine:
         run_id = _check_run_id(run_id, "result")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            record = await self.backend.get_run(run_id)
+            record = await self.backend.get_run_head(run_id)
             if record is None:
                 raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
             if record.status in TERMINAL_STATUSES:

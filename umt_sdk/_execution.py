@@ -330,7 +330,7 @@ class Execution:
         said so yet): take the request, with its reason, as the heartbeat would have."""
         reason = "canceled"
         try:
-            record = await self.backend.get_run(self.claimed.run_id)
+            record = await self.backend.get_run_head(self.claimed.run_id)
         except BackendError as exc:  # the reason is for the error message; the cancel holds
             _log.debug("run %s: could not read the cancel reason: %s", self.claimed.run_id, exc)
         else:

@@ -485,6 +485,11 @@ class Backend(Protocol):
         """The run with its steps and executions, or None."""
         ...
 
+    async def get_run_head(self, run_id: UUID) -> RunRecord | None:
+        """The run without its steps and executions (one read, whatever the run's length), or
+        None: what `result()` polls and what reading one field of a run needs."""
+        ...
+
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
         """Runs matching `query`, newest first, without steps."""
         ...

@@ -711,6 +711,25 @@ class BackendContract:
             BUSINESS["plan-9"] = "approved-by-alice"
             assert await handle.result(timeout=15) == "approved-by-alice"
 
+    async def test_the_head_of_a_run_is_the_run_without_its_steps(self, engine: Engine) -> None:
+        """`get_run_head`: what `result()` polls, one read whatever the run's length."""
+        assert await engine.backend.get_run_head(new_run_id()) is None
+        handle = await engine.enqueue(steps_task, Job(key="head"))
+        pending = await engine.backend.get_run_head(handle.run_id)
+        assert pending is not None
+        assert (pending.status, pending.steps, pending.executions) == ("pending", (), ())
+        async with engine.worker():
+            await handle.result(timeout=15)
+        full = await engine.backend.get_run(handle.run_id)
+        head = await engine.backend.get_run_head(handle.run_id)
+        assert full is not None
+        assert head is not None
+        assert full.steps, "the full read has the steps"
+        assert (head.steps, head.executions) == ((), ())
+        assert attrs.evolve(head, observed_at=None) == attrs.evolve(
+            full, steps=(), executions=(), observed_at=None
+        )
+
     # -- execution semantics under user code ------------------------------------------------------
 
     async def test_plain_handlers_calling_plain_steps_never_deadlock(self, engine: Engine) -> None:
