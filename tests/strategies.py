@@ -56,9 +56,10 @@ every run makes first (`crash_points` draws them more often)."""
 class FlowInput:
     """The shape of one run of the property tests' flow task.
 
-    gates: where the run's bodies block until the test opens their gate: "prepare" (the first
-        step), "act" (inside the fenced side effect, between the ledger's begin and finish) and
-        "finish" (the last step, after earlier steps renewed the lease).
+    gates: where the run blocks until the test opens its gate (or the abort signal fires, then
+        `ctx.throw_if_canceled()`): "prepare" (the first step), "handler" (the handler itself,
+        between two steps), "act" (inside the fenced side effect, between the ledger's begin
+        and finish) and "finish" (the last step, after earlier steps renewed the lease).
     fenced: run the fenced side effect (`with_attempt_token`) as the step "submit".
     sleep_s: a durable sleep of that many (virtual) seconds; 0 for none.
     wait_fact: wait for the run-scoped fact "go".
@@ -76,7 +77,7 @@ class FlowInput:
 @st.composite
 def flow_inputs(draw: st.DrawFn) -> FlowInput:
     fenced = draw(st.booleans())
-    points = ["prepare", "act", "finish"] if fenced else ["prepare", "finish"]
+    points = ["prepare", "handler", "act", "finish"] if fenced else ["prepare", "handler", "finish"]
     return FlowInput(
         gates=tuple(sorted(draw(st.sets(st.sampled_from(points))))),
         fenced=fenced,

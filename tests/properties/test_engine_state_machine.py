@@ -115,6 +115,9 @@ async def _flow(ctx: TaskContext[FlowInput], *, audit: bool) -> FlowOutput:
         return "prepared"
 
     await ctx.step.run("prepare", prepare)
+    # Between two steps, in the handler itself, as users write it: wait for the go-ahead or
+    # the abort signal, then `ctx.throw_if_canceled()` (a worker stopping is not a cancel).
+    await obs.gate(ctx, "handler")
 
     if audit:
 
