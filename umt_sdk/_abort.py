@@ -98,7 +98,14 @@ class Aborts:
         if state <= self.state:
             return False
         self.state, self.kind, self.reason = state, kind, reason
-        self._loop.call_soon_threadsafe(self.event.set)
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self.event.set()  # with the state, so no handler sees one without the other
+        else:
+            self._loop.call_soon_threadsafe(self.event.set)
         return True
 
     @property

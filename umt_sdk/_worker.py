@@ -390,8 +390,8 @@ class Worker:
         for execution in list(self._executions.values()):
             if not execution.stopped and not execution.letting_go and now >= execution.lease_until:
                 _log.warning(
-                    "the lease of run %s expired before a heartbeat could renew it; stopping "
-                    "its execution (another worker takes the run over)",
+                    "lost the lease of run %s: it expired before a heartbeat could renew it; "
+                    "stopping its execution (another worker takes the run over)",
                     execution.claimed.run_id,
                 )
                 execution.telemetry.lease_lost()

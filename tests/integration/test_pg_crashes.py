@@ -169,6 +169,8 @@ async def test_sigstop_past_the_lease_fences_the_stale_worker(
         text = stale.output() + stale.errors()
         if f"FENCED run={handle.run_id} token={stale_token}" in text:
             return "commit rejected with FencingError"
+        if f"lost the lease of run {handle.run_id}: it expired" in text:
+            return "stopped before writing: its lease expired unrenewed"
         if f"lost the lease of run {handle.run_id}" in text:
             return "heartbeat rejected: lease lost"
         return ""
