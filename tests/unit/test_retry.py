@@ -226,5 +226,5 @@ def test_a_retry_policy_takes_a_valid_value_or_refuses_it_with_a_usage_error(
         RetryPolicy(**{field: value})  # type: ignore[arg-type]  # any value, as users write
         return
     with pytest.raises(UsageError) as caught:
-        RetryPolicy(**{field: value})  # type: ignore[arg-type]
+        RetryPolicy(**{field: value})  # type: ignore[arg-type]  # a wrong value, refused
     assert caught.value.argument == field

@@ -449,7 +449,7 @@ async def bad_wait_task(ctx: TaskContext[Job]) -> str:
     if ctx.input.n == 0:
         await ctx.step.wait_for_fact("go", timeout=30)  # type: ignore[arg-type]  # under test
     else:
-        await ctx.step.wait_for_fact("go", poll_interval=5)  # type: ignore[arg-type]
+        await ctx.step.wait_for_fact("go", poll_interval=5)  # type: ignore[arg-type]  # under test
     return "not reached"
 
 
