@@ -14,8 +14,8 @@ Round trips (each one statement and one commit unless noted):
   step's backoff): 1; park on a fact: 1 (lock + ending, pipelined in a transaction);
 - signal: 1 (lock + insert + wake-up + NOTIFY, pipelined in a transaction);
 - heartbeat: 1 per worker per interval, for every run it holds (also without the flush wait);
-- ready-queue rotation: 1 per worker about every half second, offered before a claim (a no-op
-  unless the slot behind is due; see `_ready`); the sweep of lost `ready` rows: 1 per worker
+- ready-queue rotation: 1 per worker about every quarter second, offered before a claim (a
+  no-op unless a slot behind is due; see `_ready`); the sweep of lost `ready` rows: 1 per worker
   every 30 s.
 A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete. The
 claim reads the ready queue always, and the timers (due sleeps, backoffs, expired leases)

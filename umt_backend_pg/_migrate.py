@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import psycopg
 from psycopg import sql
 
 from umt_backend_pg._errors import wrap_exceptions
-from umt_backend_pg._sql import migrations, render, validate_schema
+from umt_backend_pg._sql import migrations, queries, render, validate_schema
+from umt_sdk.exceptions import BackendError
 
 __all__ = ["migrate", "pending_migrations_sql"]
 
@@ -17,10 +22,11 @@ async def migrate(url: str, *, schema: str = "umt") -> list[str]:
     """Apply the engine's pending migrations to `schema`; return the names applied.
 
     Safe to run from many processes at once: they queue on an advisory lock per schema.
+    Raises BackendError, after applying them, if the role lacks a privilege workers need.
     """
     validate_schema(schema)
     applied: list[str] = []
-    with wrap_exceptions():
+    with wrap_exceptions(), _privileges_named(schema):
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             await conn.execute(
                 "SELECT pg_advisory_lock(hashtextextended(%s, %s))",
@@ -57,7 +63,36 @@ async def migrate(url: str, *, schema: str = "umt") -> list[str]:
                     "SELECT pg_advisory_unlock(hashtextextended(%s, %s))",
                     (f"umt-migrate:{schema}", _LOCK_SEED),
                 )
+            await _check_privileges(conn, schema)
     return applied
+
+
+@contextmanager
+def _privileges_named(schema: str) -> Iterator[None]:
+    try:
+        yield
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise BackendError(
+            f"this role cannot migrate the schema {schema!r} ({exc.diag.message_primary}): run "
+            "`umt migrate` (or `migrate()`) as the schema's owner, and connect the other roles "
+            "with run_migrations=False"
+        ) from exc
+
+
+async def _check_privileges(conn: psycopg.AsyncConnection[Any], schema: str) -> None:
+    """The role that migrates is the one workers are expected to run as (or an owner): say now,
+    not under load, if it cannot rotate the ready queue."""
+    cur = await conn.execute(render(queries()["missing_privileges"], schema), {"schema": schema})
+    row = await cur.fetchone()
+    role: str = row[0] if row else "?"
+    missing: list[str] | None = row[1] if row else None
+    if missing:
+        tables = ", ".join(f"{schema}.{name}" for name in missing)
+        raise BackendError(
+            f"the role {role!r} cannot TRUNCATE {tables}: workers empty the ready queue's slots "
+            f"with TRUNCATE. As the tables' owner, run `GRANT TRUNCATE ON {tables} TO {role}` "
+            "(or migrate and run workers as the owner); the migrations themselves are applied"
+        )
 
 
 async def pending_migrations_sql(url: str, *, schema: str = "umt") -> str:

@@ -30,7 +30,7 @@ _log = logging.getLogger("umt.pg")
 TIMERS_EVERY = 1.0
 TIMERS_MARGIN = timedelta(seconds=5)
 FULL_TIMERS_EVERY = 60.0
-ROTATE_EVERY = 0.5
+ROTATE_EVERY = 0.25
 ROTATE_AFTER_FULL = 5.0
 MAX_MOVED = 2_000
 """Claimable rows a rotation moves to the current slot at most (more: a backlog, left to the

@@ -5,6 +5,7 @@ claimable row, even while another connection holds a snapshot open."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,9 +16,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from umt_backend_pg import PostgresBackend
+from umt_backend_pg import PostgresBackend, migrate
 from umt_backend_pg._sql import queries, render
 from umt_sdk.backend import Ending, Lease, NewRun, TaskPair
+from umt_sdk.exceptions import BackendError
 
 PAIR = TaskPair(name="rq", version=1)
 LEASE = timedelta(seconds=30)
@@ -152,7 +154,7 @@ async def test_a_fact_queues_the_run_it_wakes_so_the_next_claim_takes_it(
 
 
 async def until_truncated(url: str, schema: str, partition: str) -> list[str]:
-    """Offer rotations until `partition` was truncated (each slot's turn comes every 6 s)."""
+    """Offer rotations until `partition` was truncated (each slot's turn comes every 3 s)."""
     outcomes = []
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
@@ -256,9 +258,10 @@ async def test_rotation_leaves_a_slot_that_someone_holds(
     await until_truncated(pg_url, pg_schema, partition)
 
 
-async def test_a_worker_without_truncate_rights_still_claims_and_says_why_it_cannot_rotate(
-    pg_url: str, pg_schema: str, caplog: pytest.LogCaptureFixture
-) -> None:
+@contextlib.asynccontextmanager
+async def limited_role(pg_url: str, pg_schema: str, *, creates: bool = False) -> AsyncIterator[str]:
+    """The URL of a new role with every right on the engine's tables but TRUNCATE (and, when
+    `creates`, CREATE on the database and the schema, as a DBA might grant an app's role)."""
     role = f"r_{uuid.uuid4().hex[:10]}"
     async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
         await conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
@@ -270,29 +273,67 @@ async def test_a_worker_without_truncate_rights_still_claims_and_says_why_it_can
                 "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {s} TO {r}"
             ).format(s=sql.Identifier(pg_schema), r=sql.Identifier(role))
         )
-    url = psycopg.conninfo.make_conninfo(pg_url, user=role)
-    limited = await PostgresBackend.open(
-        url, schema=pg_schema, run_migrations=False, listen=False, max_size=2
-    )
+        if creates:
+            cur = await conn.execute("SELECT current_database()")
+            database = (await cur.fetchall())[0][0]
+            await conn.execute(
+                sql.SQL(
+                    "GRANT CREATE ON DATABASE {d} TO {r}; GRANT CREATE ON SCHEMA {s} TO {r}"
+                ).format(
+                    d=sql.Identifier(database), s=sql.Identifier(pg_schema), r=sql.Identifier(role)
+                )
+            )
     try:
-        runs = [new_run() for _ in range(5)]
-        for run in runs:
-            await limited.enqueue(run)
-        got = await limited.claim(worker_id="w", pairs=[PAIR], limit=10, lease=LEASE)
-        assert sorted(c.run_id for c in got) == sorted(r.run_id for r in runs)
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and limited._clocks.rotation_enabled:
-            await limited.enqueue(new_run())
-            await limited.claim(worker_id="w", pairs=[PAIR], limit=10, lease=LEASE)
-            await asyncio.sleep(0.3)
-        assert not limited._clocks.rotation_enabled
-        assert "TRUNCATE" in caplog.text
+        yield psycopg.conninfo.make_conninfo(pg_url, user=role)
     finally:
-        await limited.close()
         async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
             await conn.execute(
                 sql.SQL("DROP OWNED BY {r}; DROP ROLE {r}").format(r=sql.Identifier(role))
             )
+
+
+async def test_a_worker_without_truncate_rights_still_claims_and_says_why_it_cannot_rotate(
+    pg_url: str, pg_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with limited_role(pg_url, pg_schema) as url:
+        limited = await PostgresBackend.open(
+            url, schema=pg_schema, run_migrations=False, listen=False, max_size=2
+        )
+        try:
+            runs = [new_run() for _ in range(5)]
+            for run in runs:
+                await limited.enqueue(run)
+            got = await limited.claim(worker_id="w", pairs=[PAIR], limit=10, lease=LEASE)
+            assert sorted(c.run_id for c in got) == sorted(r.run_id for r in runs)
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline and limited._clocks.rotation_enabled:
+                await limited.enqueue(new_run())
+                await limited.claim(worker_id="w", pairs=[PAIR], limit=10, lease=LEASE)
+                await asyncio.sleep(0.3)
+            assert not limited._clocks.rotation_enabled
+            assert "TRUNCATE" in caplog.text
+        finally:
+            await limited.close()
+
+
+async def test_migrating_as_a_role_without_truncate_rights_is_a_clear_error(
+    pg_url: str, pg_schema: str
+) -> None:
+    async with limited_role(pg_url, pg_schema, creates=True) as url:
+        with pytest.raises(BackendError) as caught:
+            await migrate(url, schema=pg_schema)
+        message = str(caught.value)
+        role = psycopg.conninfo.conninfo_to_dict(url)["user"]
+        assert f"GRANT TRUNCATE ON {pg_schema}.ready_0, {pg_schema}.ready_1, " in message
+        assert f"TO {role}" in message
+        # connect() migrates by default: the same error, before any worker runs.
+        with pytest.raises(BackendError, match="cannot TRUNCATE"):
+            await PostgresBackend.open(url, schema=pg_schema, listen=False, max_size=1)
+    # A role that cannot even create the schema's tables is told to migrate as the owner.
+    async with limited_role(pg_url, pg_schema) as url:
+        with pytest.raises(BackendError, match="as the schema's owner") as caught:
+            await migrate(url, schema=pg_schema)
+        assert "run_migrations=False" in str(caught.value)
 
 
 async def test_a_queued_run_whose_ready_row_was_lost_is_claimed_after_the_sweep(

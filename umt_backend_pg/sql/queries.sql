@@ -536,6 +536,16 @@ CROSS JOIN LATERAL (
 ) AS d
 GROUP BY d.task_name, d.task_version;
 
+-- name: missing_privileges
+-- After a migration: what the engine's role cannot do that workers need. Rotating the `ready`
+-- queue truncates its slots (see migrations/0003_ready_queue.sql); without TRUNCATE it works
+-- but is not rotated, and claims slow down whenever a long transaction holds the horizon.
+SELECT current_user AS role,
+       array_agg(p.relname ORDER BY p.relname) FILTER (
+           WHERE NOT has_table_privilege(format('%%I.%%I', %(schema)s::text, p.relname), 'TRUNCATE')
+       ) AS missing
+FROM unnest(ARRAY['ready_0', 'ready_1', 'ready_2']) AS p (relname);
+
 -- name: install_ledger
 -- The operation ledger alone, for a business database separate from the engine's.
 CREATE SCHEMA IF NOT EXISTS {schema};

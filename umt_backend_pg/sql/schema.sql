@@ -77,35 +77,29 @@ CREATE TABLE {schema}.ready_2 PARTITION OF {schema}.ready FOR VALUES IN (2)
 CREATE INDEX ready_claim ON {schema}.ready (task_name, task_version, priority DESC, available_at);
 CREATE INDEX ready_run ON {schema}.ready (run_id);
 
--- The slot a row inserted now goes to (the statement's start, not the transaction's).
+-- The slot a row inserted now goes to: one second each, three in turn (the statement's start,
+-- not the transaction's; see migrations/0005_ready_slots.sql).
 CREATE FUNCTION {schema}.ready_slot() RETURNS smallint
 LANGUAGE sql STABLE AS $$
-    SELECT (floor(extract(epoch FROM statement_timestamp()) / 2)::bigint % 3)::smallint
+    SELECT (floor(extract(epoch FROM statement_timestamp()))::bigint % 3)::smallint
 $$;
 
--- Truncate the slot after the current one (written last 2-4 s ago, written next in 0-2 s) if it
--- can be had at once: its claimable rows (at most `max_moved`) move to the current slot first,
--- rows of runs no longer claimable are dropped. Returns what happened: 'truncated', 'clean'
--- (nothing to do), 'busy' (a claim, an insert or a reader holds the slot), 'full' (more
--- claimable rows than `max_moved`: a backlog, left to the claims).
-CREATE FUNCTION {schema}.rotate_ready(max_moved integer) RETURNS text
+-- Truncate slot `target` if it can be had at once: its claimable rows (at most `max_moved`)
+-- move to slot `into_slot` first, rows of runs no longer claimable are dropped. Returns what
+-- happened: 'truncated', 'clean' (nothing to do), 'busy' (a claim, an insert or a reader holds
+-- the slot), 'full' (more claimable rows than `max_moved`: a backlog, left to the claims).
+CREATE FUNCTION {schema}.rotate_ready_slot(target smallint, into_slot smallint, max_moved integer)
+RETURNS text
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    now_slot constant bigint := floor(extract(epoch FROM clock_timestamp()) / 2)::bigint;
-    target constant smallint := ((now_slot + 1) % 3)::smallint;
+    part constant text := format('{schema}.%I', 'ready_' || target);
     live integer;
 BEGIN
-    IF pg_relation_size(format('{schema}.ready_%s', target)::regclass) = 0 THEN
+    IF pg_relation_size(part::regclass) = 0 THEN
         RETURN 'clean';
     END IF;
     BEGIN
-        IF target = 0 THEN
-            LOCK TABLE {schema}.ready_0 IN ACCESS EXCLUSIVE MODE NOWAIT;
-        ELSIF target = 1 THEN
-            LOCK TABLE {schema}.ready_1 IN ACCESS EXCLUSIVE MODE NOWAIT;
-        ELSE
-            LOCK TABLE {schema}.ready_2 IN ACCESS EXCLUSIVE MODE NOWAIT;
-        END IF;
+        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', part);
     EXCEPTION WHEN lock_not_available THEN
         RETURN 'busy';
     END;
@@ -122,21 +116,35 @@ BEGIN
     END IF;
     IF live > 0 THEN
         INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
-        SELECT q.run_id, q.task_name, q.task_version, q.priority, q.available_at,
-               (now_slot % 3)::smallint
+        SELECT q.run_id, q.task_name, q.task_version, q.priority, q.available_at, into_slot
         FROM {schema}.ready q
         JOIN {schema}.runs r ON r.id = q.run_id
         WHERE q.slot = target
           AND ((r.status = 'pending' AND r.queued) OR r.status = 'waiting');
     END IF;
-    IF target = 0 THEN
-        TRUNCATE {schema}.ready_0;
-    ELSIF target = 1 THEN
-        TRUNCATE {schema}.ready_1;
-    ELSE
-        TRUNCATE {schema}.ready_2;
-    END IF;
+    EXECUTE format('TRUNCATE %s', part);
     RETURN 'truncated';
+END
+$$;
+
+-- Offer both slots that are not being written: the one written last (0-1 s ago), then the
+-- oldest (in case an earlier offer found it busy). Returns 'full' if either was full, else
+-- 'truncated' if either was truncated, else 'busy' if either was busy, else 'clean'.
+CREATE FUNCTION {schema}.rotate_ready(max_moved integer) RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    now_slot constant bigint := floor(extract(epoch FROM clock_timestamp()))::bigint;
+    into_slot constant smallint := (now_slot % 3)::smallint;
+    outcomes text[] := ARRAY[]::text[];
+BEGIN
+    outcomes := outcomes || {schema}.rotate_ready_slot(((now_slot + 2) % 3)::smallint, into_slot,
+                                                       max_moved);
+    outcomes := outcomes || {schema}.rotate_ready_slot(((now_slot + 1) % 3)::smallint, into_slot,
+                                                       max_moved);
+    RETURN CASE WHEN 'full' = ANY (outcomes) THEN 'full'
+                WHEN 'truncated' = ANY (outcomes) THEN 'truncated'
+                WHEN 'busy' = ANY (outcomes) THEN 'busy'
+                ELSE 'clean' END;
 END
 $$;
 
