@@ -1,10 +1,12 @@
 """What `result()` waiters cost the database: the full read of a run against its head.
 
-`Engine.result()` polls the run every 50 ms on Postgres until it ends. It used to poll
-`get_run` (the run, all its steps, all its executions: three statements); it polls
-`get_run_head` now (the run alone: one). This runs N waiters at once on runs of S steps each,
-for a few seconds each way, in turn, and reports per poll: statements (transactions), rows the
-server returned, and shared buffers touched, and polls per second.
+`Engine.result()` used to poll `get_run` (the run, all its steps, all its executions: three
+statements) every 50 ms on Postgres until the run ended; then `get_run_head` (the run alone:
+one statement) every 50 ms; now it reads the head and waits for the run's ending notification
+(`notified`: LISTEN on, a read a second in case a notification was lost). This runs N waiters
+at once on runs of S steps each that do not end, for a few seconds each way, in turn, and
+reports per read: statements (transactions), rows the server returned, and shared buffers
+touched, and reads and statements per second.
 
     python -m bench.result_poll [--database-url URL] [--waiters 1000] [--steps 100] [--seconds 5]
 """
@@ -25,7 +27,7 @@ from bench._infra import Server, with_dbname
 from umt_backend_pg import PostgresBackend, migrate
 
 DB = "bench_result_poll"
-WAYS = ("get_run", "get_run_head")
+WAYS = ("get_run", "get_run_head", "notified")
 
 
 def _fill(url: str, runs: int, steps: int) -> list[uuid.UUID]:
@@ -67,7 +69,7 @@ def _counters(url: str) -> tuple[int, int, int]:
 async def _one_pass(
     backend: PostgresBackend, url: str, way: str, ids: list[uuid.UUID], seconds: float
 ) -> dict[str, Any]:
-    read = getattr(backend, way)
+    read = backend.get_run_head if way == "notified" else getattr(backend, way)
     polls = 0
     stop = time.monotonic() + seconds
 
@@ -77,14 +79,19 @@ async def _one_pass(
             record = await read(run_id)
             assert record is not None
             polls += 1
-            await asyncio.sleep(0.05)  # result()'s poll interval
+            if way == "notified":  # what result() does now
+                await backend.wait_for_run(run_id, timeout=max(0.0, stop - time.monotonic()))
+            else:
+                await asyncio.sleep(0.05)  # result()'s poll interval before
 
-    await asyncio.sleep(0.6)  # the statistics flush: counters of the pass before settle
+    # Statistics reach pg_stat_database when a backend flushes them: at most every second while
+    # it works, after 10 s once idle. Let the pass before land before counting this one.
+    await asyncio.sleep(11)
     before = await asyncio.to_thread(_counters, url)
     started = time.monotonic()
     await asyncio.gather(*(waiter(i) for i in ids))
     elapsed = time.monotonic() - started
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(11)
     after = await asyncio.to_thread(_counters, url)
     xacts, rows, buffers = (b - a for a, b in zip(before, after, strict=True))
     return {
@@ -106,8 +113,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         await migrate(url, schema="umt")
         ids = await asyncio.to_thread(_fill, url, args.waiters, args.steps)
         backend = await PostgresBackend.open(
-            url, schema="umt", run_migrations=False, listen=False, max_size=args.pool
+            url, schema="umt", run_migrations=False, listen=True, max_size=args.pool
         )
+        for _ in range(200):  # the LISTEN connection comes up in the background
+            if backend._wakeups._listening:
+                break
+            await asyncio.sleep(0.05)
         passes: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
         try:
             for _ in range(args.reps):
@@ -122,9 +133,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         out[way] = {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"passes": runs}
         m = out[way]
         print(
-            f"{way:<13} polls/s {m['polls_per_s']:8.0f}  statements/poll "
-            f"{m['statements_per_poll']:5.2f}  rows/poll {m['rows_per_poll']:7.1f}  "
-            f"buffers/poll {m['buffers_per_poll']:6.1f}  statements/s {m['statements_per_s']:7.0f}",
+            f"{way:<13} reads/s {m['polls_per_s']:8.0f}  statements/read "
+            f"{m['statements_per_poll']:5.2f}  rows/read {m['rows_per_poll']:7.1f}  "
+            f"buffers/read {m['buffers_per_poll']:6.1f}  statements/s {m['statements_per_s']:7.0f}",
             flush=True,
         )
     return out

@@ -29,7 +29,6 @@ coalesced NOTIFY); `_rows` turns rows into records.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -57,6 +56,7 @@ from umt_backend_pg._rows import _error_json, _record, _step
 from umt_backend_pg._sql import queries, render, validate_schema
 from umt_backend_pg._wakeups import Wakeups
 from umt_sdk.backend import (
+    TERMINAL_STATUSES,
     Beat,
     CancelOutcome,
     ClaimedRun,
@@ -116,15 +116,20 @@ class PostgresBackend:
         self._q = {name: render(text, schema) for name, text in queries().items()}
         self.work_channel = f"{schema}.work"
         self.cancel_channel = f"{schema}.cancel"
+        self.ended_channel = f"{schema}.ended"
         self._wakeups = Wakeups(
             url,
             work_channel=self.work_channel,
             cancel_channel=self.cancel_channel,
+            ended_channel=self.ended_channel,
             queries=self._q,
             listen=listen,
         )
         self._checkpoints = Checkpoints(self._all)
         self._notifier = Notifier(pool, self._q, self.work_channel)
+        self._endings = Notifier(
+            pool, self._q, self.ended_channel, what="result() callers of ended runs"
+        )
         self._clocks = ClaimClocks()
         self._database = EngineDatabase(pool, schema=schema, queries=self._q)
 
@@ -415,6 +420,8 @@ class PostgresBackend:
         if not owned:
             raise self._fenced(lease, f"ending as {ending.outcome}")
         if ended:
+            if ending.status in TERMINAL_STATUSES:
+                self._endings.notify(str(lease.run_id))
             return "ended"
         return "fact_present" if fact_present else "cancel_requested"
 
@@ -462,13 +469,15 @@ class PostgresBackend:
                 previous, status = row
                 if status is None:
                     return "already_finished"
-                if status == "canceled":
-                    return "canceled"
-                await conn.execute(
-                    self._q["notify"],
-                    {"channel": self.cancel_channel, "payload": f"{run_id}:{reason}"[:7000]},
-                )
+                if status != "canceled":
+                    await conn.execute(
+                        self._q["notify"],
+                        {"channel": self.cancel_channel, "payload": f"{run_id}:{reason}"[:7000]},
+                    )
         del previous
+        if status == "canceled":
+            self._endings.notify(str(run_id))  # after the commit: a waiter reads it ended
+            return "canceled"
         return "requested"
 
     async def get_run(self, run_id: UUID) -> RunRecord | None:
@@ -516,7 +525,7 @@ class PostgresBackend:
         await self._wakeups.wait_for_work(pairs=pairs, timeout=timeout)
 
     async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
-        await asyncio.sleep(min(timeout, 0.05))
+        await self._wakeups.wait_for_run(run_id, timeout=timeout)
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
         return self._wakeups.add_cancel_listener(listener)
@@ -546,4 +555,5 @@ class PostgresBackend:
         await self._wakeups.close()
         await self._checkpoints.close()
         await self._notifier.close()
+        await self._endings.close()
         await self._pool.close()

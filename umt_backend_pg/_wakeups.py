@@ -1,4 +1,5 @@
-"""Wake-ups: the LISTEN connection, and the work and cancel hints it hands to waiting workers."""
+"""Wake-ups: the LISTEN connection, and the work, cancel and ending hints it hands to waiting
+workers and `result()` callers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from uuid import UUID
@@ -22,6 +24,16 @@ _log = logging.getLogger("umt.pg")
 _LISTEN_CHECK = 10.0
 """Seconds without a notification after which the LISTEN connection is pinged."""
 _KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5}
+RUN_POLL = 0.05
+"""Seconds between reads of a run's state by a `result()` waiter while nothing is listening."""
+RUN_POLL_LISTENING = 1.0
+"""... and while the LISTEN connection is up: a waiter is woken by the run's ending
+notification; this read only covers a notification that was lost (its sender killed between
+the ending's commit and the notification)."""
+RECENT_ENDINGS = 4_096
+"""Ended runs remembered with no waiter yet: a `result()` that read its run just before the
+ending and starts waiting just after returns at once. Bounded: a flood of made-up ids only
+costs a re-read each."""
 
 
 class Wakeups:
@@ -29,8 +41,9 @@ class Wakeups:
 
     A claim records the generation it saw per set of pairs (`claiming`); `wait_for_work`
     returns at once if a work hint came since, else waits for one (or the timeout). Cancel
-    hints go to the listeners of `add_cancel_listener`. `start()` begins listening; without
-    it (`listen=False`), `wait_for_work` only sleeps and workers poll.
+    hints go to the listeners of `add_cancel_listener`. Ending hints wake `wait_for_run`.
+    `start()` begins listening; without it (`listen=False`), or while the LISTEN connection
+    is down, `wait_for_work` only sleeps and `wait_for_run` polls every `RUN_POLL`.
     """
 
     def __init__(
@@ -39,12 +52,14 @@ class Wakeups:
         *,
         work_channel: str,
         cancel_channel: str,
+        ended_channel: str,
         queries: Mapping[str, str],
         listen: bool,
     ) -> None:
         self.url = url
         self.work_channel = work_channel
         self.cancel_channel = cancel_channel
+        self.ended_channel = ended_channel
         self._q = queries
         self._listen = listen
         self._listener: asyncio.Task[None] | None = None
@@ -53,6 +68,9 @@ class Wakeups:
         self._seen: dict[frozenset[str], int] = {}
         self._wanted: frozenset[str] | None = None
         self._cancel_listeners: list[Callable[[UUID, str], None]] = []
+        self._run_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
+        self._recent_endings: OrderedDict[UUID, None] = OrderedDict()
+        self._listening = False
         self._closed = False
 
     def start(self) -> None:
@@ -73,8 +91,9 @@ class Wakeups:
                 async with await psycopg.AsyncConnection.connect(
                     self.url, autocommit=True, connect_timeout=10, **_KEEPALIVES
                 ) as conn:
-                    for channel in (self.work_channel, self.cancel_channel):
+                    for channel in (self.work_channel, self.cancel_channel, self.ended_channel):
                         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    self._listening = True
                     delay = 0.1
                     if lost_at is not None:
                         _log.warning(
@@ -89,8 +108,11 @@ class Wakeups:
                         # that sent no reset would otherwise leave us deaf for good).
                         await asyncio.wait_for(conn.execute(self._q["ping"]), _LISTEN_CHECK)
             except asyncio.CancelledError:
+                self._listening = False
                 raise
             except Exception as exc:  # the database went away: reconnect with backoff
+                self._listening = False
+                self._wake_runs()  # their waiters poll until it is back
                 if self._closed:
                     return
                 if lost_at is None:
@@ -112,6 +134,8 @@ class Wakeups:
                 self._on_work(payload)
             elif channel == self.cancel_channel:
                 self._on_cancel(payload)
+            elif channel == self.ended_channel:
+                self._on_ended(payload)
         except Exception:  # a bad hint (or a listener's bug) must not cost us the LISTEN
             _log.exception("ignoring a notification on %s that could not be handled", channel)
 
@@ -144,6 +168,55 @@ class Wakeups:
             if not future.done():
                 future.set_result(None)
         self._work_waiters = []
+        self._wake_runs()
+
+    def _wake_runs(self) -> None:
+        for futures in self._run_waiters.values():
+            for future in futures:
+                if not future.done():
+                    future.set_result(None)
+
+    def _on_ended(self, payload: str) -> None:
+        """`<run id>,<run id>,...`: hints that these runs may have ended."""
+        for text in payload.split(","):
+            if len(text) != 36:  # the canonical text form; UUID() accepts more shapes
+                continue
+            try:
+                run_id = UUID(text)
+            except ValueError:
+                continue
+            futures = self._run_waiters.get(run_id)
+            if futures:
+                for future in futures:
+                    if not future.done():
+                        future.set_result(None)
+            else:
+                self._recent_endings[run_id] = None
+                self._recent_endings.move_to_end(run_id)
+                if len(self._recent_endings) > RECENT_ENDINGS:
+                    self._recent_endings.popitem(last=False)
+
+    async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
+        """Return when the run may have ended (its notification came, here or just before),
+        or after `timeout` seconds, or `RUN_POLL(_LISTENING)` seconds, whichever is first."""
+        if not self._listening:
+            await asyncio.sleep(min(timeout, RUN_POLL))
+            return
+        if run_id in self._recent_endings:
+            del self._recent_endings[run_id]
+            return  # it ended (or someone says so) since the caller's read: read again
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._run_waiters.setdefault(run_id, []).append(future)
+        try:
+            await asyncio.wait_for(future, min(timeout, RUN_POLL_LISTENING))
+        except TimeoutError:
+            pass
+        finally:
+            waiting = [f for f in self._run_waiters.get(run_id, []) if f is not future]
+            if waiting:
+                self._run_waiters[run_id] = waiting
+            else:
+                self._run_waiters.pop(run_id, None)
 
     def _on_cancel(self, payload: str) -> None:
         """`<run id>:<reason>`: a hint that the run's cancel may have been requested."""

@@ -39,10 +39,10 @@ WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s);
 
--- name: notify_enqueued
--- The enqueues' coalesced wake-up (see _notifier.py): one statement, its own transaction,
--- committed without waiting for the WAL flush, so the server-wide NOTIFY lock that every
--- notifying commit takes is held only for a moment.
+-- name: notify_coalesced
+-- The coalesced notifications of enqueues and endings (see _notifier.py): one statement, its
+-- own transaction, committed without waiting for the WAL flush, so the server-wide NOTIFY lock
+-- that every notifying commit takes is held only for a moment.
 SELECT set_config('synchronous_commit', 'off', true), pg_notify(%(channel)s, p.payload)
 FROM unnest(%(payloads)s::text[]) AS p (payload);
 
