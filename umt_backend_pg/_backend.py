@@ -97,6 +97,21 @@ _NETWORK_DEFAULTS: dict[str, Any] = {
 }
 
 
+async def _refuse_unfinished_pipeline(conn: psycopg.AsyncConnection[Any]) -> None:
+    """The pool's reset: a connection handed back still in pipeline mode is discarded.
+
+    A task cancelled inside `async with conn.pipeline(), conn.transaction()` (the worker's
+    deadline on a claim or a heartbeat, a shutdown) can hand its connection back with the
+    pipeline still on and the transaction status reading idle (psycopg 3.3): every later
+    statement on it would then run inside a transaction that never commits, so an enqueue
+    would return before its run was stored. Raising here makes the pool close it.
+    """
+    if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+        raise psycopg.ProgrammingError(
+            "connection handed back in pipeline mode (a cancelled statement): discarded"
+        )
+
+
 def _network_defaults(url: str) -> dict[str, Any]:
     given = psycopg.conninfo.conninfo_to_dict(url)
     return {k: v for k, v in _NETWORK_DEFAULTS.items() if k not in given}
@@ -153,6 +168,7 @@ class PostgresBackend:
             min_size=min_size,
             max_size=max_size,
             kwargs={"autocommit": True, **_network_defaults(url)},
+            reset=_refuse_unfinished_pipeline,
             open=False,
             name=f"umt-{schema}",
         )
