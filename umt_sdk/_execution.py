@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from umt_sdk import _serde
 from umt_sdk._abort import AbortKind, Aborts, Release, Stop, Suspend, Verdict
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
+from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._logging import RunLogger
 from umt_sdk._retry import RetryPolicy
@@ -38,7 +39,7 @@ from umt_sdk._spi import (
     SimulatedCrash,
     StepRecord,
 )
-from umt_sdk._steps import Steps, error_info
+from umt_sdk._steps import Steps
 from umt_sdk._task import TaskDefinition
 from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
 from umt_sdk.exceptions import (

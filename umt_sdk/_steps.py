@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 from umt_sdk import _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._names import check_name
 from umt_sdk._retry import RetryPolicy
@@ -76,49 +76,6 @@ def _cancelled_by_worker() -> bool:
     """The running task has a cancellation pending: the worker cancelled the execution."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def error_info(exc: BaseException) -> ErrorInfo:
-    """How an exception is recorded: qualified type, message, formatted traceback.
-
-    Ours to store, so never refused: NUL and lone surrogates (which Postgres cannot hold) are
-    replaced by visible escapes, and a step whose error message holds them fails normally.
-    """
-    kind = type(exc)
-    name = (
-        kind.__qualname__
-        if kind.__module__ == "builtins"
-        else f"{kind.__module__}.{kind.__qualname__}"
-    )
-    message = _printed(exc)
-    if isinstance(exc, StepFailedError) and exc.error_type:
-        message = f"{exc.step_name}: {exc.error_type}: {exc.error_message}"
-    if len(message) > MESSAGE_LIMIT:
-        message = f"{message[:MESSAGE_LIMIT]}... ({len(message) - MESSAGE_LIMIT} more characters)"
-    try:
-        trace = "".join(traceback.format_exception(exc))[-8000:]
-    except Exception:  # the traceback module is careful, but this is user code's object
-        trace = ""
-    return ErrorInfo(
-        type=_serde.clean_text(name),
-        message=_serde.clean_text(message),
-        traceback=_serde.clean_text(trace),
-    )
-
-
-MESSAGE_LIMIT = 65_536
-"""Characters of an error message that are kept (the rest is counted, not stored)."""
-
-
-def _printed(exc: BaseException) -> str:
-    """The error's text, whatever its `__str__` does: recording it never depends on it."""
-    try:
-        return str(exc)
-    except Exception:
-        try:
-            return f"<unprintable {type(exc).__qualname__} object: {exc!r}>"
-        except Exception:
-            return f"<unprintable {type(exc).__qualname__} object>"
 
 
 class StepHost(Protocol):

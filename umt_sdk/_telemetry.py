@@ -20,6 +20,7 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from umt_sdk._error_info import error_info, printed
 from umt_sdk._spi import ClaimedRun, StepRecord, TaskPair
 
 __all__ = ["ExecutionTelemetry", "Telemetry"]
@@ -131,8 +132,23 @@ class Telemetry:
 
     @staticmethod
     def fail(span: Span, error: BaseException) -> None:
-        span.record_exception(error)
-        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        Telemetry.record_exception(span, error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {printed(error)}"))
+
+    @staticmethod
+    def record_exception(span: Span, error: BaseException) -> None:
+        """The span's `exception` event (OpenTelemetry's semantic conventions), printed safely:
+        `span.record_exception` calls the error's `__str__`, which is user code."""
+        info = error_info(error)
+        span.add_event(
+            "exception",
+            {
+                "exception.type": info.type,
+                "exception.message": info.message,
+                "exception.stacktrace": info.traceback,
+                "exception.escaped": False,
+            },
+        )
 
 
 class ExecutionTelemetry:
@@ -191,7 +207,7 @@ class ExecutionTelemetry:
         if error is not None and outcome in ("failed", "retrying"):
             Telemetry.fail(self.span, error)
         elif error is not None:
-            self.span.record_exception(error)
+            Telemetry.record_exception(self.span, error)
 
     def fenced(self, step_name: str | None) -> None:
         """A write of this execution was refused: another attempt holds the run."""

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from umt_sdk import Engine, Registry, RunInfo, TaskContext, connect, task
+from umt_sdk import Engine, Registry, RetryPolicy, RunInfo, TaskContext, connect, task
 from umt_sdk.testing import FakeClock, simulate_crash
 
 GATE = asyncio.Event()
@@ -209,3 +209,41 @@ async def test_failed_run_records_the_exception_with_error_status() -> None:
         assert span.status.status_code == StatusCode.ERROR
         assert any(e.name == "exception" for e in span.events)
     assert [(s.attributes or {})["umt.outcome"] for s in runs] == ["retrying", "retrying", "failed"]
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this error cannot be printed")
+
+
+@task("unprintable.handler", version=1, retry=RetryPolicy.none())
+async def unprintable_handler(ctx: TaskContext[In]) -> None:
+    raise Unprintable
+
+
+async def test_an_error_that_cannot_be_printed_is_recorded_on_the_run_span() -> None:
+    """OpenTelemetry's own `record_exception` prints the error with `str()`, user code that
+    may raise: the run's span still gets its exception event and its error status."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine = await connect(
+        "memory://",
+        registry=Registry([unprintable_handler]),
+        clock=FakeClock(auto_advance=True),
+        tracer_provider=provider,
+    )
+    handle = await engine.enqueue(unprintable_handler, In("u"))
+    async with engine.worker():
+        info = (await engine.wait_idle([handle.run_id], timeout=10))[0]
+    await engine.close()
+    assert info.status == "failed"
+    assert info.error is not None
+    assert "unprintable Unprintable" in info.error.message
+    (run,) = _by_name(list(exporter.get_finished_spans()), "umt.run unprintable.handler")
+    assert run.status.status_code == StatusCode.ERROR
+    assert "unprintable Unprintable" in (run.status.description or "")
+    (event,) = [e for e in run.events if e.name == "exception"]
+    attributes = event.attributes or {}
+    assert str(attributes["exception.type"]).endswith("test_tracing.Unprintable")
+    assert "unprintable Unprintable" in str(attributes["exception.message"])
