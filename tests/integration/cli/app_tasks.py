@@ -7,7 +7,7 @@ from pathlib import Path
 
 import attrs
 
-from umt_sdk import Registry, RetryPolicy, TaskContext, task
+from umt_sdk import Registry, RetryPolicy, SyncTaskContext, TaskContext, task
 
 
 @attrs.frozen
@@ -78,5 +78,21 @@ async def boom(ctx: TaskContext[Order]) -> None:
     await ctx.step.run("explode", _explode)
 
 
-registry = Registry([greet, greet_v2, nap, approval, boom])
+@attrs.frozen
+class Count:
+    n: int
+
+
+def _double(n: int) -> int:
+    return 2 * n
+
+
+@task("plain_nested", version=1)
+def plain_nested(ctx: SyncTaskContext[Count]) -> int:
+    """The shape docs/writing-tasks.md shows: a plain handler calling a plain step."""
+    doubled: int = ctx.step.run("double", _double, ctx.input.n)
+    return doubled + 1
+
+
+registry = Registry([greet, greet_v2, nap, approval, boom, plain_nested])
 not_a_registry = [greet]

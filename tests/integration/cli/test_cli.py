@@ -508,6 +508,21 @@ def test_worker_serves_runs_and_exits_0_on_sigterm(umt: Umt) -> None:
     assert "SIGTERM: stopping; running steps have 10s to finish" in err
 
 
+def test_worker_runs_plain_handlers_calling_plain_steps_at_concurrency_64(umt: Umt) -> None:
+    """Each plain handler holds a thread while its plain step needs another: with more slots
+    than a default thread pool has threads (this machine: 2 cores), `umt worker` must still
+    finish every run (it used to deadlock with all threads held by waiting handlers)."""
+    run_ids = [umt.enqueue("plain_nested", {"n": i}) for i in range(70)]
+    with worker_process(umt, "--versions", "plain_nested@1", "--concurrency", "64") as proc:
+        wait_until(
+            lambda: all(umt.show(r)["status"] == "completed" for r in run_ids),
+            what="every run completes",
+        )
+        _, err = stop_worker(proc)
+    assert proc.returncode == 0, err
+    assert [umt.show(r)["output"] for r in run_ids] == [2 * i + 1 for i in range(70)]
+
+
 def test_worker_lets_a_running_step_finish_then_gives_the_run_back(
     umt: Umt, tmp_path: Path
 ) -> None:
