@@ -1,0 +1,89 @@
+"""The backend contract suite: every backend must pass it unchanged.
+
+Subclass `BackendContract` in a test module and provide a `harness` fixture (an object
+satisfying `BackendHarness`). Durations are short and real-time-safe: the same tests run on
+the memory backend with a `FakeClock` and on Postgres with the wall clock.
+
+One module per topic, each with the tasks its tests run next to the tests, as a mixin class;
+`BackendContract` combines them. A backend author whose run fails a test reads one module:
+
+- `_base`: the per-test `Tally`, the fixtures, the waiting helpers, the shared tasks
+- `_runs`: enqueue and read back, idempotency keys, listing
+- `_replay`: replay by step name, non-determinism, plain tasks and steps
+- `_facts`: durable sleeps and facts
+- `_user_code`: handlers and steps as users write them
+- `_arguments`: argument checks
+- `_aborts`: the abort table (shutdown and cancel against each handler shape)
+- `_cancel`: cancel
+- `_claims`: claim order, priority, the pairs a worker serves
+- `_retries`: step and handler retries
+- `_leases`: leases, takeover and fencing, lost leases
+- `_ledger`: the ledger behind `with_attempt_token`
+- `_payloads`: payloads a backend cannot store, serde on replay
+- `_timeline`: the timeline of runs that did not end well
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from umt_sdk import TaskDefinition
+from umt_sdk.testing._contract import (
+    _aborts,
+    _arguments,
+    _base,
+    _cancel,
+    _claims,
+    _facts,
+    _leases,
+    _ledger,
+    _payloads,
+    _replay,
+    _retries,
+    _runs,
+    _timeline,
+    _user_code,
+)
+
+__all__ = ["BackendContract"]
+
+ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
+    *_base.TASKS,
+    *_runs.TASKS,
+    *_replay.TASKS,
+    *_facts.TASKS,
+    *_user_code.TASKS,
+    *_arguments.TASKS,
+    *_aborts.TASKS,
+    *_cancel.TASKS,
+    *_claims.TASKS,
+    *_retries.TASKS,
+    *_leases.TASKS,
+    *_ledger.TASKS,
+    *_payloads.TASKS,
+    *_timeline.TASKS,
+)
+"""Every task the suite's engine registers: one registry for all topics, since a worker of
+one test serves every pair (tasks that clash by name, or that a test adds itself, are left
+out: each topic's `TASKS` says which)."""
+
+
+class BackendContract(
+    _runs.RunsContract,
+    _replay.ReplayContract,
+    _facts.FactsContract,
+    _user_code.UserCodeContract,
+    _arguments.ArgumentsContract,
+    _aborts.AbortsContract,
+    _cancel.CancelContract,
+    _claims.ClaimsContract,
+    _retries.RetriesContract,
+    _leases.LeasesContract,
+    _ledger.LedgerContract,
+    _payloads.PayloadsContract,
+    _timeline.TimelineContract,
+    _base.ContractBase,
+):
+    """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
+
+    contract_tasks = ALL_TASKS
