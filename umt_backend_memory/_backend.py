@@ -29,6 +29,7 @@ from umt_sdk.backend import (
     CancelOutcome,
     ClaimedRun,
     Clock,
+    ControllableClock,
     Ending,
     EndResult,
     EnqueueResult,
@@ -181,12 +182,14 @@ class MemoryBackend:
 
     def __init__(self, *, clock: Clock) -> None:
         self.clock = clock
+        # A clock a test moves (FakeClock), found once: its moves wake the waiters, and it may
+        # be jumped to the next timer (`_maybe_auto_advance`). A plain clock: real time.
+        self._controls = clock if isinstance(clock, ControllableClock) else None
         self.crash_hook: CrashHook | None = None
         self._lock = threading.RLock()
         self._unsubscribe: Callable[[], None] | None = None
-        subscribe = getattr(clock, "subscribe", None)
-        if callable(subscribe):
-            self._unsubscribe = subscribe(self._on_clock_advance)
+        if self._controls is not None:
+            self._unsubscribe = self._controls.subscribe(self._on_clock_advance)
         self._listeners: list[Callable[[UUID, str], None]] = []
         self.reset()
 
@@ -368,7 +371,8 @@ class MemoryBackend:
 
     def _maybe_auto_advance(self) -> None:
         """Jump a FakeClock to the next timer when every run is blocked and someone waits."""
-        if not getattr(self.clock, "auto_advance", False) or self._drivers == 0:
+        controls = self._controls
+        if controls is None or not controls.auto_advance or self._drivers == 0:
             return
         if not self._active_pairs:
             return
@@ -386,9 +390,8 @@ class MemoryBackend:
             if timed is None or timed.version != version:
                 heapq.heappop(self._timers)
                 continue
-            advance_to = getattr(self.clock, "advance_to", None)
-            if when > now and callable(advance_to):
-                advance_to(when)
+            if when > now:
+                controls.advance_to(when)
             return
 
     def _record(self, run: _Run, *, full: bool) -> RunRecord:
@@ -737,7 +740,7 @@ class MemoryBackend:
                 return
             future: asyncio.Future[None] = loop.create_future()
             self._work_waiters.append(future)
-            if self._timers and not hasattr(self.clock, "subscribe"):
+            if self._timers and self._controls is None:
                 until_next = (self._timers[0][0] - now).total_seconds()
                 timeout = max(0.0, min(timeout, until_next))
             self._maybe_auto_advance()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 from uuid import UUID
 
 from attrs import field, frozen
@@ -40,6 +40,7 @@ __all__ = [
     "CancelOutcome",
     "ClaimedRun",
     "Clock",
+    "ControllableClock",
     "EndResult",
     "EndStatus",
     "Ending",
@@ -129,6 +130,25 @@ class Clock(Protocol):
     """Where backends that keep their own time (the memory backend) read it."""
 
     def now(self) -> datetime: ...
+
+
+@runtime_checkable
+class ControllableClock(Clock, Protocol):
+    """A clock a test moves by hand (`umt_sdk.testing.FakeClock`). A backend that keeps its
+    own time checks for it once, when it is given its clock: with one, it wakes its waiters
+    when the clock moves and, under `auto_advance`, jumps it to its next timer when every run
+    is blocked and someone waits for a result; with a plain `Clock`, it does neither."""
+
+    auto_advance: bool
+    """Whether the backend may move the clock to its next timer by itself."""
+
+    def advance_to(self, when: datetime) -> None:
+        """Move the clock to `when` if that is later than now."""
+        ...
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` after every move; returns the function that unsubscribes it."""
+        ...
 
 
 @frozen(kw_only=True)

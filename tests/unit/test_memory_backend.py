@@ -13,7 +13,14 @@ import pytest
 
 from umt_backend_memory import CrashHook, MemoryBackend, MemoryStore
 from umt_sdk import Engine, Registry, TaskContext, connect, task
-from umt_sdk.backend import Ending, Lease, NewRun, new_run_id
+from umt_sdk.backend import (
+    ControllableClock,
+    Ending,
+    Lease,
+    NewRun,
+    SystemClock,
+    new_run_id,
+)
 from umt_sdk.exceptions import FencingError, RunNotFoundError, UsageError
 from umt_sdk.testing import FakeClock
 
@@ -221,3 +228,31 @@ async def test_memory_backend_argument_checks(engine: Engine) -> None:
         await backend.enqueue(new, conn=object())
     assert caught.value.argument == "conn"
     assert backend.runs() == []
+
+
+def test_the_memory_backend_finds_a_clock_it_can_move_once_and_by_its_protocol() -> None:
+    fake = FakeClock()
+    assert isinstance(fake, ControllableClock)
+    controlled: ControllableClock = fake  # FakeClock satisfies the protocol for mypy too
+    assert MemoryBackend(clock=controlled)._controls is fake
+    assert not isinstance(SystemClock(), ControllableClock)
+    assert MemoryBackend(clock=SystemClock())._controls is None, "a plain clock: real time"
+
+
+@task("memory.nap")
+async def naps(ctx: TaskContext[str]) -> str:
+    await ctx.step.sleep("nap", timedelta(days=2))
+    return ctx.input
+
+
+async def test_a_fake_clock_is_jumped_to_the_next_timer_while_a_result_is_awaited() -> None:
+    clock = FakeClock(auto_advance=True)
+    engine = await connect("memory://", registry=Registry([naps]), clock=clock)
+    try:
+        start = clock.now()
+        handle = await engine.enqueue(naps, "rested")
+        async with engine.worker(poll_interval=timedelta(milliseconds=20)):
+            assert await handle.result(timeout=5) == "rested"
+        assert clock.now() - start >= timedelta(days=2)
+    finally:
+        await engine.close()
