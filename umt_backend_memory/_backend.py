@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
-import re
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
@@ -47,6 +45,8 @@ from umt_sdk.backend import (
     SimulatedCrash,
     StepRecord,
     TaskPair,
+    unstorable_json_reason,
+    unstorable_reason,
 )
 from umt_sdk.exceptions import (
     BackendError,
@@ -60,51 +60,21 @@ __all__ = ["CrashHook", "MemoryBackend"]
 CrashHook = Callable[[str, UUID, str], bool]
 """`hook(operation, run_id, phase)` -> True to crash there; phase is "before" or "after"."""
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _text_problem(text: str) -> str | None:
-    if "\x00" in text:
-        return "22021: invalid byte sequence for encoding UTF8: 0x00"
-    if not text.isascii() and _SURROGATE.search(text) is not None:
-        return "22021: a lone surrogate has no UTF-8 encoding"
-    return None
-
 
 def _storable_text(text: str | None, what: str) -> None:
-    """Refuse text Postgres could not store, as Postgres would (the SDK refuses it first; this
-    keeps the memory backend from accepting what the real one cannot)."""
-    problem = None if text is None else _text_problem(text)
-    if problem is not None:
-        raise BackendError(f"database error {problem} ({what}; refused as Postgres would)")
+    """Refuse what Postgres could not store (the SDK refuses it first; this keeps the memory
+    backend from accepting what the real one cannot): the SDK's one rule."""
+    reason = None if text is None else unstorable_reason(text)
+    if reason is not None:
+        raise BackendError(f"{what} cannot be stored: it {reason} (refused as Postgres would)")
 
 
 def _storable_json(text: str | None, what: str) -> None:
-    """Refuse JSON text jsonb could not hold: NUL and lone surrogates, raw or escaped."""
-    if text is None:
-        return
-    _storable_text(text, what)
-    if "\\u" not in text:  # no escapes: nothing hides in them
-        return
-    stack: list[Any] = [json.loads(text)]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(node.keys())
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, str):
-            if "\x00" in node:
-                raise BackendError(
-                    f"database error 22P05: unsupported Unicode escape sequence, \\u0000 "
-                    f"cannot be converted to text ({what}; refused as Postgres would)"
-                )
-            if _SURROGATE.search(node) is not None:
-                raise BackendError(
-                    f"database error 22P02: invalid input syntax for type json, a lone "
-                    f"Unicode surrogate ({what}; refused as Postgres would)"
-                )
+    """The same for JSON text, escapes included (jsonb refuses `\\u0000` and escaped
+    surrogates)."""
+    reason = None if text is None else unstorable_json_reason(text)
+    if reason is not None:
+        raise BackendError(f"{what} cannot be stored: it {reason} (refused as Postgres would)")
 
 
 def _storable_error(error: ErrorInfo | None, what: str) -> None:

@@ -20,8 +20,9 @@ from umt_sdk.backend import (
     NewRun,
     SystemClock,
     new_run_id,
+    unstorable_json_reason,
 )
-from umt_sdk.exceptions import FencingError, RunNotFoundError, UsageError
+from umt_sdk.exceptions import BackendError, FencingError, RunNotFoundError, UsageError
 from umt_sdk.testing import FakeClock
 
 LEASE = timedelta(seconds=5)
@@ -256,3 +257,27 @@ async def test_a_fake_clock_is_jumped_to_the_next_timer_while_a_result_is_awaite
         assert clock.now() - start >= timedelta(days=2)
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize(
+    "input_json", ['{"a":"x\\u0000y"}', '["\\ud800"]', '"x\ud800"'], ids=["nul", "esc", "raw"]
+)
+async def test_the_memory_backend_refuses_what_postgres_cannot_store_by_the_sdks_rule(
+    engine: Engine, input_json: str
+) -> None:
+    """Whatever reaches it past the SDK (a third party calling the SPI): refused as the
+    Postgres backend refuses it, by the one rule (`umt_sdk.backend.unstorable_json_reason`)."""
+    backend = _backend(engine)
+    new = NewRun(
+        run_id=new_run_id(),
+        task_name="memory.three",
+        task_version=1,
+        input_json=input_json,
+        input_hash="h",
+    )
+    with pytest.raises(BackendError, match=r"^input cannot be stored: it holds a") as caught:
+        await backend.enqueue(new)
+    reason = unstorable_json_reason(input_json)
+    assert reason is not None
+    assert f"it {reason} (refused as Postgres would)" in str(caught.value)
+    assert backend.runs() == []
