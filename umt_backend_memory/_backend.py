@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from attrs import define, field
+from attrs import define, evolve, field
 
 from umt_backend_memory._store import MemoryStore
 from umt_sdk.backend import (
@@ -230,7 +230,8 @@ class MemoryBackend:
                 continue
             if run.status == "running":
                 expires = run.lease_expires_at
-                if expires is not None and expires > now:  # extended since: look again then
+                if self._held(run, now):  # extended since: look again then
+                    assert expires is not None
                     heapq.heappush(self._timers, (expires, seq, run_id, version))
                     continue
                 ready_at = expires or now
@@ -254,10 +255,12 @@ class MemoryBackend:
             if run is None or run.version != version:
                 heapq.heappop(heap)
                 continue
-            expires = run.lease_expires_at
-            if run.status == "running" and expires is not None and expires > now:
+            if self._held(run, now):
+                assert run.lease_expires_at is not None
                 heapq.heappop(heap)
-                heapq.heappush(self._timers, (expires, run.seq, run.run_id, run.version))
+                heapq.heappush(
+                    self._timers, (run.lease_expires_at, run.seq, run.run_id, run.version)
+                )
                 continue
             return run
         return None
@@ -271,6 +274,13 @@ class MemoryBackend:
     def _has_ready(self, pairs: Sequence[TaskPair], now: datetime) -> bool:
         return any(self._ready_head(pair, now) is not None for pair in pairs)
 
+    @staticmethod
+    def _held(run: _Run, now: datetime) -> bool:
+        """Running under a lease that has not lapsed (the one reading of a lease's time, for
+        the claim and the cancel alike)."""
+        expires = run.lease_expires_at
+        return run.status == "running" and expires is not None and expires > now
+
     def _check(self, lease: Lease) -> _Run:
         run = self._runs.get(lease.run_id)
         if run is None or run.status != "running" or run.fencing_token != lease.fencing_token:
@@ -282,6 +292,11 @@ class MemoryBackend:
                 fencing_token=lease.fencing_token,
             )
         return run
+
+    def _store_step(self, run: _Run, lease: Lease, step: StepRecord) -> None:
+        """Store a step record (`record_step`, an ending's step): under the lease's token,
+        replacing the same try."""
+        run.steps[(step.name, step.attempt)] = evolve(step, fencing_token=lease.fencing_token)
 
     def _current_execution(self, run: _Run) -> _Execution | None:
         for execution in reversed(run.executions):
@@ -308,17 +323,22 @@ class MemoryBackend:
         self._notify_run(run.run_id)
 
     def _unwait(self, run: _Run) -> None:
+        self._unlisten(run)
+        run.wait_for = None
+
+    def _unlisten(self, run: _Run) -> None:
         if run.wait_for is not None:
             waiters = self._waiters.get(run.wait_for)
             if waiters is not None:
                 waiters.discard(run.run_id)
-            run.wait_for = None
 
     def _wake(self, run: _Run, now: datetime) -> None:
+        """The awaited fact arrived: claimable now. It still reads `wait_for` until a claim
+        takes it (as on Postgres)."""
         if run.status == "waiting":
             run.available_at = now
             run.updated_at = now
-            self._unwait(run)
+            self._unlisten(run)
             self._schedule(run)
             self._notify_run(run.run_id)
 
@@ -559,7 +579,7 @@ class MemoryBackend:
         with self._lock:
             run = self._check(lease)
             now = self.clock.now()
-            run.steps[(step.name, step.attempt)] = step
+            self._store_step(run, lease, step)
             run.lease_expires_at = now + lease.duration
             run.updated_at = now
             execution = self._current_execution(run)
@@ -584,7 +604,7 @@ class MemoryBackend:
                 return "fact_present"
             now = self.clock.now()
             if ending.step is not None:
-                run.steps[(ending.step.name, ending.step.attempt)] = ending.step
+                self._store_step(run, lease, ending.step)
             if ending.output_json is not None:
                 run.output_json = ending.output_json
             if ending.error is not None:
@@ -650,17 +670,13 @@ class MemoryBackend:
             if run.cancel_requested_at is None:
                 run.cancel_requested_at = now
                 run.cancel_reason = reason
-            if run.status == "running":
-                expires = run.lease_expires_at
-                if expires is not None and expires <= now:  # its holder is gone: end it now
+            if not self._held(run, now):  # pending, waiting, or its holder is gone
+                if run.status == "running":  # its lease lapsed: counted as a takeover counts it
                     run.lease_expirations += 1
                     self._end_lease(run, "interrupted", now)
-                    self._finish(run, "canceled", now)
-                    return "canceled"
-                listeners = list(self._listeners)
-            else:
                 self._finish(run, "canceled", now)
                 return "canceled"
+            listeners = list(self._listeners)
         for listener in listeners:
             listener(run_id, reason)
         return "requested"

@@ -459,7 +459,7 @@ class PostgresBackend:
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                previous, status = row
+                (status,) = row
                 if status is None:
                     return "already_finished"
                 if status == "canceled":
@@ -468,7 +468,6 @@ class PostgresBackend:
                     self._q["notify"],
                     {"channel": self.cancel_channel, "payload": f"{run_id}:{reason}"[:7000]},
                 )
-        del previous
         return "requested"
 
     async def get_run(self, run_id: UUID) -> RunRecord | None:

@@ -44,6 +44,7 @@ from umt_sdk import (
 from umt_sdk._engine import new_run_id
 from umt_sdk._spi import Ending, Lease, StepRecord
 from umt_sdk.exceptions import FencingError, NotInTaskError, RunNotFoundError, UsageError
+from umt_sdk.testing._contract_spi import SpiMeaningsContract
 from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats, simulate_crash
 
 __all__ = ["BackendContract"]
@@ -506,7 +507,7 @@ async def _eventually(check: Callable[[], Awaitable[bool]], *, timeout: float = 
         await asyncio.sleep(0.01)
 
 
-class BackendContract:
+class BackendContract(SpiMeaningsContract):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
 
     @pytest.fixture
