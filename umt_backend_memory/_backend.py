@@ -12,15 +12,13 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
-import re
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from attrs import define, field
+from attrs import define, evolve, field
 
 from umt_backend_memory._store import MemoryStore
 from umt_sdk.backend import (
@@ -29,6 +27,7 @@ from umt_sdk.backend import (
     CancelOutcome,
     ClaimedRun,
     Clock,
+    ControllableClock,
     Ending,
     EndResult,
     EnqueueResult,
@@ -46,6 +45,8 @@ from umt_sdk.backend import (
     SimulatedCrash,
     StepRecord,
     TaskPair,
+    unstorable_json_reason,
+    unstorable_reason,
 )
 from umt_sdk.exceptions import (
     BackendError,
@@ -59,51 +60,21 @@ __all__ = ["CrashHook", "MemoryBackend"]
 CrashHook = Callable[[str, UUID, str], bool]
 """`hook(operation, run_id, phase)` -> True to crash there; phase is "before" or "after"."""
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _text_problem(text: str) -> str | None:
-    if "\x00" in text:
-        return "22021: invalid byte sequence for encoding UTF8: 0x00"
-    if not text.isascii() and _SURROGATE.search(text) is not None:
-        return "22021: a lone surrogate has no UTF-8 encoding"
-    return None
-
 
 def _storable_text(text: str | None, what: str) -> None:
-    """Refuse text Postgres could not store, as Postgres would (the SDK refuses it first; this
-    keeps the memory backend from accepting what the real one cannot)."""
-    problem = None if text is None else _text_problem(text)
-    if problem is not None:
-        raise BackendError(f"database error {problem} ({what}; refused as Postgres would)")
+    """Refuse what Postgres could not store (the SDK refuses it first; this keeps the memory
+    backend from accepting what the real one cannot): the SDK's one rule."""
+    reason = None if text is None else unstorable_reason(text)
+    if reason is not None:
+        raise BackendError(f"{what} cannot be stored: it {reason} (refused as Postgres would)")
 
 
 def _storable_json(text: str | None, what: str) -> None:
-    """Refuse JSON text jsonb could not hold: NUL and lone surrogates, raw or escaped."""
-    if text is None:
-        return
-    _storable_text(text, what)
-    if "\\u" not in text:  # no escapes: nothing hides in them
-        return
-    stack: list[Any] = [json.loads(text)]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(node.keys())
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, str):
-            if "\x00" in node:
-                raise BackendError(
-                    f"database error 22P05: unsupported Unicode escape sequence, \\u0000 "
-                    f"cannot be converted to text ({what}; refused as Postgres would)"
-                )
-            if _SURROGATE.search(node) is not None:
-                raise BackendError(
-                    f"database error 22P02: invalid input syntax for type json, a lone "
-                    f"Unicode surrogate ({what}; refused as Postgres would)"
-                )
+    """The same for JSON text, escapes included (jsonb refuses `\\u0000` and escaped
+    surrogates)."""
+    reason = None if text is None else unstorable_json_reason(text)
+    if reason is not None:
+        raise BackendError(f"{what} cannot be stored: it {reason} (refused as Postgres would)")
 
 
 def _storable_error(error: ErrorInfo | None, what: str) -> None:
@@ -181,12 +152,14 @@ class MemoryBackend:
 
     def __init__(self, *, clock: Clock) -> None:
         self.clock = clock
+        # A clock a test moves (FakeClock), found once: its moves wake the waiters, and it may
+        # be jumped to the next timer (`_maybe_auto_advance`). A plain clock: real time.
+        self._controls = clock if isinstance(clock, ControllableClock) else None
         self.crash_hook: CrashHook | None = None
         self._lock = threading.RLock()
         self._unsubscribe: Callable[[], None] | None = None
-        subscribe = getattr(clock, "subscribe", None)
-        if callable(subscribe):
-            self._unsubscribe = subscribe(self._on_clock_advance)
+        if self._controls is not None:
+            self._unsubscribe = self._controls.subscribe(self._on_clock_advance)
         self._listeners: list[Callable[[UUID, str], None]] = []
         self.reset()
 
@@ -257,7 +230,8 @@ class MemoryBackend:
                 continue
             if run.status == "running":
                 expires = run.lease_expires_at
-                if expires is not None and expires > now:  # extended since: look again then
+                if self._held(run, now):  # extended since: look again then
+                    assert expires is not None
                     heapq.heappush(self._timers, (expires, seq, run_id, version))
                     continue
                 ready_at = expires or now
@@ -281,10 +255,12 @@ class MemoryBackend:
             if run is None or run.version != version:
                 heapq.heappop(heap)
                 continue
-            expires = run.lease_expires_at
-            if run.status == "running" and expires is not None and expires > now:
+            if self._held(run, now):
+                assert run.lease_expires_at is not None
                 heapq.heappop(heap)
-                heapq.heappush(self._timers, (expires, run.seq, run.run_id, run.version))
+                heapq.heappush(
+                    self._timers, (run.lease_expires_at, run.seq, run.run_id, run.version)
+                )
                 continue
             return run
         return None
@@ -298,6 +274,13 @@ class MemoryBackend:
     def _has_ready(self, pairs: Sequence[TaskPair], now: datetime) -> bool:
         return any(self._ready_head(pair, now) is not None for pair in pairs)
 
+    @staticmethod
+    def _held(run: _Run, now: datetime) -> bool:
+        """Running under a lease that has not lapsed (the one reading of a lease's time, for
+        the claim and the cancel alike)."""
+        expires = run.lease_expires_at
+        return run.status == "running" and expires is not None and expires > now
+
     def _check(self, lease: Lease) -> _Run:
         run = self._runs.get(lease.run_id)
         if run is None or run.status != "running" or run.fencing_token != lease.fencing_token:
@@ -309,6 +292,11 @@ class MemoryBackend:
                 fencing_token=lease.fencing_token,
             )
         return run
+
+    def _store_step(self, run: _Run, lease: Lease, step: StepRecord) -> None:
+        """Store a step record (`record_step`, an ending's step): under the lease's token,
+        replacing the same try."""
+        run.steps[(step.name, step.attempt)] = evolve(step, fencing_token=lease.fencing_token)
 
     def _current_execution(self, run: _Run) -> _Execution | None:
         for execution in reversed(run.executions):
@@ -335,17 +323,22 @@ class MemoryBackend:
         self._notify_run(run.run_id)
 
     def _unwait(self, run: _Run) -> None:
+        self._unlisten(run)
+        run.wait_for = None
+
+    def _unlisten(self, run: _Run) -> None:
         if run.wait_for is not None:
             waiters = self._waiters.get(run.wait_for)
             if waiters is not None:
                 waiters.discard(run.run_id)
-            run.wait_for = None
 
     def _wake(self, run: _Run, now: datetime) -> None:
+        """The awaited fact arrived: claimable now. It still reads `wait_for` until a claim
+        takes it (as on Postgres)."""
         if run.status == "waiting":
             run.available_at = now
             run.updated_at = now
-            self._unwait(run)
+            self._unlisten(run)
             self._schedule(run)
             self._notify_run(run.run_id)
 
@@ -368,7 +361,8 @@ class MemoryBackend:
 
     def _maybe_auto_advance(self) -> None:
         """Jump a FakeClock to the next timer when every run is blocked and someone waits."""
-        if not getattr(self.clock, "auto_advance", False) or self._drivers == 0:
+        controls = self._controls
+        if controls is None or not controls.auto_advance or self._drivers == 0:
             return
         if not self._active_pairs:
             return
@@ -386,9 +380,8 @@ class MemoryBackend:
             if timed is None or timed.version != version:
                 heapq.heappop(self._timers)
                 continue
-            advance_to = getattr(self.clock, "advance_to", None)
-            if when > now and callable(advance_to):
-                advance_to(when)
+            if when > now:
+                controls.advance_to(when)
             return
 
     def _record(self, run: _Run, *, full: bool) -> RunRecord:
@@ -586,7 +579,7 @@ class MemoryBackend:
         with self._lock:
             run = self._check(lease)
             now = self.clock.now()
-            run.steps[(step.name, step.attempt)] = step
+            self._store_step(run, lease, step)
             run.lease_expires_at = now + lease.duration
             run.updated_at = now
             execution = self._current_execution(run)
@@ -611,7 +604,7 @@ class MemoryBackend:
                 return "fact_present"
             now = self.clock.now()
             if ending.step is not None:
-                run.steps[(ending.step.name, ending.step.attempt)] = ending.step
+                self._store_step(run, lease, ending.step)
             if ending.output_json is not None:
                 run.output_json = ending.output_json
             if ending.error is not None:
@@ -677,17 +670,13 @@ class MemoryBackend:
             if run.cancel_requested_at is None:
                 run.cancel_requested_at = now
                 run.cancel_reason = reason
-            if run.status == "running":
-                expires = run.lease_expires_at
-                if expires is not None and expires <= now:  # its holder is gone: end it now
+            if not self._held(run, now):  # pending, waiting, or its holder is gone
+                if run.status == "running":  # its lease lapsed: counted as a takeover counts it
                     run.lease_expirations += 1
                     self._end_lease(run, "interrupted", now)
-                    self._finish(run, "canceled", now)
-                    return "canceled"
-                listeners = list(self._listeners)
-            else:
                 self._finish(run, "canceled", now)
                 return "canceled"
+            listeners = list(self._listeners)
         for listener in listeners:
             listener(run_id, reason)
         return "requested"
@@ -737,7 +726,7 @@ class MemoryBackend:
                 return
             future: asyncio.Future[None] = loop.create_future()
             self._work_waiters.append(future)
-            if self._timers and not hasattr(self.clock, "subscribe"):
+            if self._timers and self._controls is None:
                 until_next = (self._timers[0][0] - now).total_seconds()
                 timeout = max(0.0, min(timeout, until_next))
             self._maybe_auto_advance()

@@ -482,7 +482,7 @@ class PostgresBackend:
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                previous, status = row
+                (status,) = row
                 if status is None:
                     return "already_finished"
                 if status != "canceled":
@@ -490,7 +490,6 @@ class PostgresBackend:
                         self._q["notify"],
                         {"channel": self.cancel_channel, "payload": f"{run_id}:{reason}"[:7000]},
                     )
-        del previous
         if status == "canceled":
             self._endings.notify(str(run_id))  # after the commit: a waiter reads it ended
             return "canceled"

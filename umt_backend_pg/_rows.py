@@ -77,6 +77,9 @@ def _record(
         priority=row["priority"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        # Stored for a running run, `available_at` is the claim's lower bound of its lease's
+        # expiry (claim_runs reads timers by it), not when it may next be claimed: the SPI
+        # reports None for it (`RunRecord.available_at`).
         available_at=row["available_at"] if row["status"] != "running" else None,
         input_json=row["input"],
         idempotency_key=row["idempotency_key"],

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any, Generic, Protocol, TypeVar, overload
 from uuid import UUID
 
 from umt_sdk._abort import Aborts, AbortState, Release
-from umt_sdk._names import check_name, inline_target
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
+from umt_sdk._steps import StepCall, Steps
 from umt_sdk.exceptions import CanceledError
 
 __all__ = [
@@ -33,7 +33,8 @@ T = TypeVar("T")
 
 class Runner(Protocol):
     """What a task's context asks of the execution running it (`_execution.Execution`): the
-    one arrow between the two runs from the execution to the context, never back."""
+    one arrow between the two runs from the execution to the context, never back. Steps,
+    sleeps and fact waits go to the execution's `Steps` directly."""
 
     @property
     def claimed(self) -> ClaimedRun: ...
@@ -43,40 +44,10 @@ class Runner(Protocol):
     def logger(self) -> logging.LoggerAdapter[logging.Logger]: ...
     @property
     def aborts(self) -> Aborts: ...
+    @property
+    def steps(self) -> Steps: ...
 
-    def run_step(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Coroutine[Any, Any, Any]: ...
-
-    def run_step_from_thread(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any: ...
-
-    def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
-
-    async def sleep(self, name: str, duration: timedelta) -> None: ...
-
-    async def wait_for_fact(
-        self,
-        name: str,
-        *,
-        timeout: timedelta | None,
-        check: Callable[[], Any] | None,
-        payload_type: Any,
-        poll: timedelta | None,
-    ) -> Any: ...
+    def in_handler_thread(self) -> bool: ...
 
 
 _CURRENT: ContextVar[Runner | None] = ContextVar("umt_current_execution", default=None)
@@ -90,10 +61,10 @@ def current_execution() -> Runner | None:
 class StepApi:
     """`ctx.step` in an async task: inline steps, durable sleeps and fact waits."""
 
-    __slots__ = ("_execution",)
+    __slots__ = ("_steps",)
 
-    def __init__(self, execution: Runner) -> None:
-        self._execution = execution
+    def __init__(self, steps: Steps) -> None:
+        self._steps = steps
 
     @overload
     def run(
@@ -135,15 +106,12 @@ class StepApi:
         The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
         parameter of either name.
         """
-        check_name("step", name)
-        fn, declared, retry = inline_target(fn, retry)
-        if output_type is None:
-            output_type = declared
-        return self._execution.run_step(name, fn, args, kwargs, retry, output_type)
+        call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
+        return self._steps.run(call)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
         """Sleep durably: the run is parked and its slot released until `duration` has passed."""
-        await self._execution.sleep(name, duration)
+        await self._steps.sleep(name, duration)
 
     async def wait_for_fact(
         self,
@@ -161,7 +129,7 @@ class StepApi:
         until a fact arrives, `poll_interval` passes (to call `check` again) or `timeout` ends
         (then `FactTimeoutError`, recorded, so replays raise it too).
         """
-        value: T = await self._execution.wait_for_fact(
+        value: T = await self._steps.wait_for_fact(
             name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
         )
         return value
@@ -170,10 +138,10 @@ class StepApi:
 class SyncStepApi:
     """`ctx.step` in a plain (sync) task: the same operations, blocking the handler's thread."""
 
-    __slots__ = ("_execution",)
+    __slots__ = ("_steps",)
 
-    def __init__(self, execution: Runner) -> None:
-        self._execution = execution
+    def __init__(self, steps: Steps) -> None:
+        self._steps = steps
 
     def run(
         self,
@@ -187,16 +155,13 @@ class SyncStepApi:
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
-        check_name("step", name)
-        fn, declared, retry = inline_target(fn, retry)
-        if output_type is None:
-            output_type = declared
-        value: R = self._execution.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
+        call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
+        value: R = self._steps.from_thread(self._steps.run(call))
         return value
 
     def sleep(self, name: str, duration: timedelta) -> None:
         """Sleep durably (see `StepApi.sleep`)."""
-        self._execution.call_from_thread(self._execution.sleep(name, duration))
+        self._steps.from_thread(self._steps.sleep(name, duration))
 
     def wait_for_fact(
         self,
@@ -208,8 +173,8 @@ class SyncStepApi:
         poll_interval: timedelta | None = None,
     ) -> T:
         """Wait durably for a fact (see `StepApi.wait_for_fact`)."""
-        value: T = self._execution.call_from_thread(
-            self._execution.wait_for_fact(
+        value: T = self._steps.from_thread(
+            self._steps.wait_for_fact(
                 name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
             )
         )
@@ -316,7 +281,7 @@ class TaskContext(_BaseContext[I]):
 
     def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
-        self.step = StepApi(execution)
+        self.step = StepApi(execution.steps)
 
 
 class SyncTaskContext(_BaseContext[I]):
@@ -326,4 +291,4 @@ class SyncTaskContext(_BaseContext[I]):
 
     def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
-        self.step = SyncStepApi(execution)
+        self.step = SyncStepApi(execution.steps)

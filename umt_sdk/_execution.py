@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -35,6 +35,7 @@ from umt_sdk._spi import (
     Ending,
     EndResult,
     ExecutionOutcome,
+    HeartbeatResult,
     Lease,
     SimulatedCrash,
     StepRecord,
@@ -57,6 +58,8 @@ T = TypeVar("T")
 
 _log = logging.getLogger("umt.worker")
 
+_ANOTHER_HOLDS = "lease lost: another attempt holds the run"
+
 
 class Execution:
     """The state of one claimed run while its handler runs in this process."""
@@ -72,7 +75,12 @@ class Execution:
         loop: asyncio.AbstractEventLoop,
         telemetry: Telemetry,
         threads: Executor | None = None,
+        claim_started: float | None = None,
+        on_step_start: Callable[[], None] | None = None,
     ) -> None:
+        """`claim_started`: when (monotonic) the claim that took the run was sent, which its
+        lease counts from; `on_step_start`: called when a step starts (the worker names a new
+        step in a prompt heartbeat)."""
         self.backend = backend
         self.claimed = claimed
         self.definition = definition
@@ -86,17 +94,23 @@ class Execution:
         )
         self.telemetry = ExecutionTelemetry(telemetry, claimed, worker_id)
         self.history = History(claimed.run_id, claimed.steps)
-        self.steps = Steps(self, self.history, self.telemetry)
+        self.steps = Steps(self, self.history, self.telemetry, on_step_start=on_step_start)
         self._started_monotonic = time.monotonic()
         self._loop_thread = threading.get_ident()
         self.aborts = Aborts(loop)
         # What the last heartbeat that reached the backend said about the step.
-        self.beaten_step: tuple[str, datetime] | None = None
+        self._beaten_step: tuple[str, datetime] | None = None
+        # The heartbeat on its way: the step it names, and when (monotonic) it was sent.
+        self._beat_sent: tuple[tuple[str, datetime] | None, float] | None = None
         # Until when (monotonic) the lease is known held: the claim, then each heartbeat.
-        self.lease_until = float("inf")
+        self._lease_until = (
+            float("inf")
+            if claim_started is None
+            else claim_started + lease_duration.total_seconds()
+        )
         # Set while the write that hands the run back (the ending) is in flight: a heartbeat
         # racing with it may find the run released, which is not a lost lease.
-        self.letting_go = False
+        self._letting_go = False
         # Replaying until the first step the last execution did not finish: logs stay quiet.
         self.replaying = bool(claimed.steps)
         self.logger = RunLogger(
@@ -143,14 +157,6 @@ class Execution:
     def default_retry(self) -> RetryPolicy:
         return self.definition.retry
 
-    @property
-    def on_step_start(self) -> Callable[[], None] | None:
-        return self.steps.on_step_start
-
-    @on_step_start.setter
-    def on_step_start(self, callback: Callable[[], None] | None) -> None:
-        self.steps.on_step_start = callback
-
     def _log_context(self) -> dict[str, object]:
         return {
             "umt_step": self.steps.current_step,
@@ -164,7 +170,64 @@ class Execution:
     def needs_step_beat(self) -> bool:
         """A step runs that no heartbeat has named yet."""
         step = self.step_for_beat()
-        return step is not None and step != self.beaten_step and not self.stopped
+        return step is not None and step != self._beaten_step and not self.stopped
+
+    # -- the heartbeat (the worker batches the beats of its executions) --------------------------
+
+    def _beat(self, step: tuple[str, datetime] | None) -> Beat:
+        return Beat(
+            run_id=self.claimed.run_id,
+            fencing_token=self.lease.fencing_token,
+            current_step=step[0] if step else None,
+            step_started_at=step[1] if step else None,
+        )
+
+    def beat(self) -> Beat | None:
+        """What the next heartbeat says for this execution (its lease, the step it is in), or
+        None when it needs none: it stopped writing, or its ending is handing the run back."""
+        if self.stopped or self._letting_go:
+            return None
+        step = self.step_for_beat()
+        self._beat_sent = (step, time.monotonic())
+        return self._beat(step)
+
+    def heard(self, result: HeartbeatResult) -> None:
+        """The answer to the heartbeat that carried `beat()`: the lease is renewed from when
+        the beat was sent, or lost (stop writing); a cancel requested takes effect here."""
+        if self._beat_sent is None:
+            return
+        step, sent_at = self._beat_sent
+        self._beat_sent = None
+        run_id = self.claimed.run_id
+        if run_id not in result.lost:
+            self._lease_until = max(
+                self._lease_until, sent_at + self.lease.duration.total_seconds()
+            )
+        self._beaten_step = step
+        if self._letting_go:
+            return  # it handed the run back while the heartbeat was on its way
+        if run_id in result.lost:
+            _log.warning("lost the lease of run %s; stopping its execution", run_id)
+            self.telemetry.lease_lost()
+            self.abort("lease_lost", _ANOTHER_HOLDS)
+        elif run_id in result.cancel_requested:
+            # The one place a cancel takes effect: the backend read it from what is stored,
+            # for a run this execution still holds under its token.
+            self.abort("cancel", result.cancel_requested[run_id] or "canceled")
+
+    def check_lease(self, now: float) -> None:
+        """Stop, as if told so, when no heartbeat renewed the lease by `now` (monotonic): the
+        run may be another worker's by now, and its writes would be refused (or never
+        answered) anyway."""
+        if self.stopped or self._letting_go or now < self._lease_until:
+            return
+        _log.warning(
+            "lost the lease of run %s: it expired before a heartbeat could renew it; "
+            "stopping its execution (another worker takes the run over)",
+            self.claimed.run_id,
+        )
+        self.telemetry.lease_lost()
+        self.abort("lease_lost", "lease expired: the backend did not answer in time")
 
     # -- time and signals -------------------------------------------------------------------
 
@@ -220,46 +283,6 @@ class Execution:
         finally:
             _CURRENT.reset(token)
 
-    # -- the steps (what a task's context calls) --------------------------------------------------
-
-    def run_step(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Coroutine[Any, Any, Any]:
-        return self.steps.run_step(name, fn, args, kwargs, retry, output_type)
-
-    def run_step_from_thread(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any:
-        return self.steps.run_step_from_thread(name, fn, args, kwargs, retry, output_type)
-
-    async def sleep(self, name: str, duration: timedelta) -> None:
-        await self.steps.sleep(name, duration)
-
-    async def wait_for_fact(
-        self,
-        name: str,
-        *,
-        timeout: timedelta | None,
-        check: Callable[[], Any] | None,
-        payload_type: Any,
-        poll: timedelta | None,
-    ) -> Any:
-        return await self.steps.wait_for_fact(
-            name, timeout=timeout, check=check, payload_type=payload_type, poll=poll
-        )
-
     # -- writes ---------------------------------------------------------------------------------
 
     async def guard(self, awaitable: Awaitable[T], *, final: bool = False) -> T:
@@ -267,7 +290,7 @@ class Execution:
         if self.stopped:
             raise Stop
         if final:
-            self.letting_go = True
+            self._letting_go = True
         try:
             return await awaitable
         except FencingError:
@@ -291,12 +314,12 @@ class Execution:
     def fenced(self) -> None:
         """A write was refused: another attempt holds the run. Stop writing."""
         self.telemetry.fenced(self.steps.current_step)
-        self.abort("lease_lost", "lease lost: another attempt holds the run")
+        self.abort("lease_lost", _ANOTHER_HOLDS)
 
     async def _end(self, ending: Ending) -> EndResult:
         """The one ending write: the SDK's decision, stored by the backend as given."""
         result = await self.guard(self.backend.end_execution(self.lease, ending), final=True)
-        self.letting_go = result == "ended"
+        self._letting_go = result == "ended"
         if result == "ended" and ending.step is not None:
             self.history.remember(ending.step)
         return result
@@ -340,6 +363,11 @@ class Execution:
         self.abort("cancel", reason)
 
     # -- the handler ------------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task[None]:
+        """Run `execute()` in a task of its own: the one a lost lease or a crash cancels."""
+        self.task = asyncio.create_task(self.execute(), name=f"umt-run-{self.claimed.run_id}")
+        return self.task
 
     async def execute(self) -> None:
         """Run the handler to its next durable boundary and record how it ended."""
@@ -494,20 +522,14 @@ class Execution:
         """Make sure the backend knows the step the cancel cut off before the run finishes
         (it keeps it on the canceled execution); one beat, only if no heartbeat said it."""
         step = self.steps.canceled_step
-        if step is None or step == self.beaten_step or self.stopped:
+        if step is None or step == self._beaten_step or self.stopped:
             return
-        beat = Beat(
-            run_id=self.claimed.run_id,
-            fencing_token=self.lease.fencing_token,
-            current_step=step[0],
-            step_started_at=step[1],
-        )
         try:
             result = await self.backend.heartbeat(
-                worker_id=self.lease.worker_id, beats=[beat], lease=self.lease.duration
+                worker_id=self.lease.worker_id, beats=[self._beat(step)], lease=self.lease.duration
             )
         except BackendError as exc:  # the timeline loses a step; finishing the run matters more
             _log.debug("run %s: could not name the canceled step: %s", self.claimed.run_id, exc)
             return
         if self.claimed.run_id not in result.lost:
-            self.beaten_step = step
+            self._beaten_step = step

@@ -50,6 +50,8 @@ __all__ = [
     "make_converter",
     "parse_json",
     "to_raw",
+    "unstorable_json_reason",
+    "unstorable_reason",
     "validate",
 ]
 
@@ -151,12 +153,38 @@ _PLAIN_SCALARS: frozenset[type] = frozenset({str, int, float, bool, type(None)})
 _NESTING = re.compile(r'"(?:[^"\\]++|\\.)*+"|[\[\]{}]')
 
 
-def _text_problem(text: str) -> str | None:
-    """Why `text` cannot be stored, or None (two C-speed scans)."""
+def unstorable_reason(text: str) -> str | None:
+    """Why no backend may store `text`, or None: the one rule of what Postgres cannot store,
+    which the SDK checks before any backend sees a value and the memory backend applies too,
+    so that it refuses what the real store refuses. Two C-speed scans.
+
+    A NUL character (Postgres text and jsonb cannot hold it), or a lone surrogate (not valid
+    Unicode: it has no UTF-8 encoding).
+    """
     if "\x00" in text:
         return "holds a NUL character (\\x00), which Postgres cannot store"
     if not text.isascii() and _SURROGATE.search(text) is not None:
         return "holds a lone surrogate (U+D800..U+DFFF), which is not valid Unicode"
+    return None
+
+
+def unstorable_json_reason(text: str) -> str | None:
+    """`unstorable_reason` of the JSON text `text` (valid JSON) and of every string and key
+    in it, its escapes decoded (jsonb refuses `\\u0000` and a lone surrogate escaped too), or
+    None."""
+    reason = unstorable_reason(text)
+    if reason is not None or "\\u" not in text:  # no escapes: nothing hides in them
+        return reason
+    stack: list[Any] = [json.loads(text)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and (reason := unstorable_reason(node)) is not None:
+            return reason
     return None
 
 
@@ -165,7 +193,7 @@ def check_text(text: str, *, what: str) -> str:
     PayloadError naming `what`."""
     if not isinstance(text, str):
         raise PayloadError(f"{what} must be a string, got {type(text).__name__}", field=what)
-    problem = _text_problem(text)
+    problem = unstorable_reason(text)
     if problem is not None:
         raise PayloadError(f"{what} cannot be stored: it {problem}", field=what)
     return text
@@ -176,7 +204,7 @@ def clean_text(text: str) -> str:
 
     For text umt composes itself (error messages, tracebacks): stored as it is, never refused.
     """
-    if "\x00" not in text and (text.isascii() or _SURROGATE.search(text) is None):
+    if unstorable_reason(text) is None:
         return text
     escaped = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return escaped.replace("\x00", "\\x00")
@@ -230,7 +258,7 @@ def _find(value: Any, root: str, *, plain: bool) -> tuple[str, str] | None:
         if plain and kind not in _PLAIN_SCALARS and kind is not list and kind is not dict:
             return path, _untyped(node, path, root)
         if isinstance(node, str):
-            problem = _text_problem(node)
+            problem = unstorable_reason(node)
             if problem is not None:
                 return path, f"a string that {problem}"
         elif isinstance(node, dict | list | tuple):
@@ -245,7 +273,7 @@ def _find(value: Any, root: str, *, plain: bool) -> tuple[str, str] | None:
                             "would get back as a str"
                         )
                     if isinstance(key, str):
-                        problem = _text_problem(key)
+                        problem = unstorable_reason(key)
                         if problem is not None:
                             return _child(path, key), f"a key that {problem}"
                     elif not isinstance(key, int | float | bool) and key is not None:
@@ -359,7 +387,7 @@ def _checked(text: str, source: Any, what: str, *, depth_known: bool = False) ->
     NUL escapes, surrogates and the size are seen in the text itself; the depth too when the
     text has at most MAX_DEPTH containers in all (brackets in strings only make it cautious).
     """
-    if "\\u0000" in text or (not text.isascii() and _SURROGATE.search(text) is not None):
+    if "\\u0000" in text or unstorable_reason(text) is not None:
         found = _find(source, what, plain=False)
         if found is not None:  # else a string held a backslash followed by "u0000": fine
             raise _refused(what, *found)

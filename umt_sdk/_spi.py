@@ -5,21 +5,34 @@ lives in `umt_sdk`: replay, retries and their timing, whether a failure retries 
 run or nothing, what an ending means (`Ending` carries the status, the execution's outcome, the
 time the run is next due, the error and whether it counts as a failure), when a run has lost its
 lease too often, which fact a wait receives (the run's own before the broadcast one), whether an
-idempotency key may be reused (the backend reports the stored hash and version), and how a
-stored execution reads (`running` past its lease reads `interrupted`: `umt_sdk._views`).
+idempotency key may be reused (the backend reports the stored hash and version), what a
+claimed run whose cancel was requested does (`ClaimedRun.cancel_reason`), what may be stored at
+all (`umt_sdk.backend.unstorable_reason`: the SDK refuses the rest first), and how a stored
+execution reads (`running` past its lease reads `interrupted`: `umt_sdk._views`).
+
+Leases, as every method below uses the words. A run is *held* under a fencing token while it is
+`running` with that token. Its lease *lapses* at `lease_expires_at`, judged by the store's
+clock (the database's `now()`, the memory backend's clock), never by the worker's. A lapsed
+lease still writes: `record_step`, `heartbeat`, `end_execution` and the ledger judge the token,
+not the time, until a claim takes the run over (any claim may, once the lease lapsed) or a
+`cancel` ends it.
 
 A backend author must store, atomically and durably before returning:
 - what it is given, as given (runs, step records, facts, endings, cancel requests), and read it
   back unchanged (payloads cross the boundary as JSON text);
 - the fencing token: each claim takes a new, strictly larger one (never reused, even after a
   crash or a failover of the store), and every write on an execution's behalf carries its
-  `Lease` and is refused with `FencingError` when the run's token is no longer the lease's;
+  `Lease` and is refused with `FencingError` when the run is no longer held under the lease's
+  token;
 - the few conditions only the store can check atomically with a write, each named where it
   applies: first write wins for a fact and for an idempotency key; a park onto a fact already
   stored is refused (no lost wake-up); a hand-back of a run whose cancel was requested is
-  refused; a claim takes only available runs, in the one order `claim` documents.
+  refused; a claim takes only available runs, in the one order `claim` documents; a cancel ends
+  at once a run nobody holds, a lapsed lease included (`cancel`).
 It may not decide anything else: no retry policy, no limits of its own, no rewriting of what it
-was given. `umt_sdk.testing.BackendContract` checks all of this against a real store.
+was given. What a backend does on its own (its clock, the lease it extends, what it counts) is
+said on each method and record below. `umt_sdk.testing.BackendContract` checks all of this
+against a real store.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 from uuid import UUID
 
 from attrs import field, frozen
@@ -40,6 +53,7 @@ __all__ = [
     "CancelOutcome",
     "ClaimedRun",
     "Clock",
+    "ControllableClock",
     "EndResult",
     "EndStatus",
     "Ending",
@@ -64,9 +78,9 @@ __all__ = [
 ]
 
 RunStatus = Literal["pending", "running", "waiting", "completed", "failed", "canceled"]
-"""pending: runnable once `available_at` comes (new, or waiting out a retry backoff);
-running: leased by a worker; waiting: parked on a durable sleep or a fact;
-completed/failed/canceled: terminal."""
+"""pending: runnable once `available_at` comes (new, waiting out a backoff, or handed back);
+running: leased by a worker (held while its lease has not lapsed); waiting: parked on a
+durable sleep or a fact; completed/failed/canceled: terminal."""
 
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "canceled"})
 
@@ -131,6 +145,25 @@ class Clock(Protocol):
     def now(self) -> datetime: ...
 
 
+@runtime_checkable
+class ControllableClock(Clock, Protocol):
+    """A clock a test moves by hand (`umt_sdk.testing.FakeClock`). A backend that keeps its
+    own time checks for it once, when it is given its clock: with one, it wakes its waiters
+    when the clock moves and, under `auto_advance`, jumps it to its next timer when every run
+    is blocked and someone waits for a result; with a plain `Clock`, it does neither."""
+
+    auto_advance: bool
+    """Whether the backend may move the clock to its next timer by itself."""
+
+    def advance_to(self, when: datetime) -> None:
+        """Move the clock to `when` if that is later than now."""
+        ...
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` after every move; returns the function that unsubscribes it."""
+        ...
+
+
 @frozen(kw_only=True)
 class ErrorInfo:
     """An error as recorded: its qualified type name, message and formatted traceback."""
@@ -182,7 +215,9 @@ class Lease:
 
 @frozen(kw_only=True)
 class StepRecord:
-    """One recorded step attempt."""
+    """One recorded step attempt, keyed by (`name`, `attempt`) within its run: a record of
+    the same try replaces the stored one. A backend stores it under the token of the lease
+    that writes it: `fencing_token` reads back as that token, whatever the writer put there."""
 
     name: str
     kind: StepKind
@@ -210,11 +245,15 @@ class ClaimedRun:
     claimed_at: datetime = field(validator=_tz_aware_required)
     """The backend's clock at the claim: the worker measures time from here."""
     claims: int
+    """How many times the run has been claimed, this claim included."""
     failures: int
+    """As stored: the failures the run's endings counted (`Ending.count_failure`)."""
     trace_context: Mapping[str, str] = field(factory=dict)
     steps: Sequence[StepRecord] = ()
+    """Every step record of the run, in the order each was first recorded."""
     ready_at: datetime | None = None
-    """When the run became claimable (for the claim-latency metric)."""
+    """When the run became claimable (its `available_at`; for a takeover, when the lease
+    lapsed): for the claim-latency metric."""
     lost_leases: int = 0
     """When this claim takes over an expired lease: how many leases the run has lost since it
     last recorded a step, this one included (the executions whose lease expired, counting the
@@ -231,26 +270,42 @@ EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
 EndResult = Literal["ended", "fact_present", "cancel_requested"]
 
 
+def _parks(_: object, __: object, step: StepRecord | None) -> None:
+    if step is not None and step.output_json is not None:
+        raise ValueError(
+            f"an ending's step never carries output, got step {step.name!r} with one: it is "
+            "the record that parks the run (a retrying step, a waiting sleep or fact wait); "
+            "record a step that finished with record_step"
+        )
+
+
 @frozen(kw_only=True)
 class Ending:
     """How an execution ends: decided by `umt_sdk`, stored by the backend as given.
 
-    The backend decides none of it. It stores, in one write under the lease: `step` (if any)
-    as `record_step` would; `status` as the run's status; `available_at` as when the run may
-    next be claimed (for `pending` and `waiting`; None while it waits for `wait_for` with no
-    deadline; ignored for the terminal statuses, which set `finished_at` instead); `wait_for`
-    as the fact that wakes the run; `output_json` and `error` as the run's output and error
-    when given (None keeps what is stored); one more failure when `count_failure`; and
-    `outcome` on the execution, whose lease ends. An execution that ends `canceled` keeps the
-    step it was in (`current_step`, from its heartbeats), so the timeline shows it canceled;
-    every other ending clears it.
+    The backend decides none of it. It stores, in one write under the lease:
+    - `step` (if any) as `record_step` stores a step (under the lease's token, replacing the
+      same try); it is the record that parks the run (a `retrying` step, a `waiting` sleep
+      or fact wait) and never carries output (refused here, so a backend need not store one);
+    - `status` as the run's status;
+    - `available_at` as when the run may next be claimed, for `pending` and `waiting`: a
+      `pending` ending without one is claimable at once (the backend's clock), a `waiting`
+      one without one waits for `wait_for` with no deadline; the terminal statuses set
+      `finished_at` instead and clear it;
+    - `wait_for` as the fact that wakes the run;
+    - `output_json` and `error` as the run's output and error when given (None keeps what is
+      stored);
+    - one more failure when `count_failure`;
+    - `outcome` on the execution, whose lease ends (`lease_owner` and `lease_expires_at` are
+      cleared). An execution that ends `canceled` keeps the step it was in (`current_step`,
+      from its heartbeats), so the timeline shows it canceled; every other ending clears it.
     """
 
     status: EndStatus
     outcome: ExecutionOutcome
     available_at: datetime | None = field(default=None, validator=_tz_aware)
     wait_for: str | None = None
-    step: StepRecord | None = None
+    step: StepRecord | None = field(default=None, validator=_parks)
     output_json: str | None = None
     error: ErrorInfo | None = None
     count_failure: bool = False
@@ -317,7 +372,11 @@ class RunRecord:
     created_at: datetime
     updated_at: datetime
     available_at: datetime | None
-    """When the run may next be claimed; None while it waits for a fact with no deadline."""
+    """When the run may next be claimed: for `pending`, when it becomes claimable (its
+    enqueue's delay, a backoff's end; at once when handed back); for `waiting`, when its
+    sleep ends or its wait times out, None while it waits for a fact with no deadline (a
+    fact that arrives makes it the time of arrival). None while the run is `running` (a
+    lapsed lease is claimable from `lease_expires_at`) and once it has finished."""
     input_json: str
     idempotency_key: str | None = None
     output_json: str | None = None
@@ -325,13 +384,20 @@ class RunRecord:
     claims: int = 0
     failures: int = 0
     lease_expirations: int = 0
+    """Leases that lapsed and were counted: by the claim that took the run over, or by the
+    cancel that ended it (`cancel`)."""
     fencing_token: int = 0
+    """The token of the newest claim (0 before the first)."""
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
+    """While `running`: when the lease lapses (a claim, a heartbeat and `record_step` move it
+    on). None once the execution has ended."""
     finished_at: datetime | None = None
     cancel_requested_at: datetime | None = None
+    """When the cancel was first requested; a later request keeps it and its reason."""
     cancel_reason: str | None = None
     wait_for: str | None = None
+    """The fact a `waiting` run was parked on, until a claim takes the run."""
     trace_context: Mapping[str, str] = field(factory=dict)
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
@@ -410,9 +476,11 @@ class Backend(Protocol):
         """Store a run (inside the caller's transaction `conn` when given; a `conn` this
         backend cannot join is refused with `UsageError`).
 
-        Same idempotency key: same input hash returns the existing run (`created=False`,
-        with its `task_version`), a different hash raises `IdempotencyConflictError`. Keys
-        never expire silently. The engine refuses a key that names another version.
+        The run is `pending`, claimable from the backend's clock plus `new.delay`
+        (`available_at`). Same idempotency key: same input hash returns the existing run
+        (`created=False`, with its `task_version`), a different hash raises
+        `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
+        names another version.
         """
         ...
 
@@ -437,20 +505,36 @@ class Backend(Protocol):
         Runs whose lease expired are available. A run whose cancel was requested is claimed
         like any other, with `ClaimedRun.cancel_reason` set: the SDK decides what that means.
 
-        A claim that takes over an expired lease counts it (`RunRecord.lease_expirations`),
+        A claim that takes over a lapsed lease counts it (`RunRecord.lease_expirations`),
         marks the old execution `interrupted` and reports in `ClaimedRun.lost_leases` how many
         leases the run lost since its last step record; the SDK decides what that means (the
-        task's `max_lost_leases`), so the backend needs no limit of its own."""
+        task's `max_lost_leases`), so the backend needs no limit of its own.
+
+        Each claimed run becomes `running` under its new token, with a lease until the
+        backend's clock plus `lease`, a new `running` execution, one more `claims`, and no
+        `wait_for`."""
         ...
 
     async def heartbeat(
         self, *, worker_id: str, beats: Sequence[Beat], lease: timedelta
     ) -> HeartbeatResult:
-        """Extend every lease in `beats` still held; report the lost ones and cancel requests."""
+        """Extend the lease of every run in `beats` still held under the beat's token (lapsed
+        or not: see the module docstring) to the backend's clock plus `lease`, and note on its
+        execution the step the beat names (`ExecutionRecord.current_step`, `step_started_at`).
+
+        Reports the runs not held (`lost`: taken over, ended, canceled, or unknown) and, for
+        the held ones whose cancel was requested, the stored reason ("" when none was given).
+        """
         ...
 
     async def record_step(self, lease: Lease, step: StepRecord) -> None:
-        """Record a step attempt if `lease` still holds the run, and extend the lease."""
+        """Record a step attempt if the run is still held under `lease`'s token (else
+        `FencingError`), and extend the lease.
+
+        The record is stored under the lease's token, replacing the same try (`name`,
+        `attempt`). The lease is moved on to the backend's clock plus `lease.duration`; a
+        backend may skip that while more than half of it is left (the heartbeat keeps it
+        fresh). An execution whose heartbeats named this step no longer names it."""
         ...
 
     async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
@@ -469,7 +553,12 @@ class Backend(Protocol):
     async def signal(self, *, run_id: UUID | None, name: str, payload_json: str) -> bool:
         """Store a fact (run-scoped, or broadcast when `run_id` is None) and wake its waiters.
         First write wins: returns False when the fact already existed. The engine passes None
-        only from `broadcast`; `signal` refuses a missing run id before it gets here."""
+        only from `broadcast`; `signal` refuses a missing run id before it gets here
+        (`RunNotFoundError` for a run id the store does not know).
+
+        A waiter is a `waiting` run whose `wait_for` is `name` (the run itself, or any run
+        for a broadcast fact): it becomes claimable now (`available_at`), still `waiting`,
+        until a claim takes it."""
         ...
 
     async def get_facts(self, *, run_id: UUID, name: str) -> Sequence[Fact]:
@@ -478,11 +567,29 @@ class Backend(Protocol):
         ...
 
     async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:
-        """Request cancellation durably; finish at once a run that is not running."""
+        """Request the run's cancel, durably, and end at once a run nobody holds.
+
+        The request (`cancel_requested_at`, `cancel_reason`) is stored once: a later cancel
+        keeps the first time and reason. Then, by what the run is now:
+        - finished (completed, failed, canceled): nothing changes; `"already_finished"`;
+        - `pending`, `waiting`, or `running` with a lapsed lease (its holder is gone: crashed,
+          frozen, cut off): it ends `canceled` at once (`finished_at` set, no `available_at`,
+          no `wait_for`), and a lapsed lease is counted as a takeover counts it
+          (`lease_expirations`, its execution `interrupted`); `"canceled"`. This is one of
+          the conditions only the store can check: whether the lease lapsed with no claim
+          taking the run over, atomically with the write;
+        - held (`running`, its lease not lapsed): nothing else changes; `"requested"`. The
+          holder reads the request from its heartbeat (a cancel listener may hint it to look
+          at once) and ends the run. If the holder is cut off first, the next claim hands the
+          run out with `ClaimedRun.cancel_reason`, and the SDK ends it: the store never ends a
+          run it hands out.
+        `RunNotFoundError` when there is no such run.
+        """
         ...
 
     async def get_run(self, run_id: UUID) -> RunRecord | None:
-        """The run with its steps and executions, or None."""
+        """The run with its steps (in the order each was first recorded) and its executions
+        (by token), or None; `observed_at` is the backend's clock at the read."""
         ...
 
     async def get_run_head(self, run_id: UUID) -> RunRecord | None:
@@ -491,11 +598,12 @@ class Backend(Protocol):
         ...
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
-        """Runs matching `query`, newest first, without steps."""
+        """Runs matching `query`, newest first, without steps and executions."""
         ...
 
     async def queue_depths(self, pairs: Sequence[TaskPair]) -> Mapping[TaskPair, int]:
-        """How many runs of each pair are pending (for the queue-depth gauge; keep it cheap)."""
+        """How many runs of each pair are `pending`, due or not (for the queue-depth gauge;
+        keep it cheap)."""
         ...
 
     async def wait_for_work(self, *, pairs: Sequence[TaskPair], timeout: float) -> None:
@@ -503,7 +611,8 @@ class Backend(Protocol):
         ...
 
     async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
-        """Return when the run may have changed state, or after `timeout` seconds."""
+        """Return when the run may have changed state, or after `timeout` seconds. Only a
+        hint: a backend may simply sleep a short while (the caller reads the run again)."""
         ...
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:

@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
+
+from attrs import field, frozen
 
 from umt_sdk import _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
-from umt_sdk._names import check_name
+from umt_sdk._names import check_name, inline_target
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import (
     Backend,
@@ -43,9 +45,50 @@ from umt_sdk.exceptions import (
     UsageError,
 )
 
-__all__ = ["StepHost", "Steps", "error_info"]
+__all__ = ["StepCall", "StepHost", "Steps", "error_info"]
 
 T = TypeVar("T")
+
+
+@frozen(kw_only=True)
+class StepCall:
+    """One call of a step, built once where the user's call enters (`ctx.step.run`, a
+    decorated step) and read by `Steps.run`: a new step option is one more field here and
+    its two ends, not one more parameter on every signature in between."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(factory=dict)
+    retry: RetryPolicy | None = None
+    """The step's own retry policy; None: the task's."""
+    output_type: Any = Any
+    """What the output decodes to, on the first execution and on every replay."""
+
+    @classmethod
+    def inline(
+        cls,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        *,
+        retry: RetryPolicy | None,
+        output_type: Any,
+    ) -> StepCall:
+        """`ctx.step.run(name, fn, *args, retry=..., output_type=..., **kwargs)`: the name
+        checked, and a decorated `fn` replaced by its plain function, its output type and
+        (unless `retry` overrides it) its retry policy (`_names.inline_target`)."""
+        check_name("step", name)
+        fn, declared, retry = inline_target(fn, retry)
+        return cls(
+            name=name,
+            fn=fn,
+            args=args,
+            kwargs=kwargs,
+            retry=retry,
+            output_type=declared if output_type is None else output_type,
+        )
 
 
 def _check_wait_arguments(name: str, *, timeout: object, check: object, poll: object) -> None:
@@ -113,7 +156,14 @@ class StepHost(Protocol):
 class Steps:
     """The steps of one execution: replay from `history`, run and record the rest."""
 
-    def __init__(self, host: StepHost, history: History, telemetry: ExecutionTelemetry) -> None:
+    def __init__(
+        self,
+        host: StepHost,
+        history: History,
+        telemetry: ExecutionTelemetry,
+        *,
+        on_step_start: Callable[[], None] | None = None,
+    ) -> None:
         self._host = host
         self.history = history
         self._telemetry = telemetry
@@ -123,7 +173,7 @@ class Steps:
         # naming it, so the timeline shows it as canceled.
         self.canceled_step: tuple[str, datetime] | None = None
         # Who wants to know when a step starts (the worker, to name it in a prompt beat).
-        self.on_step_start: Callable[[], None] | None = None
+        self._on_step_start = on_step_start
 
     def step_for_beat(self) -> tuple[str, datetime] | None:
         """The step a heartbeat names: the one running, else the one a cancel cut off."""
@@ -168,46 +218,20 @@ class Steps:
             name=name, kind=kind, fencing_token=self._host.lease.fencing_token, **fields
         )
 
-    def run_step(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Coroutine[Any, Any, Any]:
-        return self._run_step(name, fn, args, kwargs, retry, output_type)
+    def from_thread(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` (a step, a sleep, a fact wait) on the worker's loop from a plain
+        handler's thread and wait for it."""
+        return self._host.call_from_thread(coro)
 
-    def run_step_from_thread(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any:
-        return self._host.call_from_thread(
-            self._run_step(name, fn, args, kwargs, retry, output_type)
-        )
-
-    async def _run_step(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any:
-        full = self.history.occurrence(name)
+    async def run(self, call: StepCall) -> Any:
+        """Replay `call`'s record, or run it and record how it went."""
+        full = self.history.occurrence(call.name)
         last = self.history.last(full, "step")
         if last is not None:
             if last.status == "completed":
                 self._telemetry.replayed(last)
                 return _serde.decode(
-                    last.output_json or "null", output_type, what=f"output of step {full!r}"
+                    last.output_json or "null", call.output_type, what=f"output of step {full!r}"
                 )
             if last.status == "failed":
                 self._telemetry.replayed(last)
@@ -216,29 +240,21 @@ class Steps:
         self._host.check_before_step()
         self._host.go_live()
         with self._telemetry.step(full, attempt):
-            return await self._execute_step(full, attempt, fn, args, kwargs, retry, output_type)
+            return await self._execute_step(call, full, attempt)
 
-    async def _execute_step(
-        self,
-        full: str,
-        attempt: int,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        retry: RetryPolicy | None,
-        output_type: Any,
-    ) -> Any:
+    async def _execute_step(self, call: StepCall, full: str, attempt: int) -> Any:
+        fn = call.fn
         started = self._host.now()
         self.current_step, self.current_step_started_at = full, started
-        if self.on_step_start is not None:
-            self.on_step_start()
+        if self._on_step_start is not None:
+            self._on_step_start()
         try:
             if inspect.iscoroutinefunction(fn):
-                value = await fn(*args, **kwargs)
+                value = await fn(*call.args, **call.kwargs)
             else:
                 # Plain bodies run in a thread (the handler's own thread already, for plain
                 # tasks: the loop never blocks on user code).
-                value = await self._host.in_thread(fn, *args, **kwargs)
+                value = await self._host.in_thread(fn, *call.args, **call.kwargs)
                 if inspect.isawaitable(value):
                     value = await value
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
@@ -258,7 +274,7 @@ class Steps:
                 self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
             # A failure of the step's code (while canceling: recorded, never retried).
-            policy = retry or self._host.default_retry
+            policy = call.retry or self._host.default_retry
             info = error_info(exc)
             if policy.should_retry(exc, attempt) and not self._host.aborts.canceling:
                 now = self._host.now()
@@ -302,7 +318,7 @@ class Steps:
         try:
             # The value every replay decodes is the one this execution returns too.
             output_json, value = _serde.encode_output(
-                value, output_type, what=f"output of step {full!r}"
+                value, call.output_type, what=f"output of step {full!r}"
             )
         except PayloadError as exc:
             # Deterministic: the same body would return the same value, so no retry.

@@ -10,10 +10,11 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from attrs import frozen
 
-from umt_sdk._context import SyncTaskContext, TaskContext, current_execution
+from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
 from umt_sdk._names import check_name, check_storable, hints, unwrap_awaitable
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
+from umt_sdk._steps import StepCall
 from umt_sdk.exceptions import NotInTaskError, TaskDefinitionError, UnknownTaskError
 
 __all__ = [
@@ -164,8 +165,18 @@ class _StepBase(Generic[P, R]):
     def __repr__(self) -> str:
         return f"<step {self.name!r} ({self.fn.__qualname__})>"
 
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepCall:
+        return StepCall(
+            name=self.name,
+            fn=self.fn,
+            args=args,
+            kwargs=kwargs,
+            retry=self.retry,
+            output_type=self.output_type,
+        )
 
-def _current_or_raise(step_name: str) -> Any:
+
+def _current_or_raise(step_name: str) -> Runner:
     execution = current_execution()
     if execution is None:
         raise NotInTaskError(
@@ -185,9 +196,7 @@ class AsyncStep(_StepBase[P, R]):
                 f"async step {self.name!r} called from a plain task; use "
                 "ctx.step.run(name, fn, ...) there, which runs it on the event loop"
             )
-        result: Awaitable[R] = execution.run_step(
-            self.name, self.fn, args, kwargs, self.retry, self.output_type
-        )
+        result: Awaitable[R] = execution.steps.run(self._call(args, kwargs))
         return result
 
 
@@ -200,22 +209,17 @@ class SyncStep(_StepBase[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         execution = _current_or_raise(self.name)
+        steps = execution.steps
         if execution.in_handler_thread():
-            value: R = execution.run_step_from_thread(
-                self.name, self.fn, args, kwargs, self.retry, self.output_type
-            )
+            value: R = steps.from_thread(steps.run(self._call(args, kwargs)))
             return value
-        awaitable: R = execution.run_step(
-            self.name, self.fn, args, kwargs, self.retry, self.output_type
-        )
-        return awaitable
+        # From an async task the result is awaited (see the class docstring).
+        return typing.cast(R, steps.run(self._call(args, kwargs)))
 
     def aio(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:
         """The typed form for async tasks: the body runs in a thread, the result is awaited."""
         execution = _current_or_raise(self.name)
-        result: Awaitable[R] = execution.run_step(
-            self.name, self.fn, args, kwargs, self.retry, self.output_type
-        )
+        result: Awaitable[R] = execution.steps.run(self._call(args, kwargs))
         return result
 
 

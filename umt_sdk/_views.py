@@ -11,6 +11,7 @@ from uuid import UUID
 from attrs import evolve, frozen
 
 from umt_sdk._spi import (
+    TERMINAL_STATUSES,
     ErrorInfo,
     ExecutionOutcome,
     ExecutionRecord,
@@ -25,6 +26,7 @@ __all__ = [
     "StepView",
     "build_run_info",
     "execution_outcome",
+    "lease_expired",
     "with_execution_outcomes",
 ]
 
@@ -119,22 +121,24 @@ class RunPage:
         return len(self.runs)
 
 
+def lease_expired(record: RunRecord) -> bool:
+    """Whether `record` is `running` with a lease that had lapsed when the backend read it (at
+    its own clock, `observed_at`). The rule lives here, once: `execution_outcome` and the
+    `RunInfo` of `build_run_info` both ask it."""
+    expires, now = record.lease_expires_at, record.observed_at
+    return record.status == "running" and expires is not None and now is not None and expires <= now
+
+
 def execution_outcome(record: RunRecord, execution: ExecutionRecord) -> ExecutionOutcome:
-    """What an execution's outcome reads as. The rule lives here, once: backends store what
-    happened, and an execution still stored as `running` reads `interrupted` once it no longer
-    holds the run (another claim took it, or it ended) or its lease lapsed at the backend's
-    clock (`observed_at`)."""
+    """What an execution's outcome reads as: backends store what happened, and an execution
+    still stored as `running` reads `interrupted` once it no longer holds the run (another
+    claim took it, or it ended) or its lease lapsed (`lease_expired`)."""
     if execution.outcome != "running":
         return execution.outcome
-    now = record.observed_at
     if (
         execution.fencing_token != record.fencing_token
         or record.status != "running"
-        or (
-            record.lease_expires_at is not None
-            and now is not None
-            and record.lease_expires_at <= now
-        )
+        or lease_expired(record)
     ):
         return "interrupted"
     return "running"
@@ -153,7 +157,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
     """The projection: step records, plus the steps that interrupted or canceled executions
     were in, with the statuses a finished run gives its unfinished steps."""
     record = with_execution_outcomes(record)
-    terminal = record.status in ("completed", "failed", "canceled")
+    terminal = record.status in TERMINAL_STATUSES
     closed: StepViewStatus = "canceled" if record.status == "canceled" else "abandoned"
     # (view, sort key): by start time, then by attempt token (a later execution is later when
     # a frozen test clock gives both the same time); ties keep the backend's order.
@@ -218,13 +222,6 @@ def build_run_info(record: RunRecord) -> RunInfo:
             )
         )
     entries.sort(key=lambda entry: (entry[1], entry[2]))
-    now = record.observed_at
-    lease_expired = (
-        record.status == "running"
-        and record.lease_expires_at is not None
-        and now is not None
-        and record.lease_expires_at <= now
-    )
     return RunInfo(
         run_id=record.run_id,
         task_name=record.task_name,
@@ -247,7 +244,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
         timeline=tuple(view for view, _, _ in entries),
         executions=tuple(record.executions),
         lease_expires_at=record.lease_expires_at if record.status == "running" else None,
-        lease_expired=lease_expired,
+        lease_expired=lease_expired(record),
     )
 
 

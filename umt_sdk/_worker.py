@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from umt_sdk._execution import Execution
-from umt_sdk._spi import Backend, Beat, ClaimedRun, TaskPair
+from umt_sdk._spi import Backend, ClaimedRun, TaskPair
 from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import BackendError, BackendUnavailableError, UsageError
@@ -265,12 +265,11 @@ class Worker:
             loop=self._loop,
             telemetry=self.telemetry,
             threads=self._threads,
+            claim_started=claim_started,
+            on_step_start=self._step_started.set,
         )
-        execution.on_step_start = self._step_started.set
-        execution.lease_until = claim_started + self.lease.total_seconds()
         self._executions[claimed.run_id] = execution
-        task = asyncio.create_task(execution.execute(), name=f"umt-run-{claimed.run_id}")
-        execution.task = task
+        task = execution.start()
 
         def done(_: asyncio.Task[None]) -> None:
             if self._executions.get(claimed.run_id) is execution:
@@ -326,24 +325,17 @@ class Worker:
             if self._heartbeats_paused:
                 continue
             self._stop_expired_leases()
-            live = [e for e in self._executions.values() if not e.stopped and not e.letting_go]
-            if not live:
+            beating = [(e, b) for e in self._executions.values() if (b := e.beat()) is not None]
+            if not beating:
                 continue
-            steps = [e.step_for_beat() for e in live]
-            beats = [
-                Beat(
-                    run_id=e.claimed.run_id,
-                    fencing_token=e.lease.fencing_token,
-                    current_step=step[0] if step else None,
-                    step_started_at=step[1] if step else None,
-                )
-                for e, step in zip(live, steps, strict=True)
-            ]
-            beat_started = time.monotonic()
             try:
                 result = await self._within_lease(
                     "heartbeat",
-                    self.backend.heartbeat(worker_id=self.worker_id, beats=beats, lease=self.lease),
+                    self.backend.heartbeat(
+                        worker_id=self.worker_id,
+                        beats=[beat for _, beat in beating],
+                        lease=self.lease,
+                    ),
                 )
                 outage.succeeded()
             except Exception as exc:  # leases may expire meanwhile; fencing keeps that safe
@@ -352,24 +344,8 @@ class Worker:
                 outage.failed(exc, interval)
                 self._stop_expired_leases()
                 continue
-            renewed = beat_started + self.lease.total_seconds()
-            for execution in live:
-                if execution.claimed.run_id not in result.lost:
-                    execution.lease_until = max(execution.lease_until, renewed)
-            for execution, step in zip(live, steps, strict=True):
-                execution.beaten_step = step
-            for execution in live:
-                run_id = execution.claimed.run_id
-                if execution.letting_go:
-                    continue  # it handed the run back while the heartbeat was on its way
-                if run_id in result.lost:
-                    _log.warning("lost the lease of run %s; stopping its execution", run_id)
-                    execution.telemetry.lease_lost()
-                    execution.abort("lease_lost", "lease lost: another attempt holds the run")
-                elif run_id in result.cancel_requested:
-                    # The one place a cancel takes effect: the backend read it from what is
-                    # stored, for a run this execution still holds under its token.
-                    execution.abort("cancel", result.cancel_requested[run_id] or "canceled")
+            for execution, _ in beating:
+                execution.heard(result)
 
     async def _within_lease(self, what: str, call: Awaitable[T]) -> T:
         """A backend call of the worker's own loops, answered within the lease or given up: a
@@ -384,18 +360,11 @@ class Worker:
             ) from None
 
     def _stop_expired_leases(self) -> None:
-        """An execution whose lease no heartbeat renewed in time may be another worker's by
-        now: it stops as if told so (its writes would be refused anyway, or never answered)."""
+        """Every execution whose lease no heartbeat renewed in time stops (see
+        `Execution.check_lease`)."""
         now = time.monotonic()
         for execution in list(self._executions.values()):
-            if not execution.stopped and not execution.letting_go and now >= execution.lease_until:
-                _log.warning(
-                    "lost the lease of run %s: it expired before a heartbeat could renew it; "
-                    "stopping its execution (another worker takes the run over)",
-                    execution.claimed.run_id,
-                )
-                execution.telemetry.lease_lost()
-                execution.abort("lease_lost", "lease expired: the backend did not answer in time")
+            execution.check_lease(now)
 
     async def _depth_loop(self) -> None:
         """Refresh the queue-depth gauge of this worker's pairs (cheap, every 10 s)."""

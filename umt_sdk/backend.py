@@ -1,4 +1,5 @@
-"""The face for backend authors: the SPI protocol, its records, and `hookimpl`.
+"""The face for backend authors: the SPI protocol, its records, `hookimpl`, and the one rule
+of what a backend cannot store (`unstorable_reason`, `unstorable_json_reason`).
 
 A backend package provides a plugin module registered under the `umt` entry-point group that
 implements `umt_backend_schemes` and `umt_open_backend` (see `BackendHookspecs`), and a class
@@ -8,6 +9,7 @@ satisfying `Backend`. Run `umt_sdk.testing.BackendContract` against it.
 from umt_sdk._clock import SystemClock
 from umt_sdk._engine import new_run_id
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
+from umt_sdk._serde import unstorable_json_reason, unstorable_reason
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
     Backend,
@@ -15,6 +17,7 @@ from umt_sdk._spi import (
     CancelOutcome,
     ClaimedRun,
     Clock,
+    ControllableClock,
     Ending,
     EndResult,
     EndStatus,
@@ -45,6 +48,7 @@ __all__ = [
     "CancelOutcome",
     "ClaimedRun",
     "Clock",
+    "ControllableClock",
     "EndResult",
     "EndStatus",
     "Ending",
@@ -70,4 +74,6 @@ __all__ = [
     "TaskPair",
     "hookimpl",
     "new_run_id",
+    "unstorable_json_reason",
+    "unstorable_reason",
 ]

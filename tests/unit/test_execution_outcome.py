@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from umt_sdk._spi import ExecutionRecord, RunRecord, RunStatus
-from umt_sdk._views import build_run_info, execution_outcome
+from umt_sdk._views import build_run_info, execution_outcome, lease_expired
 
 NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
 
@@ -63,3 +63,21 @@ def test_other_outcomes_are_reported_as_stored() -> None:
         fencing_token=2, worker_id="w", claimed_at=NOW, ended_at=NOW, outcome="completed"
     )
     assert execution_outcome(record, done) == "completed"
+
+
+@pytest.mark.parametrize(
+    ("record", "expired"),
+    [
+        (_record(expires=NOW + timedelta(seconds=5)), False),
+        (_record(expires=None), False),
+        (_record(expires=NOW), True),
+        (_record(expires=NOW - timedelta(seconds=1)), True),
+        (_record(status="pending", expires=NOW - timedelta(seconds=1)), False),
+    ],
+    ids=["held", "no-lease", "lapsed-now", "lapsed", "not-running"],
+)
+def test_the_run_info_reads_an_expired_lease_by_the_same_rule(
+    record: RunRecord, expired: bool
+) -> None:
+    assert lease_expired(record) is expired
+    assert build_run_info(record).lease_expired is expired

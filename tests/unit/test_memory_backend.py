@@ -13,8 +13,16 @@ import pytest
 
 from umt_backend_memory import CrashHook, MemoryBackend, MemoryStore
 from umt_sdk import Engine, Registry, TaskContext, connect, task
-from umt_sdk.backend import Ending, Lease, NewRun, new_run_id
-from umt_sdk.exceptions import FencingError, RunNotFoundError, UsageError
+from umt_sdk.backend import (
+    ControllableClock,
+    Ending,
+    Lease,
+    NewRun,
+    SystemClock,
+    new_run_id,
+    unstorable_json_reason,
+)
+from umt_sdk.exceptions import BackendError, FencingError, RunNotFoundError, UsageError
 from umt_sdk.testing import FakeClock
 
 LEASE = timedelta(seconds=5)
@@ -220,4 +228,56 @@ async def test_memory_backend_argument_checks(engine: Engine) -> None:
     with pytest.raises(UsageError, match="no transactions to join") as caught:
         await backend.enqueue(new, conn=object())
     assert caught.value.argument == "conn"
+    assert backend.runs() == []
+
+
+def test_the_memory_backend_finds_a_clock_it_can_move_once_and_by_its_protocol() -> None:
+    fake = FakeClock()
+    assert isinstance(fake, ControllableClock)
+    controlled: ControllableClock = fake  # FakeClock satisfies the protocol for mypy too
+    assert MemoryBackend(clock=controlled)._controls is fake
+    assert not isinstance(SystemClock(), ControllableClock)
+    assert MemoryBackend(clock=SystemClock())._controls is None, "a plain clock: real time"
+
+
+@task("memory.nap")
+async def naps(ctx: TaskContext[str]) -> str:
+    await ctx.step.sleep("nap", timedelta(days=2))
+    return ctx.input
+
+
+async def test_a_fake_clock_is_jumped_to_the_next_timer_while_a_result_is_awaited() -> None:
+    clock = FakeClock(auto_advance=True)
+    engine = await connect("memory://", registry=Registry([naps]), clock=clock)
+    try:
+        start = clock.now()
+        handle = await engine.enqueue(naps, "rested")
+        async with engine.worker(poll_interval=timedelta(milliseconds=20)):
+            assert await handle.result(timeout=5) == "rested"
+        assert clock.now() - start >= timedelta(days=2)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize(
+    "input_json", ['{"a":"x\\u0000y"}', '["\\ud800"]', '"x\ud800"'], ids=["nul", "esc", "raw"]
+)
+async def test_the_memory_backend_refuses_what_postgres_cannot_store_by_the_sdks_rule(
+    engine: Engine, input_json: str
+) -> None:
+    """Whatever reaches it past the SDK (a third party calling the SPI): refused as the
+    Postgres backend refuses it, by the one rule (`umt_sdk.backend.unstorable_json_reason`)."""
+    backend = _backend(engine)
+    new = NewRun(
+        run_id=new_run_id(),
+        task_name="memory.three",
+        task_version=1,
+        input_json=input_json,
+        input_hash="h",
+    )
+    with pytest.raises(BackendError, match=r"^input cannot be stored: it holds a") as caught:
+        await backend.enqueue(new)
+    reason = unstorable_json_reason(input_json)
+    assert reason is not None
+    assert f"it {reason} (refused as Postgres would)" in str(caught.value)
     assert backend.runs() == []

@@ -16,6 +16,7 @@ import attrs
 import pytest
 
 from umt_sdk import _serde
+from umt_sdk.backend import unstorable_json_reason, unstorable_reason
 from umt_sdk.exceptions import PayloadError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -595,3 +596,38 @@ def test_check_text_names_the_field() -> None:
         with pytest.raises(PayloadError) as caught:
             _serde.check_text(bad, what="idempotency_key")
         assert caught.value.field == "idempotency_key"
+
+
+# -- the one rule of what a backend cannot store ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("plain", None),
+        ("é😀", None),
+        ("\\x00 is four characters", None),
+        ("a\x00b", "NUL"),
+        ("a\ud800b", "lone surrogate"),
+    ],
+)
+def test_unstorable_reason_is_the_rule_the_backends_share(text: str, reason: str | None) -> None:
+    found = unstorable_reason(text)
+    assert (found is None) if reason is None else (found is not None and reason in found)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"a":["ok","😀"]}', None),
+        ('"\\ud83d\\ude00"', None),  # an escaped surrogate pair is one character
+        ('"a \\\\u0000 b"', None),  # a backslash, then the text u0000: storable
+        ('{"a":"x\\u0000y"}', "NUL"),
+        ('{"k\\u0000":1}', "NUL"),
+        ('["\\ud800"]', "lone surrogate"),
+        ('"x\ud800"', "lone surrogate"),
+    ],
+)
+def test_unstorable_json_reason_looks_into_escapes(text: str, reason: str | None) -> None:
+    found = unstorable_json_reason(text)
+    assert (found is None) if reason is None else (found is not None and reason in found)

@@ -325,6 +325,9 @@ WITH locked AS (
     WHERE NOT EXISTS (SELECT 1 FROM present)
       AND NOT (o.cancel_requested AND %(status)s::text IN ('pending', 'waiting'))
 ), step AS (
+    -- Stored as record_steps stores a step (under the lease's token, replacing the same try,
+    -- never over a newer token's record), without an output: an ending's step never carries
+    -- one (`Ending` refuses it), it is the record that parks the run.
     INSERT INTO {schema}.steps (
         run_id, name, attempt, kind, status, fencing_token, started_at, finished_at,
         wake_at, error
@@ -336,6 +339,7 @@ WITH locked AS (
         kind = EXCLUDED.kind, status = EXCLUDED.status, fencing_token = EXCLUDED.fencing_token,
         error = EXCLUDED.error, started_at = EXCLUDED.started_at,
         finished_at = EXCLUDED.finished_at, wake_at = EXCLUDED.wake_at
+    WHERE {schema}.steps.fencing_token <= EXCLUDED.fencing_token
 ), ended_run AS (
     UPDATE {schema}.runs r SET
         status = %(status)s,
@@ -400,24 +404,30 @@ SELECT name, run_id, payload::text AS payload, created_at FROM {schema}.facts
 WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 
 -- name: cancel_run
+-- The request is stored once (a later cancel keeps the first time and reason). A run nobody
+-- holds ends canceled at once (`ends`): pending, waiting, or running with a lapsed lease
+-- (`lapsed`, judged here once, by the database's clock: its holder is gone, and the lease is
+-- counted and its execution interrupted as a takeover would). A held run keeps running: its
+-- holder reads the request from its heartbeat. A finished run is left as it is (`status` NULL).
 WITH target AS (
-    SELECT id, status, lease_expires_at, lease_owner, fencing_token FROM {schema}.runs
-    WHERE id = %(run_id)s
-    FOR NO KEY UPDATE
+    SELECT r.id, r.status, r.fencing_token, n.lapsed,
+           r.status IN ('pending', 'waiting') OR n.lapsed AS ends
+    FROM {schema}.runs r
+    CROSS JOIN LATERAL (
+        SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
+    ) AS n
+    WHERE r.id = %(run_id)s
+    FOR NO KEY UPDATE OF r
 ), changed AS (
     UPDATE {schema}.runs r SET
         cancel_requested_at = COALESCE(r.cancel_requested_at, now()),
         cancel_reason = COALESCE(r.cancel_reason, %(reason)s),
-        status = CASE WHEN t.status IN ('pending', 'waiting')
-                        OR (t.status = 'running' AND t.lease_expires_at <= now())
-                      THEN 'canceled' ELSE r.status END,
-        lease_expirations = r.lease_expirations
-            + CASE WHEN t.status = 'running' AND t.lease_expires_at <= now() THEN 1 ELSE 0 END,
-        finished_at = CASE WHEN t.status IN ('pending', 'waiting')
-                             OR (t.status = 'running' AND t.lease_expires_at <= now())
-                           THEN now() ELSE r.finished_at END,
-        available_at = CASE WHEN t.status = 'running' AND t.lease_expires_at > now()
-                            THEN r.available_at END,
+        status = CASE WHEN t.ends THEN 'canceled' ELSE r.status END,
+        lease_expirations = r.lease_expirations + CASE WHEN t.lapsed THEN 1 ELSE 0 END,
+        finished_at = CASE WHEN t.ends THEN now() ELSE r.finished_at END,
+        available_at = CASE WHEN t.ends THEN NULL ELSE r.available_at END,
+        lease_owner = CASE WHEN t.ends THEN NULL ELSE r.lease_owner END,
+        lease_expires_at = CASE WHEN t.ends THEN NULL ELSE r.lease_expires_at END,
         wait_for = NULL,
         updated_at = now()
     FROM target t
@@ -427,12 +437,10 @@ WITH target AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.status = 'canceled'
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
-    FROM target t JOIN changed c ON c.id = t.id
-    WHERE t.status = 'running' AND c.status = 'canceled'
-      AND e.run_id = t.id AND e.fencing_token = t.fencing_token
+    FROM target t
+    WHERE t.lapsed AND e.run_id = t.id AND e.fencing_token = t.fencing_token
 )
-SELECT t.status AS previous_status, c.status AS status
-FROM target t LEFT JOIN changed c ON c.id = t.id;
+SELECT c.status FROM target t LEFT JOIN changed c ON c.id = t.id;
 
 -- name: get_run
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,

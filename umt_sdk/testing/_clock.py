@@ -10,7 +10,8 @@ __all__ = ["FakeClock"]
 
 
 class FakeClock:
-    """A virtual clock for backends that keep their own time (the memory backend).
+    """A virtual clock for backends that keep their own time (the memory backend): a
+    `umt_sdk.backend.ControllableClock`.
 
     `advance(delta)` moves it; with `auto_advance=True` the backend jumps it to the next timer
     (a sleep's end, a retry, a wait's timeout) whenever every run is blocked and a caller is

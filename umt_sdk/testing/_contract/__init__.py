@@ -21,6 +21,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_ledger`: the ledger behind `with_attempt_token`
 - `_payloads`: payloads a backend cannot store, serde on replay
 - `_timeline`: the timeline of runs that did not end well
+- `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from umt_sdk.testing._contract import (
     _replay,
     _retries,
     _runs,
+    _spi_meanings,
     _timeline,
     _user_code,
 )
@@ -82,6 +84,7 @@ class BackendContract(
     _ledger.LedgerContract,
     _payloads.PayloadsContract,
     _timeline.TimelineContract,
+    _spi_meanings.SpiMeaningsContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
