@@ -12,7 +12,12 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 from uuid import UUID
 
 from umt_sdk._abort import Aborts, AbortState, Release
-from umt_sdk._names import check_name, inline_target
+from umt_sdk._names import (
+    check_run_arguments,
+    check_sleep_arguments,
+    check_wait_arguments,
+    inline_target,
+)
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk.exceptions import CanceledError
@@ -135,7 +140,7 @@ class StepApi:
         The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
         parameter of either name.
         """
-        check_name("step", name)
+        check_run_arguments(name, fn, retry, output_type)
         fn, declared, retry = inline_target(fn, retry)
         if output_type is None:
             output_type = declared
@@ -143,6 +148,7 @@ class StepApi:
 
     async def sleep(self, name: str, duration: timedelta) -> None:
         """Sleep durably: the run is parked and its slot released until `duration` has passed."""
+        check_sleep_arguments(name, duration)
         await self._execution.sleep(name, duration)
 
     async def wait_for_fact(
@@ -161,6 +167,9 @@ class StepApi:
         until a fact arrives, `poll_interval` passes (to call `check` again) or `timeout` ends
         (then `FactTimeoutError`, recorded, so replays raise it too).
         """
+        check_wait_arguments(
+            name, timeout=timeout, check_fn=check, payload_type=payload_type, poll=poll_interval
+        )
         value: T = await self._execution.wait_for_fact(
             name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
         )
@@ -187,7 +196,7 @@ class SyncStepApi:
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
-        check_name("step", name)
+        check_run_arguments(name, fn, retry, output_type)
         fn, declared, retry = inline_target(fn, retry)
         if output_type is None:
             output_type = declared
@@ -196,6 +205,7 @@ class SyncStepApi:
 
     def sleep(self, name: str, duration: timedelta) -> None:
         """Sleep durably (see `StepApi.sleep`)."""
+        check_sleep_arguments(name, duration)
         self._execution.call_from_thread(self._execution.sleep(name, duration))
 
     def wait_for_fact(
@@ -208,6 +218,9 @@ class SyncStepApi:
         poll_interval: timedelta | None = None,
     ) -> T:
         """Wait durably for a fact (see `StepApi.wait_for_fact`)."""
+        check_wait_arguments(
+            name, timeout=timeout, check_fn=check, payload_type=payload_type, poll=poll_interval
+        )
         value: T = self._execution.call_from_thread(
             self._execution.wait_for_fact(
                 name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
