@@ -118,6 +118,17 @@ def _storable_step(step: StepRecord | None) -> None:
         _storable_error(step.error, f"error of step {step.name!r}")
 
 
+def _tells_time(clock: object) -> bool:
+    now = getattr(clock, "now", None)
+    if not callable(now) or isinstance(clock, type):
+        return False
+    try:
+        sample = now()
+    except Exception:
+        return False
+    return isinstance(sample, datetime) and sample.utcoffset() is not None
+
+
 @define(eq=False)
 class _Execution:
     fencing_token: int
@@ -180,6 +191,13 @@ class MemoryBackend:
     """
 
     def __init__(self, *, clock: Clock) -> None:
+        if not _tells_time(clock):
+            raise UsageError(
+                "MemoryBackend: clock must be a clock (an object whose now() returns a "
+                "timezone-aware datetime, such as umt_sdk.testing.FakeClock()), got "
+                f"{type(clock).__name__}",
+                argument="clock",
+            )
         self.clock = clock
         self.crash_hook: CrashHook | None = None
         self._lock = threading.RLock()
