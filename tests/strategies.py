@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any
+from datetime import UTC, timedelta
+from typing import Any, NoReturn
 
 import attrs
 from hypothesis import strategies as st
@@ -14,6 +14,8 @@ __all__ = [
     "CRASH_POINTS",
     "PAIRS",
     "FlowInput",
+    "Hostile",
+    "any_values",
     "clock_steps",
     "crash_points",
     "fact_payloads",
@@ -158,3 +160,54 @@ def planted_bad_strings(draw: st.DrawFn) -> tuple[Any, str, bool]:
             value = {**others, key: value}
             segments.append(f".{key}")
     return value, "".join(reversed(segments)), as_key
+
+
+# -- arguments ------------------------------------------------------------------------------------
+
+
+class Hostile:
+    """A value whose every dunder a check, a comparison or a message could touch raises."""
+
+    def _raise(self, *args: object) -> NoReturn:
+        raise RuntimeError("a hostile dunder ran")
+
+    __repr__ = __str__ = __format__ = _raise
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _raise  # type: ignore[assignment]  # deliberately hostile: every comparison raises
+    __hash__ = __bool__ = __len__ = __index__ = __int__ = __float__ = _raise  # type: ignore[assignment]  # deliberately hostile: as above
+
+
+def _too_long_to_print() -> int:
+    """An int whose repr raises ValueError (past the digit limit of int -> str)."""
+    return 10**5000
+
+
+def _a_function() -> None:
+    """A callable among the values: taken where a function is, refused elsewhere."""
+
+
+any_values: st.SearchStrategy[Any] = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from([-(2**63), 2**63, 10**30, -(10**30)]),
+    st.builds(_too_long_to_print),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.binary(max_size=4),
+    st.timedeltas(),
+    st.sampled_from([timedelta.max, timedelta.min, timedelta(0), -timedelta(microseconds=1)]),
+    st.datetimes(),
+    st.datetimes(timezones=st.just(UTC)),
+    st.uuids(),
+    st.lists(st.integers(), max_size=2),
+    st.tuples(st.integers()),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.decimals(),  # NaN and signaling NaN included: an sNaN cannot even be hashed
+    st.fractions(),
+    st.complex_numbers(),
+    st.builds(Hostile),
+    st.builds(object),
+    st.just(_a_function),
+    st.sampled_from([int, str, object, Hostile, list[int], type(None), Exception]),
+)
+"""Any value a caller might pass by mistake, of every kind; a case filters out what it takes."""

@@ -89,6 +89,17 @@ def _storable_step(step: StepRecord | None) -> None:
         _storable_error(step.error, f"error of step {step.name!r}")
 
 
+def _tells_time(clock: object) -> bool:
+    now = getattr(clock, "now", None)
+    if not callable(now) or isinstance(clock, type):
+        return False
+    try:
+        sample = now()
+    except Exception:
+        return False
+    return isinstance(sample, datetime) and sample.utcoffset() is not None
+
+
 @define(eq=False)
 class _Execution:
     fencing_token: int
@@ -151,6 +162,13 @@ class MemoryBackend:
     """
 
     def __init__(self, *, clock: Clock) -> None:
+        if not _tells_time(clock):
+            raise UsageError(
+                "MemoryBackend: clock must be a clock (an object whose now() returns a "
+                "timezone-aware datetime, such as umt_sdk.testing.FakeClock()), got "
+                f"{type(clock).__name__}",
+                argument="clock",
+            )
         self.clock = clock
         # A clock a test moves (FakeClock), found once: its moves wake the waiters, and it may
         # be jumped to the next timer (`_maybe_auto_advance`). A plain clock: real time.

@@ -5,9 +5,26 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from umt_sdk.exceptions import UsageError
+
 __all__ = ["MemoryStore", "MemoryTransaction"]
 
 _DELETED = object()
+
+
+def _row(table: object, key: object) -> None:
+    """A table is named by a string, and a key must be hashable (as a dict key is)."""
+    if not isinstance(table, str):
+        raise UsageError(
+            f"table must be a table name (a string), got {type(table).__name__}", argument="table"
+        )
+    try:
+        hash(key)
+    except Exception:  # unhashable (a list), or a __hash__ that raises
+        raise UsageError(
+            f"key must be hashable (a str, an int, a tuple...), got {type(key).__name__}",
+            argument="key",
+        ) from None
 
 
 class MemoryStore:
@@ -25,16 +42,19 @@ class MemoryStore:
         return MemoryTransaction(self)
 
     def get(self, table: str, key: Any, default: Any = None) -> Any:
+        _row(table, key)
         with self._lock:
             return self._tables.get(table, {}).get(key, default)
 
     def rows(self, table: str) -> dict[Any, Any]:
         """A copy of a table."""
+        _row(table, None)
         with self._lock:
             return dict(self._tables.get(table, {}))
 
     def put(self, table: str, key: Any, value: Any) -> None:
         """Write one row outside any transaction."""
+        _row(table, key)
         with self._lock:
             self._tables.setdefault(table, {})[key] = value
 
@@ -54,12 +74,14 @@ class MemoryTransaction:
             self.apply()
 
     def get(self, table: str, key: Any, default: Any = None) -> Any:
+        _row(table, key)
         value = self._writes.get((table, key), _DELETED if (table, key) in self._writes else None)
         if (table, key) in self._writes:
             return default if value is _DELETED else value
         return self._store.get(table, key, default)
 
     def put(self, table: str, key: Any, value: Any) -> None:
+        _row(table, key)
         self._writes[(table, key)] = value
 
     def insert(self, table: str, key: Any, value: Any) -> None:
@@ -69,6 +91,7 @@ class MemoryTransaction:
         self.put(table, key, value)
 
     def delete(self, table: str, key: Any) -> None:
+        _row(table, key)
         self._writes[(table, key)] = _DELETED
 
     def apply(self) -> None:

@@ -32,6 +32,6 @@ def umt_open_backend(
                 f"the memory backend takes no options, got {', '.join(sorted(options))}",
                 argument=", ".join(sorted(options)),
             )
-        return MemoryBackend(clock=clock or SystemClock())
+        return MemoryBackend(clock=clock if clock is not None else SystemClock())
 
     return open_backend()

@@ -40,6 +40,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from umt_backend_pg import _args
 from umt_backend_pg._checkpoints import Checkpoints
 from umt_backend_pg._errors import fenced, wrap_exceptions
 from umt_backend_pg._ledger import EngineDatabase, PostgresLedger
@@ -160,7 +161,13 @@ class PostgresBackend:
         listen: bool = True,
     ) -> PostgresBackend:
         """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll."""
+        where = "the Postgres backend"
+        _args.text(url, "url", where=where, expected="a database URL (postgresql://...)")
         validate_schema(schema)
+        _args.flag(run_migrations, "run_migrations", where=where)
+        _args.integer(min_size, "min_size", at_least=0, where=where)
+        _args.integer(max_size, "max_size", at_least=max(1, min_size), where=where)
+        _args.flag(listen, "listen", where=where)
         if run_migrations:
             await migrate(url, schema=schema)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(

@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from umt_backend_pg._args import path
+
 __all__ = ["database_url", "start_embedded"]
 
 KEEP_RUNNING_MARKER = "umt-keep-running"
@@ -75,12 +77,14 @@ def start_embedded(data_dir: str | os.PathLike[str] = ".umt/pg") -> str:
     the last one exits (unless `umt db start` started it to keep running); the data directory
     stays for the next start.
     """
+    path(data_dir, "data_dir", where="start_embedded()")
     url: str = _server(Path(data_dir).resolve()).get_uri()
     return url
 
 
 def database_url(data_dir: str | os.PathLike[str] = ".umt/pg") -> str:
     """`UMT_DATABASE_URL` if set, else the embedded Postgres in `data_dir`."""
+    path(data_dir, "data_dir", where="database_url()")
     return os.environ.get("UMT_DATABASE_URL") or start_embedded(data_dir)
 
 

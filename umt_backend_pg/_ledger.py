@@ -9,8 +9,9 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from umt_backend_pg._args import refuse
 from umt_backend_pg._errors import fenced, wrap_exceptions
-from umt_backend_pg._sql import queries, render
+from umt_backend_pg._sql import queries, render, validate_schema
 from umt_sdk.backend import Lease, LedgerEntry
 from umt_sdk.exceptions import BackendError, FencingError
 
@@ -193,6 +194,9 @@ async def install_ledger(conn: psycopg.AsyncConnection[Any], *, schema: str = "u
 
     Use the engine's schema name, so that `with_attempt_token` finds it there.
     """
+    if not isinstance(conn, psycopg.AsyncConnection):
+        refuse("conn", "a psycopg.AsyncConnection", conn, where="install_ledger()")
+    validate_schema(schema)
     with wrap_exceptions():
         async with conn.transaction():
             await conn.execute(render(queries()["install_ledger"], schema))

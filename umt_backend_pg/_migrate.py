@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from umt_backend_pg import _args
 from umt_backend_pg._errors import wrap_exceptions
 from umt_backend_pg._sql import migrations, queries, render, validate_schema
 from umt_sdk.exceptions import BackendError
@@ -24,6 +25,7 @@ async def migrate(url: str, *, schema: str = "umt") -> list[str]:
     Safe to run from many processes at once: they queue on an advisory lock per schema.
     Raises BackendError, after applying them, if the role lacks a privilege workers need.
     """
+    _args.text(url, "url", where="migrate()", expected="a database URL (postgresql://...)")
     validate_schema(schema)
     applied: list[str] = []
     with wrap_exceptions(), _privileges_named(schema):
@@ -97,6 +99,9 @@ async def _check_privileges(conn: psycopg.AsyncConnection[Any], schema: str) -> 
 
 async def pending_migrations_sql(url: str, *, schema: str = "umt") -> str:
     """The SQL `migrate` would run now (for `umt migrate --dry-run`)."""
+    _args.text(
+        url, "url", where="pending_migrations_sql()", expected="a database URL (postgresql://...)"
+    )
     validate_schema(schema)
     done: set[int] = set()
     with wrap_exceptions():

@@ -8,6 +8,7 @@ from importlib import resources
 
 from psycopg import sql
 
+from umt_backend_pg._args import described
 from umt_sdk.exceptions import UsageError
 
 __all__ = [
@@ -31,7 +32,7 @@ def validate_schema(schema: str) -> str:
     if not isinstance(schema, str) or not SCHEMA_NAME.match(schema):
         raise UsageError(
             "schema must be a lowercase identifier (letters, digits, _; at most 63 characters), "
-            f"got {schema!r}",
+            f"got {described(schema)}",
             argument="schema",
         )
     return schema
@@ -42,7 +43,7 @@ def validate_identifier(value: str, what: str) -> str:
     if not isinstance(value, str) or not SCHEMA_NAME.match(value):
         raise UsageError(
             f"{what} must be a lowercase identifier (letters, digits, _; at most 63 "
-            f"characters), got {value!r}",
+            f"characters), got {described(value)}",
             argument=what,
         )
     return value

@@ -12,6 +12,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 from uuid import UUID
 
 from umt_sdk._abort import Aborts, AbortState, Release
+from umt_sdk._names import check_run_arguments, check_sleep_arguments, check_wait_arguments
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
@@ -106,11 +107,13 @@ class StepApi:
         The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
         parameter of either name.
         """
+        check_run_arguments(name, fn, retry, output_type)
         call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
         return self._steps.run(call)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
         """Sleep durably: the run is parked and its slot released until `duration` has passed."""
+        check_sleep_arguments(name, duration)
         await self._steps.sleep(name, duration)
 
     async def wait_for_fact(
@@ -129,6 +132,9 @@ class StepApi:
         until a fact arrives, `poll_interval` passes (to call `check` again) or `timeout` ends
         (then `FactTimeoutError`, recorded, so replays raise it too).
         """
+        check_wait_arguments(
+            name, timeout=timeout, check_fn=check, payload_type=payload_type, poll=poll_interval
+        )
         value: T = await self._steps.wait_for_fact(
             name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
         )
@@ -155,12 +161,14 @@ class SyncStepApi:
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
+        check_run_arguments(name, fn, retry, output_type)
         call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
         value: R = self._steps.from_thread(self._steps.run(call))
         return value
 
     def sleep(self, name: str, duration: timedelta) -> None:
         """Sleep durably (see `StepApi.sleep`)."""
+        check_sleep_arguments(name, duration)
         self._steps.from_thread(self._steps.sleep(name, duration))
 
     def wait_for_fact(
@@ -173,6 +181,9 @@ class SyncStepApi:
         poll_interval: timedelta | None = None,
     ) -> T:
         """Wait durably for a fact (see `StepApi.wait_for_fact`)."""
+        check_wait_arguments(
+            name, timeout=timeout, check_fn=check, payload_type=payload_type, poll=poll_interval
+        )
         value: T = self._steps.from_thread(
             self._steps.wait_for_fact(
                 name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval

@@ -17,8 +17,10 @@ from attrs import field, frozen
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
+from umt_sdk import _check as check
 from umt_sdk import _serde
-from umt_sdk._names import check_name
+from umt_sdk._check import shown
+from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
@@ -102,7 +104,7 @@ def _check_run_id(run_id: object, call: str) -> UUID:
     elif isinstance(run_id, str):
         hint = "; convert text with uuid.UUID(text)"
     raise UsageError(
-        f"{call}() needs a run id (a uuid.UUID such as handle.run_id), got {run_id!r}{hint}",
+        f"{call}() needs a run id (a uuid.UUID such as handle.run_id), got {shown(run_id)}{hint}",
         argument="run_id",
     )
 
@@ -124,7 +126,8 @@ class RunHandle(Generic[O]):
 
     async def result(self, *, timeout: float | None = None) -> O:
         """Wait for the run to finish and return its output (see `Engine.result`)."""
-        value: O = await self._engine.result(
+        # The definition's output type, checked when it was decorated.
+        value: O = await self._engine._result(
             self.run_id, timeout=timeout, output_type=self._output_type
         )
         return value
@@ -209,28 +212,19 @@ class Engine:
         An argument it refuses (a priority out of range, a negative delay, a `conn` the
         backend cannot join) raises `UsageError` naming it, before anything is stored.
         """
+        if not isinstance(task, TaskDefinition | str):
+            check.refuse(
+                "task", "a @task definition or a task name ('name' or 'name@version')", task
+            )
+        if version is not None:
+            check.integer(version, "version", at_least=1, expected="an integer >= 1 or None")
         definition = self.registry.resolve(task, version)
-        if (
-            isinstance(priority, bool)
-            or not isinstance(priority, int)
-            or not -32768 <= priority <= 32767
-        ):
-            raise UsageError(
-                f"priority must be an integer in -32768..32767, got {priority!r}",
-                argument="priority",
-            )
-        if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= 512
-        ):
-            raise UsageError(
-                "idempotency_key must be a non-empty string of at most 512 characters, "
-                f"got {idempotency_key!r}",
-                argument="idempotency_key",
-            )
+        check.integer(priority, "priority", at_least=-32768, at_most=32767)
         if idempotency_key is not None:
+            check.text(idempotency_key, "idempotency_key", empty=False, max_length=512)
             _serde.check_text(idempotency_key, what="idempotency_key")
-        if delay is not None and (not isinstance(delay, timedelta) or delay < timedelta(0)):
-            raise UsageError(f"delay must be a timedelta >= 0, got {delay!r}", argument="delay")
+        if delay is not None:
+            check.duration(delay, "delay")
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
         run_id = new_run_id()
         attributes = {
@@ -333,6 +327,7 @@ class Engine:
         """Cancel a run: waiting and pending runs end at once; a running one gets its abort
         signal and starts no further step. Returns what happened."""
         run_id = _check_run_id(run_id, "cancel")
+        check.text(reason, "reason", where="cancel()")
         _serde.check_text(reason, what="reason")
         attributes = {"umt.run.id": str(run_id), "umt.cancel.reason": reason}
         with self.telemetry.client_span("umt.cancel", attributes) as span:
@@ -359,14 +354,20 @@ class Engine:
         limit: int = 100,
         before: UUID | None = None,
     ) -> RunPage:
-        """Runs, newest first, filtered; page with `before=page.next_cursor`."""
-        if status is not None and status not in _STATUSES:
-            raise UsageError(
-                f"status must be one of {', '.join(sorted(_STATUSES))}, got {status!r}",
-                argument="status",
-            )
-        if not 1 <= limit <= 10_000:
-            raise UsageError(f"limit must be in 1..10000, got {limit}", argument="limit")
+        """Runs, newest first, filtered; page with `before=page.next_cursor`.
+
+        A filter of the wrong type (a `version` that is not an int, a `before` that is not a
+        UUID) raises `UsageError` naming it.
+        """
+        if task_name is not None:
+            check.text(task_name, "task_name", expected="a task name (a string) or None")
+        if version is not None:
+            check.integer(version, "version", at_least=1, expected="an integer >= 1 or None")
+        if status is not None:
+            check.choice(status, "status", _STATUSES)
+        check.integer(limit, "limit", at_least=1, at_most=10_000, expected="in 1..10000")
+        if before is not None:
+            check.uuid(before, "before", expected="a run id (uuid.UUID) such as page.next_cursor")
         records = await self.backend.list_runs(
             RunQuery(
                 task_name=task_name,
@@ -386,10 +387,22 @@ class Engine:
         """Wait until the run finishes; return its output, decoded to the task's output type.
 
         Raises `RunFailedError` / `RunCanceledError` for runs that did not complete, and
-        `ResultTimeoutError` after `timeout` seconds.
+        `ResultTimeoutError` after `timeout` seconds (a finite number >= 0, or None to wait
+        without limit). `output_type` overrides the registered one; it must be a type umt can
+        decode to.
         """
         run_id = _check_run_id(run_id, "result")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if output_type is not None:
+            check_type_argument(output_type, "output_type", where="result()")
+        return await self._result(run_id, timeout=timeout, output_type=output_type)
+
+    async def _result(self, run_id: UUID, *, timeout: float | None, output_type: Any) -> Any:
+        deadline = None
+        if timeout is not None:
+            seconds = check.seconds(
+                timeout, "timeout", expected="a finite number of seconds >= 0, or None"
+            )
+            deadline = time.monotonic() + seconds
         while True:
             record = await self.backend.get_run_head(run_id)
             if record is None:
@@ -439,7 +452,9 @@ class Engine:
         """A worker for `versions` (`["name@1", "name@2"]`; all registered when None).
 
         It claims only those (name, version) pairs; runs of other pairs are never touched.
-        Use it as `async with engine.worker(...):`.
+        Use it as `async with engine.worker(...):`. A wrong option (a `concurrency` that is not
+        an int in 1..10000, a `lease` under 100 ms, a number where a timedelta goes) raises
+        `UsageError` naming it.
         """
         worker = Worker(
             backend=self.backend,
@@ -459,9 +474,13 @@ class Engine:
         self, run_ids: Iterable[UUID], *, timeout: float = 30.0
     ) -> builtins.list[RunInfo]:
         """Wait until every run in `run_ids` is finished; return their infos."""
-        return builtins.list(
-            await asyncio.gather(*(self._wait_terminal(r, timeout) for r in run_ids))
-        )
+        if isinstance(run_ids, UUID):
+            check.refuse("run_ids", "a list of run ids (uuid.UUID)", run_ids, hint="use [run_id]")
+        ids = check.collection(run_ids, "run_ids", expected="a list of run ids (uuid.UUID)")
+        for run_id in ids:
+            _check_run_id(run_id, "wait_idle")
+        timeout = check.seconds(timeout, "timeout")
+        return builtins.list(await asyncio.gather(*(self._wait_terminal(r, timeout) for r in ids)))
 
     async def _wait_terminal(self, run_id: UUID, timeout: float) -> RunInfo:
         with contextlib.suppress(RunFailedError, RunCanceledError):
@@ -488,7 +507,34 @@ async def connect(
     """
     if not isinstance(url, str) or not url:
         raise UsageError(
-            f"connect() needs a backend URL such as 'memory://', got {url!r}", argument="url"
+            f"connect() needs a backend URL such as 'memory://' (url), got {shown(url)}",
+            argument="url",
+        )
+    if registry is not None and not isinstance(registry, Registry):
+        check.refuse(
+            "registry",
+            "a Registry such as Registry([my_task]), or None",
+            registry,
+            where="connect()",
+        )
+    if clock is not None:
+        check.clock(clock, "clock", where="connect()")
+    plugins = check.collection(
+        plugins, "plugins", expected="a list of plugin modules or objects", where="connect()"
+    )
+    if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
+        check.refuse(
+            "tracer_provider",
+            "an OpenTelemetry TracerProvider, or None",
+            tracer_provider,
+            where="connect()",
+        )
+    if meter_provider is not None and not isinstance(meter_provider, MeterProvider):
+        check.refuse(
+            "meter_provider",
+            "an OpenTelemetry MeterProvider, or None",
+            meter_provider,
+            where="connect()",
         )
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)

@@ -10,16 +10,19 @@ from uuid import UUID
 
 from attrs import frozen
 
+from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._context import current_execution
 from umt_sdk._execution import Execution
-from umt_sdk._names import hints, unwrap_awaitable
+from umt_sdk._names import check_type_argument, hints, unwrap_awaitable
 from umt_sdk._spi import SimulatedCrash
-from umt_sdk.exceptions import BackendUnavailableError, FencingError, NotInTaskError, UsageError
+from umt_sdk.exceptions import BackendUnavailableError, FencingError, NotInTaskError
 
 _log = logging.getLogger("umt.fencing")
 
 __all__ = ["AttemptInfo", "with_attempt_token"]
+
+_WHERE = "with_attempt_token"
 
 T = TypeVar("T")
 
@@ -64,15 +67,20 @@ async def with_attempt_token(
     backend understands (a psycopg connection for Postgres, a `MemoryStore` for the memory
     backend); another `conn`, or an empty `op_key`, is refused with `UsageError`.
     """
+    check.text(
+        op_key, "op_key", empty=False, expected="a non-empty string such as 'submit:<plan id>'"
+    )
+    check.function(fn, "fn", expected="the function that makes the side effect", where=_WHERE)
+    if commit is not None:
+        check.function(
+            commit, "commit", expected="a function (tx, result) -> None, or None", where=_WHERE
+        )
+    if result_type is not None:
+        check_type_argument(result_type, "result_type", where=_WHERE)
     execution = current_execution()
     if not isinstance(execution, Execution):
         raise NotInTaskError(
             f"with_attempt_token({op_key!r}) was called outside a running task; call it from a step"
-        )
-    if not isinstance(op_key, str) or not op_key:
-        raise UsageError(
-            f"op_key must be a non-empty string such as 'submit:<plan id>', got {op_key!r}",
-            argument="op_key",
         )
     if result_type is None:
         result_type = unwrap_awaitable(hints(fn).get("return", Any)) if _has_hints(fn) else Any

@@ -15,13 +15,20 @@ from typing import Any
 
 import cattrs
 
+from umt_sdk import _check as check
+from umt_sdk._check import shown
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._serde import _converter
 from umt_sdk.exceptions import TaskDefinitionError, UsageError
 
 __all__ = [
     "check_name",
+    "check_retry",
+    "check_run_arguments",
+    "check_sleep_arguments",
     "check_storable",
+    "check_type_argument",
+    "check_wait_arguments",
     "hints",
     "inline_target",
     "output_type_of",
@@ -34,16 +41,19 @@ _NAME = re.compile(r"^[A-Za-z0-9_.:\-/]{1,200}$")
 def check_name(kind: str, name: object, *, argument: str | None = None) -> str:
     """`name` if it is a valid `kind` name. A name a declaration gives (a task's, a step's)
     is refused with `TaskDefinitionError`; one passed to a call at run time (a fact's, to
-    `signal`) names its parameter as `argument` and is refused with `UsageError`."""
+    `signal`) names its parameter as `argument` and is refused with `UsageError`. Either way
+    the error's `argument` names the parameter (`name` unless told)."""
     error: type[UsageError] = TaskDefinitionError if argument is None else UsageError
     if not isinstance(name, str) or not _NAME.match(name):
         raise error(
-            f"{kind} name must be 1-200 characters of letters, digits and _ . : - /, got {name!r}",
-            argument=argument or "",
+            f"{kind} name must be 1-200 characters of letters, digits and _ . : - /, "
+            f"got {shown(name)}",
+            argument=argument or "name",
         )
     if "#" in name:  # pragma: no cover - excluded by the pattern; kept for the reader
         raise error(
-            f"{kind} name must not contain '#': umt uses it for repeats", argument=argument or ""
+            f"{kind} name must not contain '#': umt uses it for repeats",
+            argument=argument or "name",
         )
     return name
 
@@ -73,6 +83,40 @@ def check_storable(type_: Any, what: str) -> None:
         ) from exc
     except Exception:  # not decidable yet (a forward reference): decoding will say
         return
+
+
+def check_type_argument(type_: object, argument: str, *, where: str) -> Any:
+    """A type passed to a call (`output_type=`, `payload_type=`, `result_type=`) that the payload
+    converter can decode to, else `UsageError` naming `argument`: refused at the call, not
+    when a step's output or a fact is decoded (after the step ran)."""
+    if type_ is Any:
+        return type_
+    try:
+        _converter.get_structure_hook(type_)
+    except Exception as exc:  # not a type at all (5, "int"), or one cattrs cannot decode
+        raise UsageError(
+            f"{where}: {argument} must be a type umt can store and read back (attrs classes, "
+            "dataclasses, primitives, datetimes, UUIDs, lists and dicts of those, or Any for "
+            f"plain JSON), got {shown(type_)}",
+            argument=argument,
+        ) from exc
+    return type_
+
+
+def check_retry(
+    retry: object, *, where: str, error: type[UsageError] = UsageError
+) -> RetryPolicy | None:
+    """`retry=`: a `RetryPolicy` or None (the default: the task's policy)."""
+    if retry is None or isinstance(retry, RetryPolicy):
+        return retry
+    hint = ""
+    if isinstance(retry, type) and issubclass(retry, RetryPolicy):
+        hint = ": the class itself was passed; use RetryPolicy(...) or RetryPolicy.network()"
+    raise error(
+        f"{where}: retry must be a RetryPolicy such as RetryPolicy(max_attempts=5), or None; "
+        f"got {shown(retry)}{hint}",
+        argument="retry",
+    )
 
 
 def type_name(type_: Any) -> str:
@@ -122,3 +166,60 @@ def inline_target(
         plain, output_type, own_retry = declared
         return plain, output_type, retry if retry is not None else own_retry
     return fn, output_type_of(fn), retry
+
+
+# The arguments of `ctx.step.run / sleep / wait_for_fact`, checked before the execution sees
+# them: refused there, the handler fails at once with a UsageError (never retried), where a
+# wrong type used to surface later as a TypeError that the step or the task retried.
+
+
+def check_run_arguments(name: object, fn: object, retry: object, output_type: object) -> None:
+    """`ctx.step.run(name, fn, ..., retry=, output_type=)`."""
+    check_name("step", name, argument="name")
+    where = f"step {name!r}"
+    check.function(fn, "fn", expected="the function the step runs", where=where)
+    check_retry(retry, where=where)
+    if output_type is not None:
+        check_type_argument(output_type, "output_type", where=where)
+
+
+def check_sleep_arguments(name: object, duration: object) -> None:
+    """`ctx.step.sleep(name, duration)`: a duration <= 0 is no sleep, as before."""
+    check_name("sleep", name, argument="name")
+    check.duration(
+        duration,
+        "duration",
+        at_least=None,
+        expected=f"a timedelta such as timedelta(minutes=5) (at most {check.MAX_DURATION.days} "
+        "days)",
+        where=f"sleep {name!r}",
+    )
+
+
+def check_wait_arguments(
+    name: object, *, timeout: object, check_fn: object, payload_type: object, poll: object
+) -> None:
+    """`ctx.step.wait_for_fact(name, timeout=, check=, payload_type=, poll_interval=)`."""
+    check_name("fact", name, argument="name")
+    where = f"wait_for_fact {name!r}"
+    most = f"at most {check.MAX_DURATION.days} days"
+    if timeout is not None:
+        check.duration(
+            timeout,
+            "timeout",
+            expected=f"a timedelta >= 0 such as timedelta(seconds=30) ({most}), or None",
+            where=where,
+        )
+    if poll is not None:
+        check.duration(
+            poll,
+            "poll_interval",
+            positive=True,
+            expected=f"a timedelta > 0 such as timedelta(seconds=30) ({most}), or None",
+            where=where,
+        )
+    if check_fn is not None:
+        check.function(
+            check_fn, "check", expected="a function returning the fact or None", where=where
+        )
+    check_type_argument(payload_type, "payload_type", where=where)

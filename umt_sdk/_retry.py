@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 
 from attrs import field, frozen
 
+from umt_sdk import _check as check
 from umt_sdk.exceptions import (
     CanceledError,
     FencingError,
@@ -34,41 +34,40 @@ _ALWAYS_FINAL: tuple[type[BaseException], ...] = (
 
 def _positive(_: object, attribute: object, value: object) -> None:
     name = getattr(attribute, "name", "?")
-    if not isinstance(value, timedelta) or value <= timedelta(0):
-        raise UsageError(
-            f"RetryPolicy: {name} must be a timedelta > 0 such as timedelta(seconds=1), "
-            f"got {value!r}",
-            argument=name,
-        )
+    check.duration(
+        value,
+        name,
+        positive=True,
+        expected="a timedelta > 0 such as timedelta(seconds=1) (at most "
+        f"{check.MAX_DURATION.days} days)",
+        where="RetryPolicy",
+    )
 
 
 def _at_least_one(_: object, __: object, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UsageError(
-            f"RetryPolicy: max_attempts must be a whole number >= 1, got {value!r}",
-            argument="max_attempts",
-        )
+    check.integer(
+        value, "max_attempts", at_least=1, expected="a whole number >= 1", where="RetryPolicy"
+    )
 
 
 def _backoff_ok(_: object, __: object, value: object) -> None:
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 1.0
-    ):
-        raise UsageError(
-            f"RetryPolicy: backoff must be a number >= 1.0, got {value!r}", argument="backoff"
-        )
+    # An int too large for a float is refused too (math.isfinite would raise OverflowError).
+    number = check.finite(value) if isinstance(value, int | float) else None
+    if number is None or number < 1.0:
+        check.refuse("backoff", "a number >= 1.0", value, where="RetryPolicy")
 
 
 def _exception_types(_: object, __: object, value: object) -> None:
     if not isinstance(value, tuple) or not all(
         isinstance(t, type) and issubclass(t, BaseException) for t in value
     ):
-        raise UsageError(
-            f"RetryPolicy: non_retryable must be a tuple of exception classes, got {value!r}",
-            argument="non_retryable",
+        hint = ""
+        if isinstance(value, list):
+            hint = "use a tuple, such as (KeyError,)"
+        elif isinstance(value, type) and issubclass(value, BaseException):
+            hint = f"use a tuple, such as ({value.__name__},)"
+        check.refuse(
+            "non_retryable", "a tuple of exception classes", value, where="RetryPolicy", hint=hint
         )
 
 
@@ -104,6 +103,7 @@ class RetryPolicy:
 
     def delay_before(self, attempt: int) -> timedelta:
         """The wait before `attempt` (2 for the first retry)."""
+        check.integer(attempt, "attempt", where="RetryPolicy.delay_before")
         if attempt <= 1:
             return timedelta(0)
         try:
@@ -116,6 +116,9 @@ class RetryPolicy:
 
     def should_retry(self, error: BaseException, failed_attempts: int) -> bool:
         """True if another attempt is due after `failed_attempts` failures ending in `error`."""
+        if not isinstance(error, BaseException):
+            check.refuse("error", "an exception", error, where="RetryPolicy.should_retry")
+        check.integer(failed_attempts, "failed_attempts", where="RetryPolicy.should_retry")
         if isinstance(error, (_ALWAYS_FINAL, self.non_retryable)):
             return False
         return failed_attempts < self.max_attempts

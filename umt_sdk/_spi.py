@@ -45,6 +45,7 @@ from uuid import UUID
 
 from attrs import field, frozen
 
+from umt_sdk import _check as check
 from umt_sdk.exceptions import UsageError
 
 __all__ = [
@@ -113,20 +114,32 @@ def _positive_token(_: object, __: object, value: int) -> None:
 _PAIR = re.compile(r"^(?P<name>[A-Za-z0-9_.:\-/]+)@(?P<version>[0-9]+)$")
 
 
+def _pair_name(_: object, __: object, value: str) -> None:
+    check.text(value, "name", empty=False, max_length=200, where="TaskPair")
+
+
+def _pair_version(_: object, __: object, value: int) -> None:
+    check.integer(value, "version", at_least=1, where="TaskPair")
+
+
 @frozen(kw_only=True, order=True)
 class TaskPair:
     """A task name and version: the unit a worker group claims."""
 
-    name: str
-    version: int
+    name: str = field(validator=_pair_name)
+    version: int = field(validator=_pair_version)
 
     @classmethod
     def parse(cls, text: str) -> TaskPair:
         """Parse `"name@version"` (else `UsageError`, a ValueError)."""
+        check.text(
+            text, "text", expected="a string such as 'submit_download@2'", where="TaskPair.parse"
+        )
         match = _PAIR.match(text.strip())
         if match is None:
             raise UsageError(
-                f"expected 'task_name@version' such as 'submit_download@2', got {text!r}",
+                "TaskPair.parse(text): expected 'task_name@version' such as 'submit_download@2', "
+                f"got {text!r}",
                 argument="text",
             )
         return cls(name=match["name"], version=int(match["version"]))

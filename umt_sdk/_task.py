@@ -10,12 +10,19 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from attrs import frozen
 
+from umt_sdk import _check as check
+from umt_sdk._check import shown
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
-from umt_sdk._names import check_name, check_storable, hints, unwrap_awaitable
+from umt_sdk._names import check_name, check_retry, check_storable, hints, unwrap_awaitable
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
 from umt_sdk._steps import StepCall
-from umt_sdk.exceptions import NotInTaskError, TaskDefinitionError, UnknownTaskError
+from umt_sdk.exceptions import (
+    NotInTaskError,
+    TaskDefinitionError,
+    UnknownTaskError,
+    UsageError,
+)
 
 __all__ = [
     "DEFAULT_MAX_LOST_LEASES",
@@ -95,11 +102,12 @@ def task(
     check_name("task", name)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise TaskDefinitionError(
-            f"task {name!r}: version must be an integer >= 1, got {version!r}"
+            f"task {name!r}: version must be an integer >= 1, got {shown(version)}",
+            argument="version",
         )
-    policy = retry if retry is not None else RetryPolicy()
-    if not isinstance(policy, RetryPolicy):
-        raise TaskDefinitionError(f"task {name!r}: retry must be a RetryPolicy, got {retry!r}")
+    policy = check_retry(retry, where=f"task {name!r}", error=TaskDefinitionError)
+    if policy is None:
+        policy = RetryPolicy()
     if (
         isinstance(max_lost_leases, bool)
         or not isinstance(max_lost_leases, int)
@@ -107,14 +115,17 @@ def task(
     ):
         raise TaskDefinitionError(
             f"task {name!r}: max_lost_leases must be an integer >= 1 (lost leases without "
-            f"progress before a run fails), got {max_lost_leases!r}"
+            f"progress before a run fails), got {shown(max_lost_leases)}",
+            argument="max_lost_leases",
         )
 
     def decorate(fn: Callable[..., Any]) -> TaskDefinition[Any, Any]:
         if isinstance(fn, TaskDefinition):
-            raise TaskDefinitionError(f"{fn!r} is already a task; apply @task once")
+            raise TaskDefinitionError(f"{fn!r} is already a task; apply @task once", argument="fn")
         if not callable(fn):
-            raise TaskDefinitionError(f"@task({name!r}) must decorate a function, got {fn!r}")
+            raise TaskDefinitionError(
+                f"@task({name!r}) must decorate a function (fn), got {shown(fn)}", argument="fn"
+            )
         is_async = inspect.iscoroutinefunction(fn)
         params = list(inspect.signature(fn).parameters.values())
         if len(params) != 1:
@@ -241,12 +252,14 @@ def step(name: str, *, retry: RetryPolicy | None = None) -> _StepDecorator:
         retry: overrides the task's retry policy for this step.
     """
     check_name("step", name)
-    if retry is not None and not isinstance(retry, RetryPolicy):
-        raise TaskDefinitionError(f"step {name!r}: retry must be a RetryPolicy, got {retry!r}")
+    check_retry(retry, where=f"step {name!r}", error=TaskDefinitionError)
 
     def decorate(fn: Callable[..., Any]) -> _StepBase[Any, Any]:
         if isinstance(fn, _StepBase | TaskDefinition) or not callable(fn):
-            raise TaskDefinitionError(f"@step({name!r}) must decorate a plain or async function")
+            raise TaskDefinitionError(
+                f"@step({name!r}) must decorate a plain or async function (fn), got {shown(fn)}",
+                argument="fn",
+            )
         if inspect.iscoroutinefunction(fn):
             return AsyncStep(name, fn, retry)
         return SyncStep(name, fn, retry)
@@ -259,15 +272,36 @@ class Registry:
 
     def __init__(self, tasks: Iterable[TaskDefinition[Any, Any]] = ()) -> None:
         self._tasks: dict[TaskPair, TaskDefinition[Any, Any]] = {}
-        for definition in tasks:
+        if isinstance(tasks, TaskDefinition):
+            raise TaskDefinitionError(
+                f"Registry(tasks) takes a list of definitions, got one ({tasks!r}): wrap it in "
+                "a list",
+                argument="tasks",
+            )
+        try:
+            definitions = check.collection(
+                tasks, "tasks", expected="a list of @task-decorated definitions", where="Registry"
+            )
+        except UsageError as exc:  # a declaration: the registry's own error class
+            raise TaskDefinitionError(str(exc), argument="tasks") from None
+        for definition in definitions:
+            if not isinstance(definition, TaskDefinition):
+                raise TaskDefinitionError(
+                    "Registry(tasks) takes @task-decorated definitions, got "
+                    f"{shown(definition)} in tasks; decorate the function with "
+                    "@task(name, version=...)",
+                    argument="tasks",
+                )
             self.add(definition)
 
     def add(self, definition: TaskDefinition[Any, Any]) -> None:
         """Register a task definition."""
         if not isinstance(definition, TaskDefinition):
             raise TaskDefinitionError(
-                f"Registry takes @task-decorated definitions, got {definition!r}; "
-                "decorate the function with @task(name, version=...)"
+                f"Registry.add(definition) takes @task-decorated definitions, got "
+                f"{shown(definition)}; "
+                "decorate the function with @task(name, version=...)",
+                argument="definition",
             )
         existing = self._tasks.get(definition.pair)
         if existing is not None and existing is not definition:
@@ -287,6 +321,8 @@ class Registry:
         return sorted(self._tasks)
 
     def get(self, name: str, version: int) -> TaskDefinition[Any, Any]:
+        check.text(name, "name", empty=False, max_length=200, where="Registry.get")
+        check.integer(version, "version", at_least=1, where="Registry.get")
         definition = self._tasks.get(TaskPair(name=name, version=version))
         if definition is None:
             known = ", ".join(str(p) for p in self.pairs()) or "none"
@@ -296,6 +332,7 @@ class Registry:
         return definition
 
     def latest(self, name: str) -> TaskDefinition[Any, Any]:
+        check.text(name, "name", where="Registry.latest")
         versions = [d for p, d in self._tasks.items() if p.name == name]
         if not versions:
             known = ", ".join(sorted({p.name for p in self._tasks})) or "none"
@@ -313,6 +350,8 @@ class Registry:
         registered version is refused unless pinned with `version=`, so a stale import cannot
         start runs on old code by accident.
         """
+        if version is not None:
+            check.integer(version, "version", at_least=1, where="Registry.resolve")
         if isinstance(ref, TaskDefinition):
             if version is None:
                 newest = self.latest(ref.name)
@@ -329,12 +368,16 @@ class Registry:
                 )
             return self.get(ref.name, ref.version)
         if not isinstance(ref, str):
-            raise TaskDefinitionError(f"expected a task definition or a task name, got {ref!r}")
+            raise TaskDefinitionError(
+                f"Registry.resolve(ref): expected a task definition or a task name, got "
+                f"{shown(ref)}",
+                argument="ref",
+            )
         if "@" in ref:
             try:
                 pair = TaskPair.parse(ref)
             except ValueError as exc:  # as in select(): a misused reference, not a bad value
-                raise TaskDefinitionError(str(exc)) from exc
+                raise TaskDefinitionError(_reference_error(ref), argument="ref") from exc
             if version is not None and version != pair.version:
                 raise TaskDefinitionError(f"{ref!r} conflicts with version={version}")
             return self.get(pair.name, pair.version)
@@ -348,21 +391,43 @@ class Registry:
             return self.pairs()
         if isinstance(versions, str):
             raise TaskDefinitionError(
-                f"versions must be a list such as [{versions!r}], not a single string"
+                f"versions must be a list such as [{versions!r}], not a single string",
+                argument="versions",
             )
+        try:
+            items = check.collection(
+                versions,
+                "versions",
+                expected="a list of 'name@version' strings, task definitions or TaskPairs, or "
+                "None for every registered one",
+            )
+        except UsageError as exc:
+            raise TaskDefinitionError(str(exc), argument="versions") from None
         selected: set[TaskPair] = set()
-        for item in versions:
+        for item in items:
             if isinstance(item, TaskDefinition):
                 pair = item.pair
             elif isinstance(item, TaskPair):
                 pair = item
-            else:
+            elif isinstance(item, str):
                 try:
                     pair = TaskPair.parse(item)
                 except ValueError as exc:
-                    raise TaskDefinitionError(str(exc)) from exc
+                    raise TaskDefinitionError(
+                        f"versions: {_reference_error(item)}", argument="versions"
+                    ) from exc
+            else:
+                raise TaskDefinitionError(
+                    "versions must hold 'name@version' strings, task definitions or TaskPairs, "
+                    f"got {shown(item)} in it",
+                    argument="versions",
+                )
             self.get(pair.name, pair.version)
             selected.add(pair)
         if not selected:
             raise TaskDefinitionError("a worker needs at least one task@version to serve")
         return sorted(selected)
+
+
+def _reference_error(text: str) -> str:
+    return f"expected 'task_name@version' such as 'submit_download@2', got {text!r}"

@@ -14,17 +14,22 @@ from datetime import timedelta
 from typing import Any, TypeVar
 from uuid import UUID
 
+from umt_sdk import _check as check
+from umt_sdk import _serde
 from umt_sdk._execution import Execution
 from umt_sdk._spi import Backend, ClaimedRun, TaskPair
 from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
-from umt_sdk.exceptions import BackendError, BackendUnavailableError, UsageError
+from umt_sdk.exceptions import BackendError, BackendUnavailableError
 
 __all__ = ["Worker"]
 
 T = TypeVar("T")
 
 _log = logging.getLogger("umt.worker")
+
+MAX_CONCURRENCY = 10_000
+"""The most runs one worker executes at once (each may hold two threads)."""
 
 # The shortest time between two heartbeats that cancel hints asked for: a flood of hints (a
 # forged NOTIFY storm, say) costs the database at most this rate of heartbeat statements.
@@ -103,12 +108,33 @@ class Worker:
         shutdown_grace: timedelta = timedelta(seconds=10),
         telemetry: Telemetry | None = None,
     ) -> None:
-        if concurrency < 1:
-            raise UsageError(
-                f"worker concurrency must be >= 1, got {concurrency}", argument="concurrency"
-            )
-        if lease < timedelta(milliseconds=100):
-            raise UsageError(f"worker lease must be at least 100 ms, got {lease}", argument="lease")
+        check.integer(
+            concurrency,
+            "concurrency",
+            at_least=1,
+            at_most=MAX_CONCURRENCY,
+            expected=f">= 1 (an integer, at most {MAX_CONCURRENCY})",
+            where="worker",
+        )
+        check.duration(
+            lease,
+            "lease",
+            at_least=timedelta(milliseconds=100),
+            expected="at least 100 ms (a timedelta such as timedelta(seconds=10), at most "
+            "36500 days)",
+            where="worker",
+        )
+        if worker_id is not None:
+            check.text(worker_id, "worker_id", empty=False, max_length=200, where="worker")
+            if _serde.clean_text(worker_id) != worker_id:
+                check.refuse(
+                    "worker_id",
+                    "text a database can store (no NUL, no lone surrogate)",
+                    worker_id,
+                    where="worker",
+                )
+        check.duration(poll_interval, "poll_interval", positive=True, where="worker")
+        check.duration(shutdown_grace, "shutdown_grace", where="worker")
         self.backend = backend
         self.telemetry = telemetry or Telemetry()
         self.registry = registry
@@ -161,6 +187,8 @@ class Worker:
 
     async def stop(self, *, grace: timedelta | None = None) -> None:
         """Stop claiming; let handlers reach a step boundary; give back what is still held."""
+        if grace is not None:
+            check.duration(grace, "grace", where="Worker.stop()")
         self._stopping = True
         self._slot_freed.set()
         if self._remove_listener is not None:

@@ -205,15 +205,16 @@ _ANY_VALUE = st.one_of(
 
 def _valid(field: str, value: object) -> bool:
     if field in ("initial", "max_interval"):
-        return isinstance(value, timedelta) and value > timedelta(0)
+        # At most 100 years: `now + max_interval` must stay a datetime when a retry is due.
+        return isinstance(value, timedelta) and timedelta(0) < value <= timedelta(days=36_500)
     if field == "max_attempts":
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 1.0
-    )
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 1.0  # an int too big for a float: no
+    except OverflowError:
+        return False
 
 
 @given(field=st.sampled_from(_FIELDS), value=_ANY_VALUE)

@@ -17,11 +17,13 @@ from opentelemetry.trace import TracerProvider
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
+from umt_backend_pg import _args
+from umt_backend_pg._args import described
 from umt_backend_pg._backend import PostgresBackend
 from umt_backend_pg._sql import blocks
 from umt_backend_pg.outbox._dispatch import Dispatcher, DispatchReport, TaskRef
 from umt_backend_pg.outbox._schema import channel_name, outbox_sql
-from umt_sdk import Engine
+from umt_sdk import Engine, TaskDefinition
 from umt_sdk.exceptions import BackendError, UsageError
 
 __all__ = ["OutboxRelay"]
@@ -126,39 +128,39 @@ class OutboxRelay:
         if not isinstance(conn_or_pool, str | psycopg.AsyncConnection | AsyncConnectionPool):
             raise UsageError(
                 "OutboxRelay takes a database URL, a psycopg.AsyncConnection or an "
-                f"AsyncConnectionPool, got {type(conn_or_pool).__name__}",
+                f"AsyncConnectionPool as conn_or_pool, got {described(conn_or_pool)}",
                 argument="conn_or_pool",
             )
         if not isinstance(engine, Engine):
             raise UsageError(
-                f"OutboxRelay needs an umt Engine, got {type(engine).__name__}", argument="engine"
+                f"OutboxRelay needs an umt Engine as engine, got {described(engine)}",
+                argument="engine",
             )
-        if mode not in ("auto", "same_database", "separate"):
+        if not isinstance(mode, str) or mode not in ("auto", "same_database", "separate"):
             raise UsageError(
-                f"mode must be 'auto', 'same_database' or 'separate', got {mode!r}",
+                f"mode must be 'auto', 'same_database' or 'separate', got {described(mode)}",
                 argument="mode",
             )
-        if not 1 <= batch_size <= 10_000:
-            raise UsageError(
-                f"batch_size must be in 1..10000, got {batch_size}", argument="batch_size"
-            )
-        if not 1 <= concurrency <= 1000:
-            raise UsageError(
-                f"concurrency must be in 1..1000, got {concurrency}", argument="concurrency"
-            )
-        if max_attempts < 1:
-            raise UsageError(
-                f"max_attempts must be >= 1, got {max_attempts}", argument="max_attempts"
-            )
+        where = "OutboxRelay"
+        _args.integer(batch_size, "batch_size", at_least=1, at_most=10_000, where=where)
+        _args.integer(concurrency, "concurrency", at_least=1, at_most=1000, where=where)
+        _args.integer(max_attempts, "max_attempts", at_least=1, where=where)
         for what, value in (
             ("backoff", backoff),
             ("max_backoff", max_backoff),
             ("poll_interval", poll_interval),
         ):
-            if not isinstance(value, timedelta) or value <= timedelta(0):
-                raise UsageError(
-                    f"{what} must be a positive timedelta, got {value!r}", argument=what
-                )
+            _args.duration(value, what, where=where)
+        if not isinstance(routes, Mapping):
+            _args.refuse("routes", "a mapping of event type -> task", routes, where=where)
+        _args.flag(listen, "listen", where=where)
+        if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
+            _args.refuse(
+                "tracer_provider",
+                "an OpenTelemetry TracerProvider, or None",
+                tracer_provider,
+                where=where,
+            )
         self._source = conn_or_pool
         self.engine = engine
         self.schema = schema
@@ -167,15 +169,25 @@ class OutboxRelay:
         self.channel = channel_name(schema, table)
         self.routes: dict[str, tuple[TaskRef, Callable[[Any], Any] | None]] = {}
         for event_type, route in routes.items():
-            if isinstance(route, tuple):
+            if not isinstance(event_type, str) or not event_type:
+                _args.refuse("routes", "keyed by event type (a string)", event_type, where=where)
+            if isinstance(route, tuple) and len(route) == 2:
                 target, mapper = route
                 if not callable(mapper):
                     raise UsageError(
-                        f"route {event_type!r}: the mapper must be callable, got {mapper!r}",
+                        f"route {event_type!r}: the mapper must be callable, got "
+                        f"{described(mapper)}",
                         argument="routes",
                     )
             else:
                 target, mapper = route, None
+            if not isinstance(target, TaskDefinition | str):
+                _args.refuse(
+                    "routes",
+                    f"a task (a definition or a name), or (task, mapper), for {event_type!r}",
+                    target,
+                    where=where,
+                )
             engine.registry.resolve(target)  # an unknown or stale task fails here, not later
             self.routes[event_type] = (target, mapper)
         self.batch_size = batch_size
@@ -244,6 +256,7 @@ class OutboxRelay:
         """The idempotency key of the run of event `event_id` when its row names none:
         `outbox:<install id>:<schema>.<table>:<id>`; rows that existed when an outbox of an
         older umt was upgraded keep the key they had then, `outbox:<id>`."""
+        _args.integer(event_id, "event_id", at_least=1, where="OutboxRelay.default_key")
         if self._install_id is None:
             raise RuntimeError("the install id is read at the relay's first batch: run it first")
         if event_id < self._legacy_keys_below:

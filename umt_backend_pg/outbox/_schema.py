@@ -10,6 +10,7 @@ from opentelemetry import propagate
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from umt_backend_pg._args import refuse, text
 from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
 from umt_sdk.exceptions import UsageError
 
@@ -69,7 +70,7 @@ async def install_outbox(
     table's install id in `<schema>.umt_outbox_installs`)."""
     if not isinstance(conn, psycopg.AsyncConnection):
         raise UsageError(
-            f"install_outbox takes a psycopg.AsyncConnection, got {type(conn).__name__}",
+            f"install_outbox(conn) takes a psycopg.AsyncConnection, got {type(conn).__name__}",
             argument="conn",
         )
     ddl = outbox_ddl(schema=schema, table=table)
@@ -94,10 +95,19 @@ async def insert_outbox_event(
     The current trace context (W3C headers), if any, is stored with the row: the relay's
     dispatch span links to it.
     """
+    where = "insert_outbox_event()"
+    text(type, "type", where=where, expected="an event type (a non-empty string)")
+    if payload is not None and not isinstance(payload, Mapping):
+        refuse("payload", "a mapping (a dict) or None", payload, where=where)
+    if idempotency_key is not None:
+        text(idempotency_key, "idempotency_key", where=where, expected="a non-empty string or None")
+    query = outbox_sql("insert_event", schema, table)  # checks the names
+    if not isinstance(conn, psycopg.AsyncConnection):
+        refuse("conn", "a psycopg.AsyncConnection (your business transaction's)", conn, where=where)
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     cur = await conn.execute(
-        outbox_sql("insert_event", schema, table),
+        query,
         {
             "type": type,
             "payload": Jsonb(dict(payload or {})),

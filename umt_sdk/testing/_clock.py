@@ -4,6 +4,8 @@ import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+from umt_sdk import _check as check
+from umt_sdk._check import shown
 from umt_sdk.exceptions import UsageError
 
 __all__ = ["FakeClock"]
@@ -20,14 +22,15 @@ class FakeClock:
     """
 
     def __init__(self, start: datetime | None = None, *, auto_advance: bool = False) -> None:
-        start = start or datetime(2030, 1, 1, tzinfo=UTC)
-        if start.tzinfo is None:
+        start = datetime(2030, 1, 1, tzinfo=UTC) if start is None else start
+        if not isinstance(start, datetime) or start.utcoffset() is None:
             raise UsageError(
-                f"FakeClock start must be timezone-aware (tzinfo=UTC, say), got {start!r}",
+                "FakeClock start must be a timezone-aware datetime (tzinfo=UTC, say), or None; "
+                f"got {shown(start)}",
                 argument="start",
             )
         self._now = start
-        self.auto_advance = auto_advance
+        self.auto_advance = check.flag(auto_advance, "auto_advance", where="FakeClock")
         self._listeners: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
@@ -36,24 +39,40 @@ class FakeClock:
 
     def advance(self, delta: timedelta) -> None:
         """Move the clock forward by `delta` (>= 0) and wake whatever was waiting for it."""
-        if delta < timedelta(0):
+        if isinstance(delta, timedelta) and delta < timedelta(0):
             raise UsageError(
                 f"FakeClock cannot go backwards (advance by {delta}); pass a delta >= 0",
                 argument="delta",
             )
+        check.duration(
+            delta,
+            "delta",
+            at_most=timedelta.max,
+            expected="a timedelta >= 0 such as timedelta(minutes=5)",
+            where="FakeClock.advance",
+        )
         with self._lock:
-            self._now += delta
+            try:
+                self._now += delta
+            except OverflowError:
+                raise UsageError(
+                    f"FakeClock.advance: delta {delta} takes the clock from {self._now} past the "
+                    "last datetime (year 9999); pass a smaller delta",
+                    argument="delta",
+                ) from None
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
 
     def advance_to(self, when: datetime) -> None:
         """Move the clock to `when` if that is later than now."""
+        check.aware_datetime(when, "when", where="FakeClock.advance_to")
         if when > self._now:
             self.advance(when - self._now)
 
     def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call `listener()` after every advance; returns the unsubscribe function."""
+        check.function(listener, "listener", where="FakeClock.subscribe")
         with self._lock:
             self._listeners.append(listener)
 

@@ -4,6 +4,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
+from umt_sdk import _check as check
 from umt_sdk._engine import Engine
 from umt_sdk._task import Registry
 from umt_sdk._worker import Worker
@@ -14,16 +15,25 @@ __all__ = ["BackendHarness", "freeze_heartbeats", "simulate_crash", "thaw_heartb
 def simulate_crash(worker: Worker) -> None:
     """Make `worker` vanish like a SIGKILLed process: its executions stop at their next await
     and write nothing more; their leases are left to expire."""
+    _check_worker(worker, "simulate_crash")
     worker._simulate_crash()
 
 
 def freeze_heartbeats(worker: Worker) -> None:
     """Stop `worker`'s heartbeats (like SIGSTOP for its leases); its handlers keep going."""
+    _check_worker(worker, "freeze_heartbeats")
     worker._pause_heartbeats(True)
 
 
 def thaw_heartbeats(worker: Worker) -> None:
+    """Start `worker`'s heartbeats again after `freeze_heartbeats`."""
+    _check_worker(worker, "thaw_heartbeats")
     worker._pause_heartbeats(False)
+
+
+def _check_worker(worker: object, call: str) -> None:
+    if not isinstance(worker, Worker):
+        check.refuse("worker", "a Worker, such as engine.worker(...)", worker, where=f"{call}()")
 
 
 class BackendHarness(Protocol):
