@@ -71,7 +71,7 @@ async def _one_pass(
 ) -> dict[str, Any]:
     read = backend.get_run_head if way == "notified" else getattr(backend, way)
     polls = 0
-    stop = time.monotonic() + seconds
+    stop = 0.0  # set when the pass starts, after the settling below
 
     async def waiter(run_id: uuid.UUID) -> None:
         nonlocal polls
@@ -89,6 +89,7 @@ async def _one_pass(
     await asyncio.sleep(11)
     before = await asyncio.to_thread(_counters, url)
     started = time.monotonic()
+    stop = started + seconds
     await asyncio.gather(*(waiter(i) for i in ids))
     elapsed = time.monotonic() - started
     await asyncio.sleep(11)

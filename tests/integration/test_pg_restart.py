@@ -47,11 +47,16 @@ async def private_schema(private_pg: PrivatePostgres) -> str:
 
 
 async def _listeners(url: str, schema: str) -> list[dict[str, Any]]:
-    """Sessions whose last statement was the worker's LISTEN (its listener connection)."""
+    """Sessions whose last statement was one of the worker's LISTENs (its listener connection:
+    work, cancel and ended, in that order)."""
+    listens = [
+        sql.SQL("LISTEN {}").format(sql.Identifier(f"{schema}.{channel}")).as_string(None)
+        for channel in ("work", "cancel", "ended")
+    ]
     return await fetch(
         url,
-        "SELECT pid, backend_start FROM pg_stat_activity WHERE query = %s",
-        (sql.SQL("LISTEN {}").format(sql.Identifier(f"{schema}.cancel")).as_string(None),),
+        "SELECT pid, backend_start FROM pg_stat_activity WHERE query = ANY(%s)",
+        (listens,),
     )
 
 

@@ -1,5 +1,6 @@
 """The abort table: how each handler shape ends under each abort (a worker's graceful
-shutdown, the run's cancel, both at once)."""
+shutdown, the run's cancel, both at once, a crash of the worker, a lease lost to another
+worker)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from umt_sdk import (
     CanceledError,
     Engine,
     RunCanceledError,
+    RunInfo,
     SyncTaskContext,
     TaskContext,
     TaskDefinition,
     task,
 )
 from umt_sdk.testing._contract._base import Job, Tally, current_tally, eventually, holds
+from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats, simulate_crash
 
 __all__ = ["AbortsContract"]
 
@@ -173,3 +176,64 @@ class AbortsContract:
         info = await engine.get(run_id)
         assert info.status == "canceled", (info.status, info.error)
         assert info.failures == 0
+
+    @pytest.mark.parametrize("shape", ABORT_SHAPES)
+    async def test_a_crash_stops_the_handler_without_writes_and_the_next_worker_finishes(
+        self, engine: Engine, tally: Tally, harness: BackendHarness, shape: str
+    ) -> None:
+        """A worker killed between two steps: whatever the handler does, its execution writes
+        nothing more (no step `b`, no ending); after the lease the next worker replays `a` and
+        finishes the run, uncharged."""
+        key = f"crash-{shape}"
+        run_id = await self._start_abort_shape(engine, key, shape)
+        crashed = engine.worker(concurrency=1, lease=harness.lease)
+        await crashed.start()
+        await self._inside(tally, key, shape)
+        simulate_crash(crashed)
+        self._go(tally, key)  # the handler may go on: nothing it does may be written
+        await crashed.stop()
+        info = await engine.get(run_id)
+        assert info.status == "running", (shape, info.status)
+        assert _completed_steps(info) == ["a"], "the crashed execution wrote no step after `a`"
+        await harness.advance(harness.lease * 2)
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            assert await engine.result(run_id, timeout=20) == "done"
+        info = await engine.get(run_id)
+        assert (info.status, info.failures, info.lease_expirations) == ("completed", 0, 1)
+        assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+        assert tally.body_runs[(key, "a")] == 1, "a completed step never runs again"
+        assert _completed_steps(info) == ["a", "b"]
+
+    @pytest.mark.parametrize("shape", ABORT_SHAPES)
+    async def test_a_lost_lease_stops_the_stale_handler_and_the_new_holder_finishes(
+        self, engine: Engine, tally: Tally, harness: BackendHarness, shape: str
+    ) -> None:
+        """A worker whose heartbeats stopped (frozen, cut off) loses the run to another worker:
+        its handler's next step is refused, it ends nothing, and the new holder finishes the run
+        without a failure charged."""
+        key = f"lost-{shape}"
+        run_id = await self._start_abort_shape(engine, key, shape)
+        stale = engine.worker(concurrency=1, lease=harness.lease)
+        await stale.start()
+        await self._inside(tally, key, shape)
+        freeze_heartbeats(stale)
+        await harness.advance(harness.lease * 2)
+        async with engine.worker(concurrency=1, lease=harness.lease):
+            await eventually(lambda: _executions_at_least(engine, run_id, 2), timeout=20)
+            self._go(tally, key)
+            assert await engine.result(run_id, timeout=20) == "done"
+            await eventually(lambda: holds(not stale.running_runs), timeout=20)
+        await stale.stop()
+        info = await engine.get(run_id)
+        assert (info.status, info.failures) == ("completed", 0)
+        assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+        assert _completed_steps(info) == ["a", "b"], "the stale handler wrote no step"
+        assert info.output_json == '"done"'
+
+
+def _completed_steps(info: RunInfo) -> list[str]:
+    return [v.name for v in info.timeline if v.status == "completed"]
+
+
+async def _executions_at_least(engine: Engine, run_id: UUID, n: int) -> bool:
+    return len((await engine.get(run_id)).executions) >= n
