@@ -273,8 +273,21 @@ class Execution:
         return threading.get_ident() != self._loop_thread
 
     def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` on the worker's loop from a plain handler's thread and wait for it."""
-        return asyncio.run_coroutine_threadsafe(self._as_current(coro), self.loop).result()
+        """Run `coro` on the worker's loop from a plain handler's thread and wait for it.
+
+        A stopped execution (a crash, a lost lease) runs nothing more: the thread of a plain
+        handler can outlive its execution, and even its loop, so `coro` is closed unrun rather
+        than handed to a loop that may never run it."""
+        wrapped = self._as_current(coro)
+        try:
+            if self.stopped:
+                raise Stop
+            future = asyncio.run_coroutine_threadsafe(wrapped, self.loop)
+        except BaseException:
+            wrapped.close()
+            coro.close()
+            raise
+        return future.result()
 
     async def _as_current(self, coro: Coroutine[Any, Any, T]) -> T:
         token = _CURRENT.set(self)
