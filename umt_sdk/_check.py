@@ -78,6 +78,12 @@ def refuse(
     )
 
 
+def optional(value: object, kind: type, argument: str, expected: str, *, where: str = "") -> None:
+    """Refuse `value` unless it is None or a `kind` (`expected` says it in words)."""
+    if value is not None and not isinstance(value, kind):
+        refuse(argument, f"{expected}, or None", value, where=where)
+
+
 def _range_text(low: object, high: object, unit: str = "") -> str:
     if low is not None and high is not None:
         return f"in {low}..{high}{unit}"

@@ -510,32 +510,28 @@ async def connect(
             f"connect() needs a backend URL such as 'memory://' (url), got {shown(url)}",
             argument="url",
         )
-    if registry is not None and not isinstance(registry, Registry):
-        check.refuse(
-            "registry",
-            "a Registry such as Registry([my_task]), or None",
-            registry,
-            where="connect()",
-        )
+    check.optional(
+        registry, Registry, "registry", "a Registry such as Registry([my_task])", where="connect()"
+    )
     if clock is not None:
         check.clock(clock, "clock", where="connect()")
     plugins = check.collection(
         plugins, "plugins", expected="a list of plugin modules or objects", where="connect()"
     )
-    if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
-        check.refuse(
-            "tracer_provider",
-            "an OpenTelemetry TracerProvider, or None",
-            tracer_provider,
-            where="connect()",
-        )
-    if meter_provider is not None and not isinstance(meter_provider, MeterProvider):
-        check.refuse(
-            "meter_provider",
-            "an OpenTelemetry MeterProvider, or None",
-            meter_provider,
-            where="connect()",
-        )
+    check.optional(
+        tracer_provider,
+        TracerProvider,
+        "tracer_provider",
+        "an OpenTelemetry TracerProvider",
+        where="connect()",
+    )
+    check.optional(
+        meter_provider,
+        MeterProvider,
+        "meter_provider",
+        "an OpenTelemetry MeterProvider",
+        where="connect()",
+    )
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
     telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
