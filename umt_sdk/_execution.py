@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from umt_sdk import _serde
+from umt_sdk import _probe, _serde
 from umt_sdk._abort import AbortKind, Aborts, Release, Stop, Suspend, Verdict
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
 from umt_sdk._error_info import error_info
@@ -331,6 +331,8 @@ class Execution:
 
     async def _end(self, ending: Ending) -> EndResult:
         """The one ending write: the SDK's decision, stored by the backend as given."""
+        if ending.finishes:
+            _probe.reach(self.aborts, "end", ending.status)
         result = await self.guard(self.backend.end_execution(self.lease, ending), final=True)
         self._letting_go = result == "ended"
         if result == "ended" and ending.step is not None:

@@ -11,7 +11,7 @@ from uuid import UUID
 from attrs import frozen
 
 from umt_sdk import _check as check
-from umt_sdk import _serde
+from umt_sdk import _probe, _serde
 from umt_sdk._context import current_execution
 from umt_sdk._execution import Execution
 from umt_sdk._names import check_type_argument, hints, unwrap_awaitable
@@ -86,7 +86,9 @@ async def with_attempt_token(
         result_type = unwrap_awaitable(hints(fn).get("return", Any)) if _has_hints(fn) else Any
     ledger = execution.backend.ledger(conn)
     lease = execution.lease
+    aborts = execution.aborts
     try:
+        _probe.reach(aborts, "op.begin", op_key)
         entry = await ledger.begin(op_key=op_key, lease=lease)
     except (FencingError, SimulatedCrash):
         execution.abort("lease_lost", "lease lost before a fenced operation")
@@ -103,6 +105,7 @@ async def with_attempt_token(
         attempt_token=lease.fencing_token,
         resumed=entry.resumed,
     )
+    _probe.reach(aborts, "op.action", op_key)
     value = fn(info)
     result: T = await value if inspect.isawaitable(value) else value
     result_json = _serde.encode(result, result_type, what=f"result of {op_key!r}")
@@ -112,9 +115,12 @@ async def with_attempt_token(
             done = commit(tx, result)
             if inspect.isawaitable(done):
                 await done
+        _probe.reach(aborts, "op.commit", op_key)
 
     try:
+        _probe.reach(aborts, "op.acted", op_key)
         await ledger.finish(op_key=op_key, lease=lease, result_json=result_json, commit=apply)
+        _probe.reach(aborts, "op.committed", op_key)
     except (FencingError, SimulatedCrash):
         execution.abort("lease_lost", "lease lost at the commit of a fenced operation")
         raise

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 from attrs import field, frozen
 
-from umt_sdk import _serde
+from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
@@ -227,6 +227,8 @@ class Steps:
         """Replay `call`'s record, or run it and record how it went."""
         full = self.history.occurrence(call.name)
         last = self.history.last(full, "step")
+        replayed = last is not None and last.status in ("completed", "failed")
+        _probe.report("call", full, step_kind="step", replayed=replayed)
         if last is not None:
             if last.status == "completed":
                 self._telemetry.replayed(last)
@@ -244,6 +246,7 @@ class Steps:
 
     async def _execute_step(self, call: StepCall, full: str, attempt: int) -> Any:
         fn = call.fn
+        _probe.reach(self._host.aborts, "step.before", full, attempt=attempt)
         started = self._host.now()
         self.current_step, self.current_step_started_at = full, started
         if self._on_step_start is not None:
@@ -288,6 +291,7 @@ class Steps:
                     finished_at=now,
                 )
                 retry_at = now + policy.delay_before(attempt + 1)
+                _probe.reach(self._host.aborts, "park", full, attempt=attempt, step_kind="step")
                 try:
                     await self._host.park(outcome="retrying", step=record, available_at=retry_at)
                 except CanceledError:
@@ -335,6 +339,7 @@ class Steps:
                 )
             )
             raise _step_failed(full, info) from exc
+        _probe.reach(self._host.aborts, "step.returned", full, attempt=attempt)
         await self._record(
             self._step_record(
                 full,
@@ -358,6 +363,8 @@ class Steps:
             )
         full = self.history.occurrence(name)
         last = self.history.last(full, "sleep")
+        replayed = last is not None and last.status == "completed"
+        _probe.report("call", full, step_kind="sleep", replayed=replayed)
         if last is not None and last.status == "completed":
             self._telemetry.replayed(last)
             return
@@ -381,6 +388,7 @@ class Steps:
             waiting = self._step_record(
                 full, "sleep", status="waiting", started_at=now, wake_at=wake_at
             )
+            _probe.reach(self._host.aborts, "park", full, step_kind="sleep")
             await self._host.park(outcome="waiting", step=waiting, available_at=wake_at)
             self._telemetry.event(
                 "umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()}
@@ -400,6 +408,7 @@ class Steps:
             )
             self._telemetry.event("umt.sleep.done", **{"umt.step.name": full})
             return
+        _probe.reach(self._host.aborts, "park", full, step_kind="sleep")
         await self._host.park(outcome="waiting", step=None, available_at=wake_at)
         self._telemetry.event(
             "umt.sleep", **{"umt.step.name": full, "umt.sleep.until": wake_at.isoformat()}
@@ -419,6 +428,8 @@ class Steps:
         _check_wait_arguments(name, timeout=timeout, check=check, poll=poll)
         full = self.history.occurrence(name)
         last = self.history.last(full, "fact")
+        replayed = last is not None and last.status == "completed"
+        _probe.report("call", full, step_kind="fact", replayed=replayed)
         if last is not None and last.status == "completed":
             self._telemetry.replayed(last)
             return _fact_outcome(full, name, last.output_json, payload_type)
@@ -477,6 +488,7 @@ class Steps:
                     full, "fact", status="waiting", started_at=started, wake_at=deadline
                 )
             )
+            _probe.reach(self._host.aborts, "park", full, step_kind="fact")
             if await self._host.park(
                 outcome="waiting", step=waiting, available_at=wake_at, wait_for=name
             ):
