@@ -9,7 +9,9 @@ would: the abort state moves to STOPPED (`crash`), so nothing more is written, a
 - `call`: the handler asks for a step, a sleep or a fact wait (`step_kind`), replayed from its
   record (`replayed`) or not; a report only, never a crash point;
 - `step.before`: a step's body is about to start (`attempt`);
-- `step.returned`: its body returned; the record is not stored yet;
+- `step.returned`: its body returned (`output`, as it will be stored); the record is not
+  stored yet;
+- `step.recorded`: its completed record is stored; a report only;
 - `op.begin`, `op.action`, `op.acted`, `op.commit`, `op.committed`: `with_attempt_token`'s
   phases for op key `name`: before the ledger's begin, before the outside action (`fn`), after
   it and before the commit, inside the commit's transaction once `commit` ran (the result not
@@ -36,6 +38,7 @@ PointKind = Literal[
     "call",
     "step.before",
     "step.returned",
+    "step.recorded",
     "op.begin",
     "op.action",
     "op.acted",
@@ -57,6 +60,7 @@ class Point:
     attempt: int = 1
     step_kind: StepKind | None = None
     replayed: bool = False
+    output: str | None = None
 
 
 Observer = Callable[[Point], bool]

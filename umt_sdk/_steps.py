@@ -339,7 +339,7 @@ class Steps:
                 )
             )
             raise _step_failed(full, info) from exc
-        _probe.reach(self._host.aborts, "step.returned", full, attempt=attempt)
+        _probe.reach(self._host.aborts, "step.returned", full, attempt=attempt, output=output_json)
         await self._record(
             self._step_record(
                 full,
@@ -351,6 +351,7 @@ class Steps:
                 finished_at=self._host.now(),
             )
         )
+        _probe.report("step.recorded", full, attempt=attempt)
         return value
 
     async def sleep(self, name: str, duration: timedelta) -> None:

@@ -8,6 +8,7 @@ Postgres ones).
 from typing import TYPE_CHECKING
 
 from umt_sdk.testing._clock import FakeClock
+from umt_sdk.testing._explorer import CrashPoint, CrashReport, Exploration, explore_crashes
 from umt_sdk.testing._helpers import (
     BackendHarness,
     freeze_heartbeats,
@@ -18,7 +19,11 @@ from umt_sdk.testing._helpers import (
 __all__ = [
     "BackendContract",
     "BackendHarness",
+    "CrashPoint",
+    "CrashReport",
+    "Exploration",
     "FakeClock",
+    "explore_crashes",
     "freeze_heartbeats",
     "simulate_crash",
     "thaw_heartbeats",
