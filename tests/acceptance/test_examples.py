@@ -37,7 +37,7 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
 def test_the_examples_are_numbered_without_gaps() -> None:
     numbers = sorted({int(script[:2]) for script in SCRIPTS})
     assert numbers == list(range(len(numbers))), SCRIPTS
-    assert len(numbers) >= 9, SCRIPTS  # 00 to 08, as README.md lists them
+    assert len(numbers) >= 10, SCRIPTS  # 00 to 09, as README.md lists them
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=str)
@@ -50,8 +50,11 @@ def test_example_runs(script: str, request: pytest.FixtureRequest) -> None:
     assert done.stdout.strip(), f"{script} printed nothing"
 
 
-def test_the_testing_example_is_a_pytest_module() -> None:
-    example = EXAMPLES / "07_testing_with_fakeclock.py"
+@pytest.mark.parametrize(
+    "script", ["07_testing_with_fakeclock.py", "09_explore_crashes.py"], ids=str
+)
+def test_the_testing_examples_are_pytest_modules(script: str) -> None:
+    example = EXAMPLES / script
     done = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(example)], dict(os.environ))
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "3 passed" in done.stdout, done.stdout
