@@ -139,6 +139,9 @@ class _Run:
     cancel_requested_at: datetime | None = None
     cancel_reason: str | None = None
     wait_for: str | None = None
+    parent_run_id: UUID | None = None
+    parent_fact: str | None = None
+    cancel_with_parent: bool = False
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
 
@@ -188,6 +191,8 @@ class MemoryBackend:
             self._by_key: dict[tuple[str, str], UUID] = {}
             self._facts: dict[tuple[UUID | None, str], Fact] = {}
             self._waiters: dict[str, set[UUID]] = {}
+            self._children: dict[UUID, list[UUID]] = {}
+            self._requested: list[tuple[UUID, str]] = []
             self._ledger: dict[str, _LedgerRow] = {}
             self._ready: dict[TaskPair, list[tuple[int, datetime, int, UUID, int]]] = {}
             self._timers: list[tuple[datetime, int, UUID, int]] = []
@@ -332,6 +337,9 @@ class MemoryBackend:
         self._running.discard(run.run_id)
 
     def _finish(self, run: _Run, status: RunStatus, now: datetime) -> None:
+        """Finish the run, and do what a finishing write also does (the SPI's `finishing`):
+        store its parent's fact, and cancel the children that asked for it when it failed or
+        was canceled."""
         run.status = status
         run.finished_at = now
         run.updated_at = now
@@ -339,6 +347,54 @@ class MemoryBackend:
         self._unwait(run)
         self._schedule(run)
         self._notify_run(run.run_id)
+        if run.parent_run_id is not None and run.parent_fact is not None:
+            self._store_fact(run.parent_run_id, run.parent_fact, "null", now)
+        if status in ("failed", "canceled"):
+            reason = f"parent {run.run_id} {status}"
+            for child_id in self._children.get(run.run_id, ()):
+                child = self._runs[child_id]
+                if child.cancel_with_parent and child.status not in TERMINAL_STATUSES:
+                    self._cancel_run(child, reason, now)
+
+    def _store_fact(self, run_id: UUID | None, name: str, payload_json: str, now: datetime) -> bool:
+        """Store a fact (first write wins) and wake the runs waiting for it."""
+        if (run_id, name) in self._facts:
+            return False
+        self._facts[(run_id, name)] = Fact(
+            name=name, run_id=run_id, payload_json=payload_json, created_at=now
+        )
+        waiting = self._waiters.get(name, set())
+        targets = [run_id] if run_id is not None else list(waiting)
+        for target in targets:
+            if target in waiting:
+                run = self._runs[target]
+                if run.wait_for == name:
+                    self._wake(run, now)
+        return True
+
+    def _cancel_run(self, run: _Run, reason: str, now: datetime) -> CancelOutcome:
+        """`cancel` of an unfinished run, under the lock. A held run's request is announced to
+        the cancel listeners by `_announce`, outside the lock."""
+        if run.cancel_requested_at is None:
+            run.cancel_requested_at = now
+            run.cancel_reason = reason
+        if self._held(run, now):
+            self._requested.append((run.run_id, run.cancel_reason or ""))
+            return "requested"
+        if run.status == "running":  # its lease lapsed: counted as a takeover counts it
+            run.lease_expirations += 1
+            self._end_lease(run, "interrupted", now)
+        self._finish(run, "canceled", now)
+        return "canceled"
+
+    def _announce(self) -> None:
+        """Tell the cancel listeners of the requests made under the lock (call without it)."""
+        with self._lock:
+            requested, self._requested = self._requested, []
+            listeners = list(self._listeners)
+        for run_id, reason in requested:
+            for listener in listeners:
+                listener(run_id, reason)
 
     def _unwait(self, run: _Run) -> None:
         self._unlisten(run)
@@ -443,6 +499,7 @@ class MemoryBackend:
             cancel_reason=run.cancel_reason,
             wait_for=run.wait_for,
             trace_context=dict(run.trace_context),
+            parent_run_id=run.parent_run_id,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,
@@ -484,8 +541,13 @@ class MemoryBackend:
                 created_at=now,
                 updated_at=now,
                 available_at=now + (new.delay or timedelta(0)),
+                parent_run_id=new.parent_run_id,
+                parent_fact=new.parent_fact,
+                cancel_with_parent=new.cancel_with_parent,
             )
             self._runs[run.run_id] = run
+            if new.parent_run_id is not None:
+                self._children.setdefault(new.parent_run_id, []).append(run.run_id)
             if new.idempotency_key is not None:
                 self._by_key[(new.task_name, new.idempotency_key)] = run.run_id
             self._schedule(run)
@@ -648,6 +710,7 @@ class MemoryBackend:
                     self._waiters.setdefault(name, set()).add(run.run_id)
                 self._schedule(run)
                 self._notify_run(run.run_id)
+        self._announce()
         self._crash(operation, lease.run_id, "after")
         return "ended"
 
@@ -656,20 +719,7 @@ class MemoryBackend:
         with self._lock:
             if run_id is not None and run_id not in self._runs:
                 raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-            if (run_id, name) in self._facts:
-                return False
-            now = self.clock.now()
-            self._facts[(run_id, name)] = Fact(
-                name=name, run_id=run_id, payload_json=payload_json, created_at=now
-            )
-            waiting = self._waiters.get(name, set())
-            targets = [run_id] if run_id is not None else list(waiting)
-            for target in targets:
-                if target in waiting:
-                    run = self._runs[target]
-                    if run.wait_for == name:
-                        self._wake(run, now)
-            return True
+            return self._store_fact(run_id, name, payload_json, self.clock.now())
 
     async def get_facts(self, *, run_id: UUID, name: str) -> Sequence[Fact]:
         with self._lock:
@@ -684,20 +734,9 @@ class MemoryBackend:
                 raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
             if run.status in TERMINAL_STATUSES:
                 return "already_finished"
-            now = self.clock.now()
-            if run.cancel_requested_at is None:
-                run.cancel_requested_at = now
-                run.cancel_reason = reason
-            if not self._held(run, now):  # pending, waiting, or its holder is gone
-                if run.status == "running":  # its lease lapsed: counted as a takeover counts it
-                    run.lease_expirations += 1
-                    self._end_lease(run, "interrupted", now)
-                self._finish(run, "canceled", now)
-                return "canceled"
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(run_id, reason)
-        return "requested"
+            outcome = self._cancel_run(run, reason, self.clock.now())
+        self._announce()
+        return outcome
 
     async def get_run(self, run_id: UUID) -> RunRecord | None:
         with self._lock:
@@ -722,6 +761,7 @@ class MemoryBackend:
                 if (query.task_name is None or r.task_name == query.task_name)
                 and (query.task_version is None or r.task_version == query.task_version)
                 and (query.status is None or r.status == query.status)
+                and (query.parent_run_id is None or r.parent_run_id == query.parent_run_id)
             ]
             return [self._record(r, full=False) for r in selected[: query.limit]]
 

@@ -239,6 +239,9 @@ class PostgresBackend:
             "input": new.input_json,
             "channel": self.work_channel,
             "pair": f"{new.task_name}@{new.task_version}",
+            "parent_run_id": new.parent_run_id,
+            "parent_fact": new.parent_fact,
+            "cancel_with_parent": new.cancel_with_parent,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -424,9 +427,24 @@ class PostgresBackend:
             "step_wake_at": step.wake_at if step else None,
             "step_error": _error_json(step.error) if step else None,
         }
+        canceled: list[UUID] = []
         with wrap_exceptions():
             async with self._pool.connection() as conn:
-                if ending.wait_for is None:
+                if ending.finishes:
+                    # A finishing write also does what the SPI's `finishing` says, in its
+                    # transaction: a child stores its parent's fact (under the lock a parking
+                    # parent takes), a failed or canceled run cancels the children that asked.
+                    async with conn.pipeline(), conn.transaction():
+                        await conn.execute(self._q["lock_parent_fact"], {"run_id": lease.run_id})
+                        cur = await conn.execute(self._q["end_execution"], params)
+                        await conn.execute(
+                            self._q["finish_child"],
+                            {"run_id": lease.run_id, "channel": self.work_channel},
+                        )
+                        row = await cur.fetchone()
+                        if row and row[1] and ending.status in ("failed", "canceled"):
+                            canceled = await self._cancel_children(conn, lease.run_id)
+                elif ending.wait_for is None:
                     cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
                 else:
@@ -445,6 +463,8 @@ class PostgresBackend:
         if ended:
             if ending.status in TERMINAL_STATUSES:
                 self._endings.notify(str(lease.run_id))
+            for child in canceled:
+                self._endings.notify(str(child))
             return "ended"
         return "fact_present" if fact_present else "cancel_requested"
 
@@ -481,8 +501,10 @@ class PostgresBackend:
         ]
 
     async def cancel(self, run_id: UUID, *, reason: str) -> CancelOutcome:
+        canceled: list[UUID] = []
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
+                await conn.execute(self._q["lock_parent_fact"], {"run_id": run_id})
                 cur = await conn.execute(
                     self._q["cancel_run"], {"run_id": run_id, "reason": reason}
                 )
@@ -492,15 +514,37 @@ class PostgresBackend:
                 (status,) = row
                 if status is None:
                     return "already_finished"
-                if status != "canceled":
+                if status == "canceled":  # it finished: what a finishing write also does
+                    await conn.execute(
+                        self._q["finish_child"], {"run_id": run_id, "channel": self.work_channel}
+                    )
+                    canceled = await self._cancel_children(conn, run_id)
+                else:
                     await conn.execute(
                         self._q["notify"],
                         {"channel": self.cancel_channel, "payload": f"{run_id}:{reason}"[:7000]},
                     )
         if status == "canceled":
-            self._endings.notify(str(run_id))  # after the commit: a waiter reads it ended
+            for ended in (run_id, *canceled):  # after the commit: a waiter reads it ended
+                self._endings.notify(str(ended))
             return "canceled"
         return "requested"
+
+    async def _cancel_children(
+        self, conn: psycopg.AsyncConnection[Any], run_id: UUID
+    ) -> list[UUID]:
+        """The cascade of a run that finished failed or canceled, level by level in the
+        caller's transaction: the children (then their children...) that ended canceled."""
+        ended: list[UUID] = []
+        level = [run_id]
+        while level:
+            cur = await conn.execute(
+                self._q["cancel_children"],
+                {"run_ids": level, "cancel_channel": self.cancel_channel},
+            )
+            level = [child for child, ends, _ in await cur.fetchall() if ends]
+            ended += level
+        return ended
 
     async def get_run(self, run_id: UUID) -> RunRecord | None:
         with wrap_exceptions():
@@ -527,6 +571,7 @@ class PostgresBackend:
                 "task_name": query.task_name,
                 "task_version": query.task_version,
                 "status": query.status,
+                "parent_run_id": query.parent_run_id,
                 "before": query.before,
                 "limit": query.limit,
             },

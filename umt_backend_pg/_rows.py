@@ -96,6 +96,7 @@ def _record(
         cancel_reason=row["cancel_reason"],
         wait_for=row["wait_for"],
         trace_context=row["trace_context"] or {},
+        parent_run_id=row.get("parent_run_id"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,

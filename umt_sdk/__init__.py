@@ -8,7 +8,15 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
-from umt_sdk._context import StepApi, SyncStepApi, SyncTaskContext, TaskContext
+from umt_sdk._context import (
+    ChildHandle,
+    ParentClose,
+    StepApi,
+    SyncChildHandle,
+    SyncStepApi,
+    SyncTaskContext,
+    TaskContext,
+)
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
@@ -20,6 +28,8 @@ from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
     BackendError,
     CanceledError,
+    ChildCanceledError,
+    ChildFailedError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -39,6 +49,9 @@ __all__ = [
     "AttemptInfo",
     "BackendError",
     "CanceledError",
+    "ChildCanceledError",
+    "ChildFailedError",
+    "ChildHandle",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -47,6 +60,7 @@ __all__ = [
     "IdempotencyConflictError",
     "LeaseLostTooOftenError",
     "NonDeterminismError",
+    "ParentClose",
     "PayloadError",
     "Registry",
     "RetryPolicy",
@@ -60,6 +74,7 @@ __all__ = [
     "StepApi",
     "StepFailedError",
     "StepView",
+    "SyncChildHandle",
     "SyncEngine",
     "SyncStep",
     "SyncStepApi",

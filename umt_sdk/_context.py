@@ -8,18 +8,28 @@ import warnings
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 from uuid import UUID
 
+from umt_sdk import _check as check
 from umt_sdk._abort import Aborts, AbortState, Release
-from umt_sdk._names import check_run_arguments, check_sleep_arguments, check_wait_arguments
+from umt_sdk._definition import TaskDefinition
+from umt_sdk._names import (
+    check_name,
+    check_run_arguments,
+    check_sleep_arguments,
+    check_wait_arguments,
+)
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
 from umt_sdk.exceptions import CanceledError
 
 __all__ = [
+    "ChildHandle",
+    "ParentClose",
     "Runner",
+    "SyncChildHandle",
     "StepApi",
     "SyncStepApi",
     "SyncTaskContext",
@@ -28,6 +38,8 @@ __all__ = [
 ]
 
 I = TypeVar("I")
+C = TypeVar("C")
+O = TypeVar("O")
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -140,6 +152,87 @@ class StepApi:
         )
         return value
 
+    async def start_child(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        input: C | Any,
+        *,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+    ) -> ChildHandle[O]:
+        """Start a run of `task` as this run's child, exactly once: the step `name` enqueues
+        it (its idempotency key is this run and the step's name, so a crash before the step
+        was recorded finds the same child) and records its id. `priority` defaults to this
+        run's. `parent_close="cancel"` (the default) requests the child's cancel when this
+        run finishes failed or canceled; `"abandon"` lets it go on. Returns a handle:
+        `await handle.result()` for the child's output."""
+        definition, cancel_with_parent = _check_child_arguments(name, task, priority, parent_close)
+        child_id = await self._steps.start_child(
+            name,
+            definition,
+            input,
+            priority=priority,
+            cancel_with_parent=cancel_with_parent,
+        )
+        return ChildHandle(self._steps, name, child_id, definition.output_type)
+
+
+class ChildHandle(Generic[O]):
+    """A child run started by `ctx.step.start_child`: `await handle.result()` parks this run
+    until the child finishes (its slot is freed meanwhile) and returns the child's output, or
+    raises `ChildFailedError` / `ChildCanceledError`; replays return or raise the same."""
+
+    __slots__ = ("_name", "_output_type", "_steps", "run_id")
+
+    def __init__(self, steps: Steps, name: str, run_id: UUID, output_type: Any) -> None:
+        self._steps = steps
+        self._name = name
+        self._output_type = output_type
+        self.run_id = run_id
+
+    async def result(self) -> O:
+        value: O = await self._steps.child_result(self._name, self.run_id, self._output_type)
+        return value
+
+    def __repr__(self) -> str:
+        return f"<child run {self.run_id} started by step {self._name!r}>"
+
+
+class SyncChildHandle(Generic[O]):
+    """`ChildHandle` in a plain task: `handle.result()` blocks the handler's thread while the
+    run is parked."""
+
+    __slots__ = ("_handle", "run_id")
+
+    def __init__(self, handle: ChildHandle[O]) -> None:
+        self._handle = handle
+        self.run_id = handle.run_id
+
+    def result(self) -> O:
+        value: O = self._handle._steps.from_thread(self._handle.result())
+        return value
+
+    def __repr__(self) -> str:
+        return repr(self._handle)
+
+
+ParentClose = Literal["cancel", "abandon"]
+"""What a child does when its parent finishes failed or canceled: `cancel` (its cancel is
+requested) or `abandon` (it goes on)."""
+
+
+def _check_child_arguments(
+    name: str, task: object, priority: object, parent_close: object
+) -> tuple[TaskDefinition[Any, Any], bool]:
+    check_name("step", name)
+    if not isinstance(task, TaskDefinition):
+        check.refuse("task", "a @task definition", task, where=f"start_child({name!r})")
+    if priority is not None:
+        check.integer(priority, "priority", at_least=-32768, at_most=32767)
+    check.choice(parent_close, "parent_close", ("cancel", "abandon"))
+    return task, parent_close == "cancel"
+
 
 class SyncStepApi:
     """`ctx.step` in a plain (sync) task: the same operations, blocking the handler's thread."""
@@ -190,6 +283,28 @@ class SyncStepApi:
             )
         )
         return value
+
+    def start_child(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        input: C | Any,
+        *,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+    ) -> SyncChildHandle[O]:
+        """Start a child run, exactly once (see `StepApi.start_child`)."""
+        definition, cancel_with_parent = _check_child_arguments(name, task, priority, parent_close)
+        child_id: UUID = self._steps.from_thread(
+            self._steps.start_child(
+                name,
+                definition,
+                input,
+                priority=priority,
+                cancel_with_parent=cancel_with_parent,
+            )
+        )
+        return SyncChildHandle(ChildHandle(self._steps, name, child_id, definition.output_type))
 
 
 class _BaseContext(Generic[I]):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import os
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -20,6 +18,7 @@ from opentelemetry.trace import TracerProvider
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._ids import new_run_id
 from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
 from umt_sdk._spi import (
@@ -52,46 +51,6 @@ I = TypeVar("I")
 O = TypeVar("O")
 
 _STATUSES: frozenset[str] = frozenset(get_args(RunStatus))
-
-
-_last_run_id = 0
-_run_id_lock = threading.Lock()
-
-
-def new_run_id() -> UUID:
-    """A UUIDv7: time-ordered, so new runs land at the end of the primary-key index.
-
-    Monotonic within the process (RFC 9562, method 3): an id drawn in the same millisecond as
-    the previous one, or with the clock set back, is the previous one plus one, so runs
-    enqueued one after the other list in that order.
-    """
-    global _last_run_id
-    millis = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(10), "big")
-    value = (millis & ((1 << 48) - 1)) << 80
-    value |= 0x7 << 76
-    value |= ((rand >> 62) & 0xFFF) << 64
-    value |= 0b10 << 62
-    value |= rand & ((1 << 62) - 1)
-    with _run_id_lock:
-        if value <= _last_run_id:
-            value = _next_after(_last_run_id)
-        _last_run_id = value
-    return UUID(int=value)
-
-
-def _next_after(previous: int) -> int:
-    """The next UUIDv7 value: +1 in the random bits, carrying into rand_a and the time."""
-    rand_b = (previous & ((1 << 62) - 1)) + 1
-    rand_a = (previous >> 64) & 0xFFF
-    millis = previous >> 80
-    if rand_b >> 62:
-        rand_b = 0
-        rand_a += 1
-        if rand_a >> 12:
-            rand_a = 0
-            millis += 1
-    return ((millis & ((1 << 48) - 1)) << 80) | (0x7 << 76) | (rand_a << 64) | (0b10 << 62) | rand_b
 
 
 def _check_run_id(run_id: object, call: str) -> UUID:
@@ -351,10 +310,12 @@ class Engine:
         task_name: str | None = None,
         version: int | None = None,
         status: RunStatus | None = None,
+        parent: UUID | None = None,
         limit: int = 100,
         before: UUID | None = None,
     ) -> RunPage:
-        """Runs, newest first, filtered; page with `before=page.next_cursor`.
+        """Runs, newest first, filtered (`parent`: the children of that run); page with
+        `before=page.next_cursor`.
 
         A filter of the wrong type (a `version` that is not an int, a `before` that is not a
         UUID) raises `UsageError` naming it.
@@ -365,6 +326,8 @@ class Engine:
             check.integer(version, "version", at_least=1, expected="an integer >= 1 or None")
         if status is not None:
             check.choice(status, "status", _STATUSES)
+        if parent is not None:
+            check.uuid(parent, "parent", expected="a run id (uuid.UUID) such as handle.run_id")
         check.integer(limit, "limit", at_least=1, at_most=10_000, expected="in 1..10000")
         if before is not None:
             check.uuid(before, "before", expected="a run id (uuid.UUID) such as page.next_cursor")
@@ -373,6 +336,7 @@ class Engine:
                 task_name=task_name,
                 task_version=version,
                 status=status,
+                parent_run_id=parent,
                 limit=limit + 1,
                 before=before,
             )

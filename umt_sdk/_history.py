@@ -34,6 +34,11 @@ class History:
         self._occurrences[name] = count
         return name if count == 1 else f"{name}#{count}"
 
+    def next_occurrence(self, name: str) -> str:
+        """The name the next `occurrence(name)` will return, without taking it."""
+        count = self._occurrences.get(name, 0) + 1
+        return name if count == 1 else f"{name}#{count}"
+
     def last(self, name: str, kind: StepKind) -> StepRecord | None:
         """The newest record of step `name`, which the code now makes a `kind`; None if the
         step never ran. A record of another kind means the code changed under the run."""

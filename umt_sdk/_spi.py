@@ -28,7 +28,16 @@ A backend author must store, atomically and durably before returning:
   applies: first write wins for a fact and for an idempotency key; a park onto a fact already
   stored is refused (no lost wake-up); a hand-back of a run whose cancel was requested is
   refused; a claim takes only available runs, in the one order `claim` documents; a cancel ends
-  at once a run nobody holds, a lapsed lease included (`cancel`).
+  at once a run nobody holds, a lapsed lease included (`cancel`); a child run that finishes
+  stores its parent's fact, and a run that finishes failed or canceled requests the cancel of
+  its children that asked for it, each in the write that finishes it (`finishing`, below).
+
+What a run's finishing write also stores (`finishing`), whichever write finishes it (an
+ending, a cancel, a cascade): a run enqueued with `NewRun.parent_fact` stores that fact for
+`NewRun.parent_run_id` (payload JSON `null`, first write wins; waking the parent if it waits
+for it, as `signal` does); a run that finishes `failed` or `canceled` requests the cancel of
+each of its unfinished children enqueued with `cancel_with_parent`, as `cancel` does (reason
+`"parent <id> <status>"`: a child nobody holds ends canceled at once and finishes in turn).
 It may not decide anything else: no retry policy, no limits of its own, no rewriting of what it
 was given. What a backend does on its own (its clock, the lease it extends, what it counts) is
 said on each method and record below. `umt_sdk.testing.BackendContract` checks all of this
@@ -199,6 +208,13 @@ class NewRun:
     idempotency_key: str | None = None
     delay: timedelta | None = None
     trace_context: Mapping[str, str] = field(factory=dict)
+    parent_run_id: UUID | None = None
+    """The run that started this one (a child run): kept as `RunRecord.parent_run_id`."""
+    parent_fact: str | None = None
+    """The fact stored for `parent_run_id` when this run finishes (see `finishing` in the
+    module docstring): how a parent waiting for its child is woken."""
+    cancel_with_parent: bool = False
+    """Whether this run's cancel is requested when its parent finishes failed or canceled."""
 
 
 @frozen(kw_only=True)
@@ -412,6 +428,8 @@ class RunRecord:
     wait_for: str | None = None
     """The fact a `waiting` run was parked on, until a claim takes the run."""
     trace_context: Mapping[str, str] = field(factory=dict)
+    parent_run_id: UUID | None = None
+    """The run that started this one, if it is a child run."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)
@@ -426,6 +444,8 @@ class RunQuery:
     task_name: str | None = None
     task_version: int | None = None
     status: RunStatus | None = None
+    parent_run_id: UUID | None = None
+    """Only the children of this run."""
     limit: int = 100
     before: UUID | None = None
 
@@ -493,7 +513,8 @@ class Backend(Protocol):
         (`available_at`). Same idempotency key: same input hash returns the existing run
         (`created=False`, with its `task_version`), a different hash raises
         `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
-        names another version.
+        names another version. A child run keeps `parent_run_id`, `parent_fact` and
+        `cancel_with_parent` for its finishing write (`finishing`, module docstring).
         """
         ...
 
@@ -559,7 +580,8 @@ class Backend(Protocol):
         wake-up), and `"cancel_requested"` when the ending does not finish the run (`pending`
         or `waiting`) and the run's cancel was requested (it must not be parked or handed back
         as if nobody had asked). Otherwise every field of `ending` is stored as given and
-        `"ended"` is returned; see `Ending` for what each one means.
+        `"ended"` is returned; see `Ending` for what each one means. An ending that finishes
+        the run also does what a finishing write does (`finishing`, module docstring).
         """
         ...
 
@@ -588,7 +610,8 @@ class Backend(Protocol):
         - `pending`, `waiting`, or `running` with a lapsed lease (its holder is gone: crashed,
           frozen, cut off): it ends `canceled` at once (`finished_at` set, no `available_at`,
           no `wait_for`), and a lapsed lease is counted as a takeover counts it
-          (`lease_expirations`, its execution `interrupted`); `"canceled"`. This is one of
+          (`lease_expirations`, its execution `interrupted`); `"canceled"`. It also does what
+          a finishing write does (`finishing`, module docstring), in the same write; This is one of
           the conditions only the store can check: whether the lease lapsed with no claim
           taking the run over, atomically with the write;
         - held (`running`, its lease not lapsed): nothing else changes; `"requested"`. The

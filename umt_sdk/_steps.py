@@ -16,13 +16,16 @@ import json
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
+from uuid import UUID
 
 from attrs import field, frozen
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._definition import TaskDefinition
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
+from umt_sdk._ids import new_run_id
 from umt_sdk._names import check_name, inline_target
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import (
@@ -32,14 +35,19 @@ from umt_sdk._spi import (
     ExecutionOutcome,
     Fact,
     Lease,
+    NewRun,
+    RunRecord,
     SimulatedCrash,
     StepKind,
     StepRecord,
 )
-from umt_sdk._telemetry import ExecutionTelemetry
+from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
 from umt_sdk.exceptions import (
     CanceledError,
+    ChildCanceledError,
+    ChildFailedError,
     FactTimeoutError,
+    IdempotencyConflictError,
     PayloadError,
     StepFailedError,
     UsageError,
@@ -354,6 +362,110 @@ class Steps:
         _probe.report("step.recorded", full, attempt=attempt)
         return value
 
+    async def start_child(
+        self,
+        name: str,
+        definition: TaskDefinition[Any, Any],
+        input: Any,
+        *,
+        priority: int | None,
+        cancel_with_parent: bool,
+    ) -> UUID:
+        """A step that enqueues a run of `definition` as this run's child, once: its
+        idempotency key is this run and the step's recorded name, so a step that runs again
+        after a crash finds the child it created. Returns the child's run id (recorded)."""
+        check_name("step", name)
+        parent = self._host.claimed
+        key = f"umt.child:{parent.run_id}:{self.history.next_occurrence(name)}"
+        input_json, input_hash = _serde.encode_input(
+            input, definition.input_type, what=f"input of child {name!r}"
+        )
+
+        async def enqueue_child() -> UUID:
+            child_id = new_run_id()
+            result = await self._host.guard(
+                self._host.backend.enqueue(
+                    NewRun(
+                        run_id=child_id,
+                        task_name=definition.name,
+                        task_version=definition.version,
+                        input_json=input_json,
+                        input_hash=input_hash,
+                        priority=parent.priority if priority is None else priority,
+                        idempotency_key=key,
+                        trace_context=Telemetry.inject(),
+                        parent_run_id=parent.run_id,
+                        parent_fact=child_fact(child_id),
+                        cancel_with_parent=cancel_with_parent,
+                    )
+                )
+            )
+            if not result.created and result.input_hash not in (None, input_hash):
+                raise IdempotencyConflictError(
+                    f"step {name!r} started child run {result.run_id} with another input "
+                    "when it ran before a crash: the child's input must not depend on the "
+                    "clock, randomness or outside state read outside a step",
+                    idempotency_key=key,
+                    run_id=result.run_id,
+                )
+            return result.run_id
+
+        child_id: UUID = await self.run(
+            StepCall(name=name, fn=enqueue_child, output_type=UUID, retry=_CHILD_RETRY)
+        )
+        return child_id
+
+    async def child_result(self, start_name: str, child_id: UUID, output_type: Any) -> Any:
+        """Wait, parked, until the child run `child_id` (started by step `start_name`)
+        finishes; record how it ended (a step `<start_name>.result`, kind `fact`) and return
+        its output, or raise `ChildFailedError` / `ChildCanceledError`; a replay returns or
+        raises the same from the record. The child's finishing write stores the fact that
+        wakes this run (`child_fact`), so nothing polls."""
+        full = self.history.occurrence(f"{start_name}.result")
+        last = self.history.last(full, "fact")
+        replayed = last is not None and last.status == "completed"
+        _probe.report("call", full, step_kind="fact", replayed=replayed)
+        if last is not None and last.status == "completed":
+            self._telemetry.replayed(last)
+            return _child_outcome(start_name, child_id, last.output_json, output_type)
+        self._host.check_before_step()
+        self._host.go_live()
+        started = last.started_at if last is not None and last.started_at else self._host.now()
+        fact_name = child_fact(child_id)
+        backend = self._host.backend
+        while True:
+            facts = await self._host.guard(
+                backend.get_facts(run_id=self._host.claimed.run_id, name=fact_name)
+            )
+            if facts:
+                child = await self._host.guard(backend.get_run_head(child_id))
+                output = _child_envelope(child)
+                await self._record(
+                    self._step_record(
+                        full,
+                        "fact",
+                        status="completed",
+                        started_at=started,
+                        finished_at=self._host.now(),
+                        output_json=output,
+                    )
+                )
+                return _child_outcome(start_name, child_id, output, output_type)
+            waiting = (
+                None
+                if last is not None
+                else self._step_record(full, "fact", status="waiting", started_at=started)
+            )
+            _probe.reach(self._host.aborts, "park", full, step_kind="fact")
+            if await self._host.park(
+                outcome="waiting", step=waiting, available_at=None, wait_for=fact_name
+            ):
+                self._telemetry.event(
+                    "umt.child.wait", **{"umt.step.name": full, "umt.child.run_id": str(child_id)}
+                )
+                raise Suspend
+            # The child finished between our look and the park: go round again.
+
     async def sleep(self, name: str, duration: timedelta) -> None:
         check_name("sleep", name, argument="name")
         if not isinstance(duration, timedelta):
@@ -502,6 +614,75 @@ class Steps:
                 )
                 raise Suspend
             # The fact arrived between our look and the park: go round again.
+
+
+_CHILD_RETRY = RetryPolicy(
+    max_attempts=5,
+    initial=timedelta(seconds=1),
+    max_interval=timedelta(seconds=60),
+    non_retryable=(IdempotencyConflictError, PayloadError, UsageError),
+)
+"""Starting a child is an enqueue: retried like a network call when the backend fails, never
+when the child's input is refused."""
+
+
+def child_fact(child_id: UUID) -> str:
+    """The fact a child run stores for its parent when it finishes (`NewRun.parent_fact`)."""
+    return f"umt.child:{child_id}"
+
+
+def _child_envelope(child: RunRecord | None) -> str:
+    """How a child ended, as its parent records it: `{"status": ..., "output": ...}` with the
+    output verbatim, or the error, or the cancel's reason."""
+    if child is None:  # pruned before the parent read it: say so rather than hang
+        return json.dumps(
+            {
+                "status": "failed",
+                "error": {"type": "RunNotFoundError", "message": "the child run is gone"},
+            }
+        )
+    if child.status == "completed":
+        return '{"status":"completed","output":' + (child.output_json or "null") + "}"
+    if child.status == "failed":
+        error = child.error
+        return json.dumps(
+            {
+                "status": "failed",
+                "error": {
+                    "type": error.type if error else "",
+                    "message": error.message if error else "",
+                },
+            }
+        )
+    return json.dumps({"status": "canceled", "reason": child.cancel_reason or ""})
+
+
+def _child_outcome(
+    start_name: str, child_id: UUID, output_json: str | None, output_type: Any
+) -> Any:
+    raw = json.loads(output_json or "{}")
+    status = raw.get("status")
+    if status == "completed":
+        return _serde.from_raw(
+            raw.get("output"), output_type, what=f"output of child {start_name!r}"
+        )
+    if status == "canceled":
+        reason = str(raw.get("reason", ""))
+        raise ChildCanceledError(
+            f"child run {child_id} (step {start_name!r}) was canceled: {reason}",
+            run_id=child_id,
+            step_name=start_name,
+            reason=reason,
+        )
+    error = raw.get("error") or {}
+    error_type, message = str(error.get("type", "")), str(error.get("message", ""))
+    raise ChildFailedError(
+        f"child run {child_id} (step {start_name!r}) failed: {error_type}: {message}",
+        run_id=child_id,
+        step_name=start_name,
+        error_type=error_type,
+        error_message=message,
+    )
 
 
 def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:

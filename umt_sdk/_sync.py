@@ -88,12 +88,18 @@ class SyncEngine:
         task_name: str | None = None,
         version: int | None = None,
         status: RunStatus | None = None,
+        parent: UUID | None = None,
         limit: int = 100,
         before: UUID | None = None,
     ) -> RunPage:
         return self._call(
             self._engine.list(
-                task_name=task_name, version=version, status=status, limit=limit, before=before
+                task_name=task_name,
+                version=version,
+                status=status,
+                parent=parent,
+                limit=limit,
+                before=before,
             )
         )
 

@@ -8,11 +8,10 @@ import typing
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
-from attrs import frozen
-
 from umt_sdk import _check as check
 from umt_sdk._check import shown
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
+from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, TaskDefinition
 from umt_sdk._names import check_name, check_retry, check_storable, hints, unwrap_awaitable
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
@@ -38,33 +37,6 @@ I = TypeVar("I")
 O = TypeVar("O")
 R = TypeVar("R")
 P = ParamSpec("P")
-
-DEFAULT_MAX_LOST_LEASES = 10
-"""How many times a run may lose its lease without recording a step before it fails: enough to
-ride out deploys, node losses and database restarts, few enough that a run which kills its
-worker every time (an OOM, a segfault) ends within minutes, not never."""
-
-
-@frozen(kw_only=True, eq=False)
-class TaskDefinition(Generic[I, O]):
-    """A task as declared by `@task`: enqueue it, register it, serve it with a worker."""
-
-    name: str
-    version: int
-    fn: Callable[..., Any]
-    is_async: bool
-    input_type: Any
-    output_type: Any
-    retry: RetryPolicy
-    max_lost_leases: int = DEFAULT_MAX_LOST_LEASES
-    """Lost leases without progress after which a run of this task fails (see `task`)."""
-
-    @property
-    def pair(self) -> TaskPair:
-        return TaskPair(name=self.name, version=self.version)
-
-    def __repr__(self) -> str:
-        return f"<task {self.name}@{self.version} ({self.fn.__qualname__})>"
 
 
 class _TaskDecorator(Protocol):

@@ -90,6 +90,9 @@ class RunInfo:
     lease_expired: bool = False
     """`running`, but its lease had expired when the backend read it (its worker crashed,
     froze or lost the database): the run waits for another worker to claim it."""
+    parent_run_id: UUID | None = None
+    """The run whose step started this one (`ctx.step.start_child`); its children are
+    `engine.list(parent=run_id)`."""
 
     @property
     def display_status(self) -> str:
@@ -245,6 +248,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
         executions=tuple(record.executions),
         lease_expires_at=record.lease_expires_at if record.status == "running" else None,
         lease_expired=lease_expired(record),
+        parent_run_id=record.parent_run_id,
     )
 
 

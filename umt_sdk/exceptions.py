@@ -19,7 +19,9 @@ UmtError
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
 ├── CanceledError            the run was canceled (raised inside the handler)
 ├── RunFailedError           engine.result(): the run ended failed
+│   └── ChildFailedError     a child run's result, in its parent: the child ended failed
 ├── RunCanceledError         engine.result(): the run ended canceled
+│   └── ChildCanceledError   a child run's result, in its parent: the child ended canceled
 └── ResultTimeoutError       (also TimeoutError) engine.result() waited longer than asked
 ```
 
@@ -41,6 +43,8 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
     "CanceledError",
+    "ChildCanceledError",
+    "ChildFailedError",
     "FactTimeoutError",
     "FencingError",
     "IdempotencyConflictError",
@@ -263,6 +267,39 @@ class RunCanceledError(UmtError):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class ChildFailedError(RunFailedError):
+    """A child run ended failed (raised in its parent by the child's result, on every replay
+    too); `step_name` is the step that started it, `run_id` the child's."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        step_name: str = "",
+        error_type: str = "",
+        error_message: str = "",
+    ) -> None:
+        super().__init__(message, run_id=run_id, error_type=error_type, error_message=error_message)
+        self.step_name = step_name
+
+
+class ChildCanceledError(RunCanceledError):
+    """A child run ended canceled (raised in its parent by the child's result, on every replay
+    too); `step_name` is the step that started it, `run_id` the child's."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        step_name: str = "",
+        reason: str = "",
+    ) -> None:
+        super().__init__(message, run_id=run_id, reason=reason)
+        self.step_name = step_name
 
 
 class ResultTimeoutError(UmtError, TimeoutError):

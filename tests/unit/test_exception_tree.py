@@ -21,6 +21,8 @@ from umt_sdk.exceptions import (
     BackendNotFoundError,
     BackendUnavailableError,
     CanceledError,
+    ChildCanceledError,
+    ChildFailedError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -61,6 +63,8 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     CanceledError: (UmtError, ()),
     RunFailedError: (UmtError, ()),
     RunCanceledError: (UmtError, ()),
+    ChildFailedError: (RunFailedError, ()),
+    ChildCanceledError: (RunCanceledError, ()),
     ResultTimeoutError: (UmtError, (TimeoutError,)),
 }
 BUILTINS = (ValueError, TypeError, LookupError, TimeoutError)

@@ -15,12 +15,14 @@
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
-        input_hash, trace_context, input, queued
+        input_hash, trace_context, input, queued, parent_run_id, parent_fact,
+        cancel_with_parent
     )
     VALUES (
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
         now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
-        %(input)s::jsonb, %(delay)s::interval <= interval '0'
+        %(input)s::jsonb, %(delay)s::interval <= interval '0', %(parent_run_id)s,
+        %(parent_fact)s, %(cancel_with_parent)s
     )
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, task_name, task_version, priority, available_at, queued
@@ -442,11 +444,99 @@ WITH target AS (
 )
 SELECT c.status FROM target t LEFT JOIN changed c ON c.id = t.id;
 
+-- name: lock_parent_fact
+-- Before a write that may finish a child run (its ending, a cancel): the exclusive lock on the
+-- name of the fact it stores for its parent, as `signal` takes it, so a parent parking on that
+-- fact (lock_fact_name_shared, then end_execution) either sees the fact or is seen waiting.
+-- No row (and no lock) for a run that is not a child.
+SELECT pg_advisory_xact_lock(hashtextextended(parent_fact, 7219)) FROM {schema}.runs
+WHERE id = %(run_id)s AND parent_fact IS NOT NULL;
+
+-- name: finish_child
+-- What finishing a child run also stores, in the transaction that finished it (after
+-- lock_parent_fact): the fact for its parent (payload null, first write wins), and the parent
+-- woken if it waits for it (claimable now, queued in `ready`, workers notified).
+WITH child AS MATERIALIZED (
+    SELECT parent_run_id, parent_fact FROM {schema}.runs
+    WHERE id = %(run_id)s AND parent_fact IS NOT NULL
+      AND status IN ('completed', 'failed', 'canceled')
+), fact AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload)
+    SELECT c.parent_run_id::text, c.parent_fact, c.parent_run_id, 'null'::jsonb FROM child c
+    ON CONFLICT (scope, name) DO NOTHING
+    RETURNING run_id, name
+), woken AS (
+    UPDATE {schema}.runs p SET available_at = now(), updated_at = now()
+    FROM fact f
+    WHERE p.id = f.run_id AND p.status = 'waiting' AND p.wait_for = f.name
+    RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at
+), queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
+    FROM woken w
+)
+SELECT (SELECT pg_notify(%(channel)s, string_agg(DISTINCT task_name || '@' || task_version, ','))
+        FROM woken HAVING count(*) > 0) AS notified;
+
+-- name: cancel_children
+-- A run that finished failed or canceled requests the cancel of its unfinished children that
+-- asked for it (`cancel_with_parent`), as cancel_run does: a child nobody holds (pending,
+-- waiting, or its lease lapsed, judged on the row as it is now) ends canceled at once, stores
+-- its own parent fact (nobody parks on a finished parent: no lock needed) and is returned
+-- (`ended`) so the caller cascades to its children in turn; a held one keeps running and is
+-- told through the cancel channel.
+WITH parents AS (
+    SELECT id, status FROM {schema}.runs
+    WHERE id = ANY (%(run_ids)s::uuid[]) AND status IN ('failed', 'canceled')
+), judged AS (
+    SELECT c.id, c.fencing_token, p.id AS parent_id, p.status AS parent_status,
+           c.status = 'running' AND c.lease_expires_at <= now() AS lapsed,
+           c.status IN ('pending', 'waiting')
+               OR (c.status = 'running' AND c.lease_expires_at <= now()) AS ends
+    FROM parents p
+    JOIN {schema}.runs c ON c.parent_run_id = p.id
+    WHERE c.cancel_with_parent AND c.status NOT IN ('completed', 'failed', 'canceled')
+    FOR NO KEY UPDATE OF c
+), changed AS (
+    UPDATE {schema}.runs r SET
+        cancel_requested_at = COALESCE(r.cancel_requested_at, now()),
+        cancel_reason = COALESCE(r.cancel_reason,
+                                 'parent ' || j.parent_id || ' ' || j.parent_status),
+        status = CASE WHEN j.ends THEN 'canceled' ELSE r.status END,
+        lease_expirations = r.lease_expirations + CASE WHEN j.lapsed THEN 1 ELSE 0 END,
+        finished_at = CASE WHEN j.ends THEN now() ELSE r.finished_at END,
+        available_at = CASE WHEN j.ends THEN NULL ELSE r.available_at END,
+        lease_owner = CASE WHEN j.ends THEN NULL ELSE r.lease_owner END,
+        lease_expires_at = CASE WHEN j.ends THEN NULL ELSE r.lease_expires_at END,
+        wait_for = CASE WHEN j.ends THEN NULL ELSE r.wait_for END,
+        updated_at = now()
+    FROM judged j
+    WHERE r.id = j.id
+    RETURNING r.id, j.ends, j.lapsed, j.fencing_token, r.parent_run_id, r.parent_fact,
+              r.cancel_reason
+), dequeued AS (
+    DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.ends
+), interrupted AS (
+    UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
+    FROM changed c
+    WHERE c.lapsed AND e.run_id = c.id AND e.fencing_token = c.fencing_token
+), facts AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload)
+    SELECT c.parent_run_id::text, c.parent_fact, c.parent_run_id, 'null'::jsonb
+    FROM changed c WHERE c.ends AND c.parent_fact IS NOT NULL
+    ON CONFLICT (scope, name) DO NOTHING
+)
+SELECT c.id, c.ends,
+       CASE WHEN NOT c.ends
+            THEN pg_notify(%(cancel_channel)s, left(c.id || ':' || c.cancel_reason, 7000)) END
+FROM changed c;
+
 -- name: get_run
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
-       cancel_requested_at, cancel_reason, wait_for, trace_context, now() AS db_now
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
+       now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -462,11 +552,13 @@ FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
-       cancel_requested_at, cancel_reason, wait_for, trace_context, now() AS db_now
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
+       now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
   AND (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(parent_run_id)s::uuid IS NULL OR parent_run_id = %(parent_run_id)s)
   AND (%(before)s::uuid IS NULL OR id < %(before)s)
 ORDER BY id DESC
 LIMIT %(limit)s;

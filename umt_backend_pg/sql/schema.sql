@@ -32,7 +32,12 @@ CREATE TABLE {schema}.runs (
     updated_at          timestamptz NOT NULL DEFAULT now(),
     finished_at         timestamptz,
     -- pending and in `ready` (claimable at once): left out of runs_claim_ready.
-    queued              boolean NOT NULL DEFAULT false
+    queued              boolean NOT NULL DEFAULT false,
+    -- A child run: its parent, the fact it stores for the parent when it finishes, and whether
+    -- its cancel is requested when the parent finishes failed or canceled (migration 0006).
+    parent_run_id       uuid,
+    parent_fact         text,
+    cancel_with_parent  boolean NOT NULL DEFAULT false
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -55,6 +60,7 @@ CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
 CREATE INDEX runs_finished ON {schema}.runs (finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
+CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
 
 -- The ready queue: runs claimable now, emptied by truncation (see migrations/0003_ready_queue.sql).
 CREATE TABLE {schema}.ready (

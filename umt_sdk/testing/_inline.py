@@ -17,7 +17,7 @@ from uuid import UUID
 
 from umt_sdk._engine import Engine
 from umt_sdk._execution import Execution
-from umt_sdk._spi import TERMINAL_STATUSES, ControllableClock, RunRecord
+from umt_sdk._spi import TERMINAL_STATUSES, ControllableClock, RunQuery, RunRecord
 from umt_sdk.exceptions import RunNotFoundError, UsageError
 
 __all__ = ["Facts", "drive"]
@@ -104,7 +104,7 @@ async def drive(
             if payload is not _NO_FACT:
                 await engine.signal(run_id, head.wait_for, payload)
                 continue
-        due = _next_due(head)
+        due = await _next_due(engine, head)
         if due is None:
             raise UsageError(
                 f"run {run_id} waits for fact {head.wait_for!r} with no deadline, and nothing "
@@ -124,8 +124,19 @@ async def drive(
             await asyncio.sleep(max(0.01, min(1.0, (due - now).total_seconds())))
 
 
-def _next_due(head: RunRecord) -> datetime | None:
+def _due(run: RunRecord) -> datetime | None:
     """When the run is next claimable: its `available_at`, or the lapse of its lease."""
-    if head.status == "running":
-        return head.lease_expires_at
-    return head.available_at
+    if run.status == "running":
+        return run.lease_expires_at
+    return run.available_at
+
+
+async def _next_due(engine: Engine, head: RunRecord) -> datetime | None:
+    """The earliest time any unfinished run is next claimable (the run's children, or the
+    runs it waits for, may be due before it), or None when none ever is by itself."""
+    times = [] if _due(head) is None else [_due(head)]
+    for status in ("pending", "waiting", "running"):
+        runs = await engine.backend.list_runs(RunQuery(status=status, limit=10_000))
+        times += [_due(run) for run in runs]
+    due = [time for time in times if time is not None]
+    return min(due) if due else None

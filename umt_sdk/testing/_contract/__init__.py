@@ -11,6 +11,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_runs`: enqueue and read back, idempotency keys, listing
 - `_replay`: replay by step name, non-determinism, plain tasks and steps
 - `_facts`: durable sleeps and facts
+- `_children`: child runs, their results, and the cancels a parent's end cascades
 - `_user_code`: handlers and steps as users write them
 - `_arguments`: argument checks
 - `_aborts`: the abort table (shutdown and cancel against each handler shape)
@@ -34,6 +35,7 @@ from umt_sdk.testing._contract import (
     _arguments,
     _base,
     _cancel,
+    _children,
     _claims,
     _facts,
     _leases,
@@ -54,6 +56,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_runs.TASKS,
     *_replay.TASKS,
     *_facts.TASKS,
+    *_children.TASKS,
     *_user_code.TASKS,
     *_arguments.TASKS,
     *_aborts.TASKS,
@@ -74,6 +77,7 @@ class BackendContract(
     _runs.RunsContract,
     _replay.ReplayContract,
     _facts.FactsContract,
+    _children.ChildrenContract,
     _user_code.UserCodeContract,
     _arguments.ArgumentsContract,
     _aborts.AbortsContract,

@@ -1,0 +1,44 @@
+"""A task as declared: what `@task` makes, below everything that runs it (the context, the
+steps, the execution), so each can name it without importing the decorator."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from attrs import frozen
+
+from umt_sdk._retry import RetryPolicy
+from umt_sdk._spi import TaskPair
+
+__all__ = ["DEFAULT_MAX_LOST_LEASES", "TaskDefinition"]
+
+I = TypeVar("I")
+O = TypeVar("O")
+
+DEFAULT_MAX_LOST_LEASES = 10
+"""How many times a run may lose its lease without recording a step before it fails: enough to
+ride out deploys, node losses and database restarts, few enough that a run which kills its
+worker every time (an OOM, a segfault) ends within minutes, not never."""
+
+
+@frozen(kw_only=True, eq=False)
+class TaskDefinition(Generic[I, O]):
+    """A task as declared by `@task`: enqueue it, register it, serve it with a worker."""
+
+    name: str
+    version: int
+    fn: Callable[..., Any]
+    is_async: bool
+    input_type: Any
+    output_type: Any
+    retry: RetryPolicy
+    max_lost_leases: int = DEFAULT_MAX_LOST_LEASES
+    """Lost leases without progress after which a run of this task fails (see `task`)."""
+
+    @property
+    def pair(self) -> TaskPair:
+        return TaskPair(name=self.name, version=self.version)
+
+    def __repr__(self) -> str:
+        return f"<task {self.name}@{self.version} ({self.fn.__qualname__})>"
