@@ -38,10 +38,12 @@ from umt_sdk.cli._app import (
     run,
 )
 from umt_sdk.cli._render import (
+    ChildTree,
     _dump,
     _list_text,
     _run_json,
     _show_text,
+    _tree_json,
 )
 from umt_sdk.exceptions import PayloadError, TaskDefinitionError
 
@@ -493,9 +495,36 @@ def runs_show(cfg: CliConfig, run_id: UUID, as_json: bool) -> None:
     async def go() -> None:
         async with open_engine(cfg) as engine:
             info = await engine.get(run_id)
-        click.echo(_dump(_run_json(info, detail=True)) if as_json else _show_text(info))
+            children, more = await _children(engine, run_id, depth=3)
+        if as_json:
+            data = _run_json(info, detail=True)
+            data["children"] = _tree_json(children)
+            click.echo(_dump(data))
+        else:
+            click.echo(_show_text(info, children, more))
 
     run(go(), cfg)
+
+
+CHILDREN_SHOWN = 50
+"""Children `runs show` draws per run (the rest are counted)."""
+
+
+async def _children(engine: Engine, run_id: UUID, *, depth: int) -> tuple[list[ChildTree], int]:
+    """The run's children, oldest first, each with its own down to `depth` levels, and how
+    many were left out."""
+    if depth == 0:
+        return [], 0
+    page = await engine.list(parent=run_id, limit=CHILDREN_SHOWN)
+    trees = []
+    for child in reversed(page.runs):
+        grandchildren, more = await _children(engine, child.run_id, depth=depth - 1)
+        trees.append(ChildTree(info=child, children=tuple(grandchildren), more=more))
+    left = 0
+    if page.next_cursor is not None:
+        rest = await engine.list(parent=run_id, before=page.next_cursor, limit=10_000)
+        left = len(rest.runs) + (1 if rest.next_cursor else 0)
+    return trees, left
 
 
 @runs.command("watch")

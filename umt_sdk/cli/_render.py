@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from attrs import frozen
+
 from umt_sdk._spi import ErrorInfo, ExecutionRecord
 from umt_sdk._views import RunInfo, StepView
 
@@ -103,7 +105,35 @@ def _step_note(view: StepView) -> str:
     return ""
 
 
-def _show_text(info: RunInfo) -> str:
+@frozen(kw_only=True)
+class ChildTree:
+    """A run's children as `runs show` draws them: each child with its own, a few levels
+    deep (`more`: children left out past the limit)."""
+
+    info: RunInfo
+    children: tuple[ChildTree, ...] = ()
+    more: int = 0
+
+
+def _tree_lines(trees: Sequence[ChildTree], more: int, indent: str = "  ") -> list[str]:
+    lines: list[str] = []
+    entries: list[ChildTree | int] = [*trees, *([more] if more else [])]
+    for index, entry in enumerate(entries):
+        last = index == len(entries) - 1
+        branch, below = ("└─ ", "   ") if last else ("├─ ", "│  ")
+        if isinstance(entry, int):
+            lines.append(f"{indent}{branch}... {entry} more")
+            continue
+        child = entry.info
+        lines.append(
+            f"{indent}{branch}{child.run_id}  {child.task_name}@{child.task_version}  "
+            f"{child.display_status}"
+        )
+        lines += _tree_lines(entry.children, entry.more, indent + below)
+    return lines
+
+
+def _show_text(info: RunInfo, children: Sequence[ChildTree] = (), more: int = 0) -> str:
     interrupted = info.interrupted_attempts
     attempts = f"{info.attempts}" + (f" ({interrupted} interrupted)" if interrupted else "")
     fields: list[tuple[str, str]] = [
@@ -119,6 +149,8 @@ def _show_text(info: RunInfo) -> str:
     ]
     if info.finished_at is not None:
         fields.append(("finished", _when(info.finished_at)))
+    if info.parent_run_id is not None:
+        fields.append(("parent", f"{info.parent_run_id}  (umt runs show {info.parent_run_id})"))
     if info.idempotency_key is not None:
         fields.append(("idempotency key", info.idempotency_key))
     if info.status == "waiting" and info.waiting_for:
@@ -162,6 +194,9 @@ def _show_text(info: RunInfo) -> str:
         )
     else:
         lines.append("  (none yet)")
+
+    if children or more:
+        lines += ["", "children:", *_tree_lines(children, more)]
 
     lines += ["", "attempts:"]
     if info.executions:
@@ -227,6 +262,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "cancel_reason": info.cancel_reason,
         "error": _error_json(info.error),
         "output": info.output,
+        "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
     }
     if detail:
         data["interrupted_attempts"] = info.interrupted_attempts
@@ -262,3 +298,10 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
 
 def _dump(data: Any) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False)
+
+
+def _tree_json(trees: Sequence[ChildTree]) -> list[dict[str, Any]]:
+    return [
+        {**_run_json(tree.info, detail=False), "children": _tree_json(tree.children)}
+        for tree in trees
+    ]

@@ -94,5 +94,25 @@ def plain_nested(ctx: SyncTaskContext[Count]) -> int:
     return doubled + 1
 
 
-registry = Registry([greet, greet_v2, nap, approval, boom, plain_nested])
+@task("sync_tenant", version=1)
+async def sync_tenant(ctx: TaskContext[Count]) -> int:
+    if ctx.input.n > 1:  # a tenant of many shards starts one child per shard
+        for shard in range(ctx.input.n):
+            await ctx.step.start_child(f"shard-{shard}", sync_tenant, Count(n=1))
+    return ctx.input.n
+
+
+@task("sync_all", version=1)
+async def sync_all(ctx: TaskContext[Count]) -> list[int]:
+    """A parent of `n` children, the last of which has two of its own."""
+    handles = [
+        await ctx.step.start_child(
+            f"tenant-{i}", sync_tenant, Count(n=2 if i == ctx.input.n - 1 else 1)
+        )
+        for i in range(ctx.input.n)
+    ]
+    return [await handle.result() for handle in handles]
+
+
+registry = Registry([greet, greet_v2, nap, approval, boom, plain_nested, sync_tenant, sync_all])
 not_a_registry = [greet]

@@ -405,6 +405,30 @@ def test_runs_show_a_failed_run_with_its_error(umt: Umt) -> None:
     assert "StepFailedError: explode: ValueError: kaboom" in listed
 
 
+def test_runs_show_draws_a_parent_and_its_children(umt: Umt) -> None:
+    run_id = umt.enqueue("sync_all", {"n": 3})
+    assert work_until(umt, run_id, {"completed"}) == "completed"
+    data = umt.show(run_id)
+    assert data["output"] == [1, 1, 2]
+    tenants = data["children"]
+    assert [c["task"] for c in tenants] == ["sync_tenant"] * 3
+    assert {c["parent_run_id"] for c in tenants} == {run_id}
+    assert [len(c["children"]) for c in tenants] == [0, 0, 2]
+    text = umt.ok("runs", "show", run_id).stdout
+    tree = text.split("children:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(tree) == 5, text
+    assert tree[0].startswith("  ├─ ")
+    assert "sync_tenant@1  completed" in tree[0]
+    assert tree[2].startswith("  └─ ")
+    assert tree[3].startswith("     ├─ ")
+    assert tree[4].startswith("     └─ ")
+    shard = tree[4].split()[1]
+    shown = umt.ok("runs", "show", shard).stdout
+    parent = tenants[2]["run_id"]
+    assert f"parent             {parent}  (umt runs show {parent})" in shown
+    assert "children:" not in shown
+
+
 def test_an_unknown_run_is_one_clear_line(umt: Umt) -> None:
     missing = str(uuid.uuid4())
     for args in (
