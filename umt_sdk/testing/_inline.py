@@ -74,10 +74,11 @@ async def drive(
     """Execute due runs until run `run_id` has finished; return it as stored (without steps).
 
     Every due run of the registry's tasks is executed, in claim order, as a worker would (the
-    run's children, runs enqueued before it). When none is due: a fact the run waits for is
-    sent from `facts` if it has it, else the clock moves to when the run is next due (a
-    `ControllableClock` is advanced; on a real clock this sleeps). A run that waits for a fact
-    with no deadline that `facts` cannot give raises `UsageError`: nothing else would wake it.
+    run's children, runs enqueued before it). When none is due: each waiting run (this one, its
+    children...) is sent the fact it waits for if `facts` has it, else the clock moves to when
+    a run is next due (a `ControllableClock` is advanced; on a real clock this sleeps). When
+    nothing would ever wake the run (a fact with no deadline that `facts` cannot give),
+    `UsageError`.
     """
     backend = engine.backend
     clock = backend.clock
@@ -99,11 +100,8 @@ async def drive(
         if await execute_one(engine, lease=lease):
             executions += 1
             continue
-        if head.status == "waiting" and head.wait_for is not None:
-            payload = _fact(facts, head.wait_for)
-            if payload is not _NO_FACT:
-                await engine.signal(run_id, head.wait_for, payload)
-                continue
+        if await _send_facts(engine, facts):
+            continue
         due = await _next_due(engine, head)
         if due is None:
             raise UsageError(
@@ -122,6 +120,21 @@ async def drive(
             controls.advance_to(due)
         else:
             await asyncio.sleep(max(0.01, min(1.0, (due - now).total_seconds())))
+
+
+async def _send_facts(engine: Engine, facts: Facts | None) -> bool:
+    """Send each waiting run the fact it waits for, if `facts` has it; whether any was sent
+    (the run, or a child or a run it waits for: any waiting run)."""
+    if facts is None:
+        return False
+    sent = False
+    for run in await engine.backend.list_runs(RunQuery(status="waiting", limit=10_000)):
+        if run.wait_for is None:
+            continue
+        payload = _fact(facts, run.wait_for)
+        if payload is not _NO_FACT and await engine.signal(run.run_id, run.wait_for, payload):
+            sent = True
+    return sent
 
 
 def _due(run: RunRecord) -> datetime | None:
