@@ -426,38 +426,36 @@ class PostgresBackend:
             "step_finished_at": step.finished_at if step else None,
             "step_wake_at": step.wake_at if step else None,
             "step_error": _error_json(step.error) if step else None,
+            "channel": self.work_channel,
         }
         canceled: list[UUID] = []
         with wrap_exceptions():
             async with self._pool.connection() as conn:
-                if ending.finishes:
-                    # A finishing write also does what the SPI's `finishing` says, in its
-                    # transaction: a child stores its parent's fact (under the lock a parking
-                    # parent takes), a failed or canceled run cancels the children that asked.
-                    async with conn.pipeline(), conn.transaction():
-                        await conn.execute(self._q["lock_parent_fact"], {"run_id": lease.run_id})
+                if ending.status in ("failed", "canceled"):
+                    # Also cancels the children that asked for it (the SPI's `finishing`), in
+                    # the same transaction, level by level.
+                    async with conn.transaction():
                         cur = await conn.execute(self._q["end_execution"], params)
-                        await conn.execute(
-                            self._q["finish_child"],
-                            {"run_id": lease.run_id, "channel": self.work_channel},
-                        )
                         row = await cur.fetchone()
-                        if row and row[1] and ending.status in ("failed", "canceled"):
+                        if row and row[1]:
                             canceled = await self._cancel_children(conn, lease.run_id)
                 elif ending.wait_for is None:
+                    # One statement; a child's also stores its parent's fact (end_execution).
                     cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
                 else:
-                    # Shared lock on the fact name, then the ending in a new statement (a fresh
-                    # snapshot): a concurrent signal either committed before (we see its fact)
-                    # or waits for us (and then sees this run waiting).
+                    # Shared lock on the fact name and the run's own row, then the ending in a
+                    # new statement (a fresh snapshot): a concurrent signal, or a child that
+                    # finishes, either committed before (we see its fact) or waits for us (and
+                    # then sees this run waiting).
                     async with conn.pipeline(), conn.transaction():
                         await conn.execute(
                             self._q["lock_fact_name_shared"], {"name": ending.wait_for}
                         )
+                        await conn.execute(self._q["lock_run"], params)
                         cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
-        owned, ended, fact_present = row if row else (0, 0, False)
+        owned, ended, fact_present, _ = row if row else (0, 0, False, None)
         if not owned:
             raise self._fenced(lease, f"ending as {ending.outcome}")
         if ended:
@@ -504,7 +502,6 @@ class PostgresBackend:
         canceled: list[UUID] = []
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
-                await conn.execute(self._q["lock_parent_fact"], {"run_id": run_id})
                 cur = await conn.execute(
                     self._q["cancel_run"], {"run_id": run_id, "reason": reason}
                 )

@@ -356,16 +356,41 @@ WITH locked AS (
                            THEN now() END,
         lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
     FROM go g WHERE r.id = g.id
-    RETURNING r.id
+    RETURNING r.id, r.parent_run_id, r.parent_fact
 ), ended AS (
     UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
         current_step = CASE WHEN %(outcome)s::text = 'canceled' THEN e.current_step END,
         step_started_at = CASE WHEN %(outcome)s::text = 'canceled' THEN e.step_started_at END
     FROM ended_run x WHERE e.run_id = x.id AND e.fencing_token = %(token)s
+), child_fact AS (
+    -- A child that finishes stores its parent's fact (see finish_child, which does the same
+    -- for a cancel): nothing for a run that is not a child.
+    INSERT INTO {schema}.facts (scope, name, run_id, payload)
+    SELECT x.parent_run_id::text, x.parent_fact, x.parent_run_id, 'null'::jsonb
+    FROM ended_run x
+    WHERE x.parent_fact IS NOT NULL AND %(status)s::text IN ('completed', 'failed', 'canceled')
+    ON CONFLICT (scope, name) DO NOTHING
+    RETURNING run_id, name
+), parent_woken AS (
+    -- By id alone, the test in the SET: a parent parking right now holds its row (lock_run),
+    -- so this waits for its park to commit and then reads it waiting (a concurrent update is
+    -- re-read before the SET is computed); or the park, after this commits, sees the fact.
+    UPDATE {schema}.runs p SET
+        available_at = CASE WHEN p.status = 'waiting' AND p.wait_for = f.name
+                            THEN now() ELSE p.available_at END
+    FROM child_fact f WHERE p.id = f.run_id
+    RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at,
+              p.status = 'waiting' AND p.wait_for = f.name AS woken
+), parent_queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
+    FROM parent_woken w WHERE w.woken
 )
 SELECT (SELECT count(*) FROM owned) AS owned,
        (SELECT count(*) FROM ended_run) AS ended,
-       EXISTS (SELECT 1 FROM present) AS fact_present;
+       EXISTS (SELECT 1 FROM present) AS fact_present,
+       (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
+        FROM parent_woken w WHERE w.woken HAVING count(*) > 0) AS notified;
 
 -- name: insert_fact
 -- The fact, and (if it is new) the runs waiting for it woken: claimable now, queued in `ready`.
@@ -444,18 +469,17 @@ WITH target AS (
 )
 SELECT c.status FROM target t LEFT JOIN changed c ON c.id = t.id;
 
--- name: lock_parent_fact
--- Before a write that may finish a child run (its ending, a cancel): the exclusive lock on the
--- name of the fact it stores for its parent, as `signal` takes it, so a parent parking on that
--- fact (lock_fact_name_shared, then end_execution) either sees the fact or is seen waiting.
--- No row (and no lock) for a run that is not a child.
-SELECT pg_advisory_xact_lock(hashtextextended(parent_fact, 7219)) FROM {schema}.runs
-WHERE id = %(run_id)s AND parent_fact IS NOT NULL;
+-- name: lock_run
+-- Before a park on a fact: the run's own row, held until the park commits, so a child that
+-- finishes meanwhile (end_execution's parent_woken, finish_child) waits for the park and then
+-- wakes it, or committed first and the park's next statement sees its fact.
+SELECT 1 FROM {schema}.runs WHERE id = %(run_id)s AND fencing_token = %(token)s
+FOR NO KEY UPDATE;
 
 -- name: finish_child
--- What finishing a child run also stores, in the transaction that finished it (after
--- lock_parent_fact): the fact for its parent (payload null, first write wins), and the parent
--- woken if it waits for it (claimable now, queued in `ready`, workers notified).
+-- What a cancel that finished a child run also stores, in its transaction: the fact for its
+-- parent (payload null, first write wins), and the parent woken if it waits for it (claimable
+-- now, queued in `ready`, workers notified), as end_execution's child_fact and parent_woken do.
 WITH child AS MATERIALIZED (
     SELECT parent_run_id, parent_fact FROM {schema}.runs
     WHERE id = %(run_id)s AND parent_fact IS NOT NULL
@@ -466,17 +490,19 @@ WITH child AS MATERIALIZED (
     ON CONFLICT (scope, name) DO NOTHING
     RETURNING run_id, name
 ), woken AS (
-    UPDATE {schema}.runs p SET available_at = now(), updated_at = now()
-    FROM fact f
-    WHERE p.id = f.run_id AND p.status = 'waiting' AND p.wait_for = f.name
-    RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at
+    UPDATE {schema}.runs p SET
+        available_at = CASE WHEN p.status = 'waiting' AND p.wait_for = f.name
+                            THEN now() ELSE p.available_at END
+    FROM fact f WHERE p.id = f.run_id
+    RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at,
+              p.status = 'waiting' AND p.wait_for = f.name AS woken
 ), queued AS (
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
-    FROM woken w
+    FROM woken w WHERE w.woken
 )
-SELECT (SELECT pg_notify(%(channel)s, string_agg(DISTINCT task_name || '@' || task_version, ','))
-        FROM woken HAVING count(*) > 0) AS notified;
+SELECT (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
+        FROM woken w WHERE w.woken HAVING count(*) > 0) AS notified;
 
 -- name: cancel_children
 -- A run that finished failed or canceled requests the cancel of its unfinished children that
