@@ -10,6 +10,7 @@ import inspect
 
 from umt_sdk._context import StepApi, SyncStepApi, SyncTaskContext, TaskContext
 from umt_sdk._engine import Engine, RunHandle, connect
+from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ErrorInfo, ExecutionRecord, RunStatus, TaskPair
@@ -44,6 +45,7 @@ __all__ = [
     "ExecutionRecord",
     "FactTimeoutError",
     "FencingError",
+    "HistoryStep",
     "IdempotencyConflictError",
     "LeaseLostTooOftenError",
     "NonDeterminismError",
@@ -53,6 +55,7 @@ __all__ = [
     "RunCanceledError",
     "RunFailedError",
     "RunHandle",
+    "RunHistory",
     "RunInfo",
     "RunNotFoundError",
     "RunPage",
