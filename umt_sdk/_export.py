@@ -157,9 +157,10 @@ class RunHistory:
             raise PayloadError(
                 f"{source}: expected JSON Lines text, got {shown(text)}", field=source
             )
+        # Lines end at "\n" only (JSON Lines): U+2028 and the like may stand in a payload.
         return [
-            cls.from_json(line, where=f"{source} line {number}")
-            for number, line in enumerate(text.splitlines(), start=1)
+            cls.from_json(line.removesuffix("\r"), where=f"{source} line {number}")
+            for number, line in enumerate(text.split("\n"), start=1)
             if line.strip()
         ]
 
