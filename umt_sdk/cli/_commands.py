@@ -413,7 +413,7 @@ def cancel(cfg: CliConfig, run_id: UUID, reason: str) -> None:
 
 @cli.group()
 def runs() -> None:
-    """Inspect runs: list, show one, watch them live."""
+    """Inspect runs: list, show one, watch them live, export their histories."""
 
 
 def _task_filter(task: str | None) -> tuple[str | None, int | None]:

@@ -479,4 +479,5 @@ def _input_json(history: RunHistory) -> str:
 
 
 def _as_backend(backend: _ReplayBackend) -> Backend:
+    """The stub as the SPI's `Backend` (where mypy checks that it is one)."""
     return backend
