@@ -18,6 +18,7 @@ from umt_sdk._context import (
     TaskContext,
 )
 from umt_sdk._engine import Engine, RunHandle, connect
+from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ErrorInfo, ExecutionRecord, RunStatus, TaskPair
@@ -57,6 +58,7 @@ __all__ = [
     "ExecutionRecord",
     "FactTimeoutError",
     "FencingError",
+    "HistoryStep",
     "IdempotencyConflictError",
     "LeaseLostTooOftenError",
     "NonDeterminismError",
@@ -67,6 +69,7 @@ __all__ = [
     "RunCanceledError",
     "RunFailedError",
     "RunHandle",
+    "RunHistory",
     "RunInfo",
     "RunNotFoundError",
     "RunPage",

@@ -19,6 +19,7 @@ from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
 from umt_sdk._ids import new_run_id
+from umt_sdk._export import RunHistory, history_of
 from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
 from umt_sdk._spi import (
@@ -303,6 +304,16 @@ class Engine:
         if record is None:
             raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
         return build_run_info(record)
+
+    async def export_history(self, run_id: UUID) -> RunHistory:
+        """The run's recorded history (task, version, input, status, each step record) as a
+        `RunHistory`: `to_json()` gives the documented, versioned line `umt runs export`
+        prints, and `umt_sdk.testing.Replayer` replays it against today's code."""
+        run_id = _check_run_id(run_id, "export_history")
+        record = await self.backend.get_run(run_id)
+        if record is None:
+            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        return history_of(record)
 
     async def list(
         self,

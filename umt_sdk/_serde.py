@@ -499,10 +499,17 @@ def decode(text: str, type_: Any = Any, *, what: str = "payload") -> Any:
         raise _describe(exc, what) from exc
 
 
-def parse_json(text: str | bytes, *, what: str = "payload") -> Any:
-    """Parse JSON text from outside (a file, stdin, a request body) within the payload limits.
+def parse_json(
+    text: str | bytes,
+    *,
+    what: str = "payload",
+    max_depth: int = MAX_DEPTH,
+    max_bytes: int = MAX_BYTES,
+) -> Any:
+    """Parse JSON text from outside (a file, stdin, a request body) within the payload limits
+    (a document that holds payloads, such as an exported history, passes larger ones).
 
-    Never recurses past MAX_DEPTH: the nesting is measured before the parser runs. Raises
+    Never recurses past `max_depth`: the nesting is measured before the parser runs. Raises
     PayloadError (naming `what` and, where it applies, the path, line and column) for text that
     is not UTF-8, not JSON, too big, too deep, or holds what a backend cannot store.
     """
@@ -515,22 +522,22 @@ def parse_json(text: str | bytes, *, what: str = "payload") -> Any:
             ) from None
     if not isinstance(text, str):
         raise TypeError(f"parse_json takes str or bytes, got {type(text).__name__}")
-    if len(text) > MAX_BYTES // 4 and (size := _utf8_size(text)) > MAX_BYTES:
+    if len(text) > max_bytes // 4 and (size := _utf8_size(text)) > max_bytes:
         raise PayloadError(
-            f"{what} is {size:,} bytes of JSON, more than the limit of {MAX_BYTES:,}", field=what
+            f"{what} is {size:,} bytes of JSON, more than the limit of {max_bytes:,}", field=what
         )
-    if text.count("[") + text.count("{") > MAX_DEPTH:
+    if text.count("[") + text.count("{") > max_depth:
         depth = 0
         for match in _NESTING.finditer(text):
             token = match.group()
             if token in ("[", "{"):
                 depth += 1
-                if depth > MAX_DEPTH:
+                if depth > max_depth:
                     at = match.start()
                     line = text.count("\n", 0, at) + 1
                     column = at - text.rfind("\n", 0, at)
                     raise PayloadError(
-                        f"{what} is nested deeper than {MAX_DEPTH} levels (the limit) at line "
+                        f"{what} is nested deeper than {max_depth} levels (the limit) at line "
                         f"{line} column {column}",
                         field=what,
                     )

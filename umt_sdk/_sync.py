@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from umt_sdk._engine import Engine, connect
+from umt_sdk._export import RunHistory
 from umt_sdk._spi import CancelOutcome, Clock, RunStatus
 from umt_sdk._task import Registry, TaskDefinition
 from umt_sdk._views import RunInfo, RunPage
@@ -81,6 +82,9 @@ class SyncEngine:
 
     def get(self, run_id: UUID) -> RunInfo:
         return self._call(self._engine.get(run_id))
+
+    def export_history(self, run_id: UUID) -> RunHistory:
+        return self._call(self._engine.export_history(run_id))
 
     def list(
         self,

@@ -168,7 +168,13 @@ class RunNotFoundError(UmtError, LookupError):
 
 
 class NonDeterminismError(UmtError):
-    """The task's code no longer matches the history recorded for this run."""
+    """The task's code no longer matches the history recorded for this run.
+
+    Raised by an execution when a step's recorded kind differs from what the code asks for,
+    and by `umt_sdk.testing.Replayer` at the first call its history cannot satisfy; then the
+    message is a diff of the recorded steps and today's calls, and `position` (1-based),
+    `recorded` and `current` describe the first one that differs (`"step 'charge'"`,
+    `"sleep 'cool-down'"`, `"fact 'approved'"`, or what stands in for none)."""
 
     def __init__(
         self,
@@ -177,11 +183,19 @@ class NonDeterminismError(UmtError):
         step_name: str = "",
         recorded_kind: str = "",
         current_kind: str = "",
+        run_id: UUID | None = None,
+        position: int | None = None,
+        recorded: str = "",
+        current: str = "",
     ) -> None:
         super().__init__(message)
         self.step_name = step_name
         self.recorded_kind = recorded_kind
         self.current_kind = current_kind
+        self.run_id = run_id
+        self.position = position
+        self.recorded = recorded
+        self.current = current
 
 
 class LeaseLostTooOftenError(UmtError):

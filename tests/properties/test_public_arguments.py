@@ -21,7 +21,7 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -50,6 +50,7 @@ from umt_sdk import (
     Registry,
     RetryPolicy,
     RunHandle,
+    RunHistory,
     StepApi,
     SyncStepApi,
     TaskContext,
@@ -63,7 +64,13 @@ from umt_sdk import (
 )
 from umt_sdk._context import Runner
 from umt_sdk.exceptions import UsageError
-from umt_sdk.testing import FakeClock, freeze_heartbeats, simulate_crash, thaw_heartbeats
+from umt_sdk.testing import (
+    FakeClock,
+    Replayer,
+    freeze_heartbeats,
+    simulate_crash,
+    thaw_heartbeats,
+)
 
 LONGEST = timedelta(days=36_500)
 NOWHERE = "postgresql://nobody@localhost:1/none"
@@ -262,6 +269,15 @@ def _relay(env: Env, **given: Any) -> OutboxRelay:
 
 
 RETRY = either(none, instance(RetryPolicy))
+
+
+def _histories(value: object) -> bool:
+    """What `Replayer.replay_many` takes: an iterable of RunHistory (not text, not a mapping)."""
+    if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        return False
+    return all(isinstance(item, RunHistory) for item in value)
+
+
 RUN_ID = instance(UUID)
 NAME = matching(_NAME)
 SCHEMA = matching(_SCHEMA)
@@ -391,6 +407,7 @@ CASES: list[Case] = [
     Case("Engine.cancel", "run_id", RUN_ID, lambda env, v: env.engine.cancel(v)),
     Case("Engine.cancel", "reason", text(), lambda env, v: env.engine.cancel(uuid4(), reason=v)),
     Case("Engine.get", "run_id", RUN_ID, lambda env, v: env.engine.get(v)),
+    Case("Engine.export_history", "run_id", RUN_ID, lambda env, v: env.engine.export_history(v)),
     Case(
         "Engine.list",
         "task_name",
@@ -574,6 +591,19 @@ CASES: list[Case] = [
     Case("simulate_crash", "worker", nothing, lambda env, v: simulate_crash(v)),
     Case("freeze_heartbeats", "worker", nothing, lambda env, v: freeze_heartbeats(v)),
     Case("thaw_heartbeats", "worker", nothing, lambda env, v: thaw_heartbeats(v)),
+    Case("Replayer", "registry", instance(Registry), lambda env, v: Replayer(v)),
+    Case(
+        "Replayer.replay",
+        "history",
+        instance(RunHistory),
+        lambda env, v: Replayer(Registry([job])).replay(v),
+    ),
+    Case(
+        "Replayer.replay_many",
+        "histories",
+        _histories,
+        lambda env, v: Replayer(Registry([job])).replay_many(v),
+    ),
     Case("MemoryBackend", "clock", instance(FakeClock), lambda env, v: MemoryBackend(clock=v)),
     Case("MemoryStore.put", "table", text(), lambda env, v: env.store.put(v, "k", 1)),
     Case(

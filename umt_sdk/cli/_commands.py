@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 from uuid import UUID
 
@@ -20,6 +20,7 @@ import click
 
 from umt_sdk import _serde
 from umt_sdk._engine import Engine
+from umt_sdk._export import RunHistory
 from umt_sdk._spi import TaskPair
 from umt_sdk.cli._app import (
     _STATUSES,
@@ -414,7 +415,7 @@ def cancel(cfg: CliConfig, run_id: UUID, reason: str) -> None:
 
 @cli.group()
 def runs() -> None:
-    """Inspect runs: list, show one, watch them live."""
+    """Inspect runs: list, show one, watch them live, export their histories."""
 
 
 def _task_filter(task: str | None) -> tuple[str | None, int | None]:
@@ -610,3 +611,142 @@ def runs_watch(
 
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a watch ends
         run(go(), cfg)
+
+
+# -- histories: umt runs export, umt replay ---------------------------------------------------
+
+
+def _statuses(text: str | None) -> list[Any]:
+    if text is None:
+        return []
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    wrong = [item for item in items if item not in _STATUSES]
+    if not items or wrong:
+        raise InputError(
+            f"--status takes a comma-separated list of {', '.join(_STATUSES)}; got {text!r}"
+        )
+    return items
+
+
+def _run_ids(ctx: click.Context, param: click.Parameter, value: Any) -> tuple[UUID, ...]:
+    ids: list[UUID] = []
+    for item in value:
+        parsed = _run_id(ctx, param, item)
+        if parsed is not None:
+            ids.append(parsed)
+    return tuple(ids)
+
+
+def _since(ctx: click.Context, param: click.Parameter, value: Any) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(str(value))
+    except ValueError:
+        raise click.BadParameter(
+            f"expected an ISO 8601 time such as 2025-01-31T12:00:00+00:00, got {value!r}",
+            ctx,
+            param,
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+@runs.command("export")
+@click.argument("run_ids", callback=_run_ids, metavar="[RUN]...", nargs=-1)
+@task_option
+@click.option(
+    "--status",
+    metavar="STATUS,...",
+    help="Only runs with one of these statuses, e.g. running,waiting,pending.",
+)
+@click.option(
+    "--since",
+    callback=_since,
+    metavar="TIME",
+    help="Only runs created at or after this ISO 8601 time (UTC unless it says otherwise).",
+)
+@pass_config
+def runs_export(
+    cfg: CliConfig,
+    run_ids: tuple[UUID, ...],
+    task: str | None,
+    status: str | None,
+    since: datetime | None,
+) -> None:
+    """Print the recorded history of runs as JSON Lines: one `umt.history` object per run.
+
+    Name the runs (RUN...), or select them with --task, --status and --since (every page,
+    newest first). `umt replay --registry app.tasks:registry FILE` checks new code against
+    the file before it ships; docs/testing.md documents the format field by field.
+    """
+    statuses = _statuses(status)
+    if run_ids and (task or statuses or since):
+        raise InputError("give run ids or --task/--status/--since, not both")
+    if not run_ids and not (task or statuses or since):
+        raise InputError(
+            "name the runs to export (umt runs export RUN...) or select them with "
+            "--task NAME[@VERSION], --status running,waiting or --since TIME"
+        )
+    name, version = _task_filter(task)
+
+    async def selected(engine: Engine) -> list[UUID]:
+        found: list[UUID] = []
+        for one in statuses or [None]:
+            cursor: UUID | None = None
+            while True:
+                page = await engine.list(
+                    task_name=name, version=version, status=one, limit=500, before=cursor
+                )
+                runs_ = [r for r in page.runs if since is None or r.created_at >= since]
+                found += [r.run_id for r in runs_]
+                older = since is not None and len(runs_) < len(page.runs)
+                if page.next_cursor is None or older:  # newest first: the rest are older
+                    break
+                cursor = page.next_cursor
+        return sorted(set(found))
+
+    async def go() -> None:
+        async with open_engine(cfg) as engine:
+            for run_id in run_ids or await selected(engine):
+                history = await engine.export_history(run_id)
+                click.echo(history.to_json())
+
+    run(go(), cfg)
+
+
+@cli.command("replay")
+@click.argument("source", metavar="FILE", type=click.File("rb"))
+@click.option(
+    "--registry",
+    "registry_ref",
+    envvar="UMT_REGISTRY",
+    required=True,
+    metavar="MODULE:REGISTRY",
+    help="Today's code: the Registry its histories are replayed against (env UMT_REGISTRY).",
+)
+def replay(source: Any, registry_ref: str) -> None:
+    """Replay the histories in FILE (`-`: stdin), from `umt runs export`, against the tasks of
+    MODULE:REGISTRY, with no database and no side effects: no step body runs.
+
+    Prints one line per run: `ok ...`, or `FAILED ...` with the diff of the recorded steps and
+    what the code asks for now. Exit 0 when every run replays, 1 when any does not (or its
+    task and version is not registered), 2 when FILE is not a history file. Run it in a deploy
+    pipeline on the runs in flight before shipping new code.
+    """
+    from umt_sdk.testing._replay import Replayer  # the test kits load only for this command
+
+    registry = load_registry(registry_ref)
+    name = "stdin" if source.name in ("<stdin>", "-") else str(source.name)
+    try:
+        histories = RunHistory.from_jsonl(source.read(), source=name)
+    except PayloadError as exc:
+        raise InputError(str(exc)) from exc
+    if not histories:
+        raise InputError(f"{name} holds no history: export some with `umt runs export`")
+    results = run(Replayer(registry).replay_many(histories))
+    for result in results:
+        click.echo(result.summary())
+    failed = sum(1 for r in results if not r.ok)
+    if failed:
+        raise CliError(f"{failed} of {len(results)} run(s) no longer replay")
+    click.echo(f"all {len(results)} run(s) replay", err=True)

@@ -1,4 +1,5 @@
-"""Test kits: `FakeClock`, crash and freeze helpers, and the backend contract suite.
+"""Test kits: `FakeClock`, crash and freeze helpers, the `Replayer` (today's code against
+recorded histories) and the backend contract suite.
 
 `BackendContract` is a pytest test class: subclass it in your backend's tests and provide a
 `harness` fixture returning a `BackendHarness` (see `tests/contract/` for the memory and
@@ -15,6 +16,7 @@ from umt_sdk.testing._helpers import (
     simulate_crash,
     thaw_heartbeats,
 )
+from umt_sdk.testing._replay import Replayer, ReplayResult
 
 __all__ = [
     "BackendContract",
@@ -23,6 +25,8 @@ __all__ = [
     "CrashReport",
     "Exploration",
     "FakeClock",
+    "ReplayResult",
+    "Replayer",
     "explore_crashes",
     "freeze_heartbeats",
     "simulate_crash",
