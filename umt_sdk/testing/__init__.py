@@ -1,4 +1,6 @@
-"""Test kits: `FakeClock`, crash and freeze helpers, and the backend contract suite.
+"""Test kits: `FakeClock`, crash and freeze helpers, the backend contract suite, and for
+testing your own tasks `run_inline` and the `assert_enqueued` family (with the pytest plugin's
+fixtures: `umt_engine`, `umt_clock`, `umt_worker`; see docs/testing.md).
 
 `BackendContract` is a pytest test class: subclass it in your backend's tests and provide a
 `harness` fixture returning a `BackendHarness` (see `tests/contract/` for the memory and
@@ -8,18 +10,24 @@ Postgres ones).
 from typing import TYPE_CHECKING
 
 from umt_sdk.testing._clock import FakeClock
+from umt_sdk.testing._enqueued import all_enqueued, assert_enqueued, refute_enqueued
 from umt_sdk.testing._helpers import (
     BackendHarness,
     freeze_heartbeats,
     simulate_crash,
     thaw_heartbeats,
 )
+from umt_sdk.testing._run_inline import run_inline
 
 __all__ = [
     "BackendContract",
     "BackendHarness",
     "FakeClock",
+    "all_enqueued",
+    "assert_enqueued",
     "freeze_heartbeats",
+    "refute_enqueued",
+    "run_inline",
     "simulate_crash",
     "thaw_heartbeats",
 ]
