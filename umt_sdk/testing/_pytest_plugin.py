@@ -106,11 +106,15 @@ def umt_backend(request: pytest.FixtureRequest) -> str:
     """The backend of `umt_engine`: `"memory"` or `"postgres"` (from `--umt-backend`). A test
     pins one with `@pytest.mark.parametrize("umt_backend", ["memory"])`."""
     chosen = getattr(request, "param", None) or request.config.getoption("umt_backend")
+    _check_backend(chosen)
+    return str(chosen)
+
+
+def _check_backend(chosen: object) -> None:
     if chosen not in BACKENDS:
         pytest.fail(
             f"umt_backend must be one of {', '.join(BACKENDS)}, got {chosen!r}", pytrace=False
         )
-    return str(chosen)
 
 
 @pytest.fixture
@@ -163,6 +167,7 @@ async def umt_engine(
     memory: `connect("memory://", clock=umt_clock)`. postgres: a schema of the test's own on
     `umt_database_url`, dropped after the test; real time, so keep sleeps short.
     """
+    _check_backend(umt_backend)  # a value a test parametrized, which bypasses the fixture
     if not isinstance(umt_registry, Registry):
         pytest.fail(
             "the umt_registry fixture must return a umt_sdk.Registry, such as "
