@@ -3,7 +3,12 @@ Postgres (the session's server, as UMT_DATABASE_URL) and on both."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -278,3 +283,42 @@ def test_postgres_without_a_url_is_the_embedded_server(user_project: pytest.Pyte
     result.assert_outcomes(passed=2, deselected=3)
     result.stdout.fnmatch_lines(["*test_enqueue_is_asserted PASSED*"])
     assert (user_project.path / ".umt" / "pg").is_dir()
+
+
+def test_the_example_of_docs_testing_md_passes_on_both_backends(
+    pytester: pytest.Pytester, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UMT_DATABASE_URL", pg_url)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text("utf-8")
+    files = re.findall(r"```python\n# (\S+)\n(.*?)```", page, re.S)
+    assert [name for name, _ in files] == [
+        "myapp/tasks.py",
+        "tests/conftest.py",
+        "tests/test_approvals.py",
+    ]
+    pytester.mkpydir("myapp")
+    pytester.mkdir("tests")
+    for name, body in files:
+        (pytester.path / name).write_text(body, "utf-8")
+    pytester.makeini(INI.format(mode="auto") + "pythonpath = .\n")
+    result = pytester.runpytest("--umt-backend=all", "-v")
+    result.assert_outcomes(passed=5)  # two tests on both backends, one pinned to memory
+
+
+def test_without_pytest_asyncio_the_fixtures_say_what_to_install(pytester: pytest.Pytester) -> None:
+    # A pytest_asyncio that cannot be imported, first on the path (pytest's own import hook
+    # would find the real one past a sys.meta_path blocker).
+    blocked = pytester.mkdir("blocked")
+    (blocked / "pytest_asyncio.py").write_text("raise ImportError('no pytest-asyncio here')\n")
+    pytester.makepyfile(test_sync="def test_it(umt_engine):\n    pass\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:asyncio", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        env={**os.environ, "PYTHONPATH": str(blocked)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout + done.stderr
+    assert "1 error" in done.stdout
+    assert "umt's async fixtures (umt_engine, umt_worker) need pytest-asyncio" in done.stdout

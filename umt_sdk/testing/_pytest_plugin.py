@@ -13,7 +13,6 @@ need pytest-asyncio (auto or strict mode).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, cast
@@ -62,11 +61,11 @@ def _async_fixture(function: F) -> F:
         import pytest_asyncio
     except ImportError:
 
-        @functools.wraps(function)
-        def missing(*args: Any, **kwargs: Any) -> Any:
+        def missing() -> Any:
             pytest.fail(NEEDS_PYTEST_ASYNCIO, pytrace=False)
 
-        return cast(F, pytest.fixture(missing))
+        missing.__doc__ = function.__doc__
+        return cast(F, pytest.fixture(missing, name=function.__name__))
     return cast(F, pytest_asyncio.fixture(function))
 
 
