@@ -6,6 +6,7 @@ It imports without psycopg installed; the driver is loaded when a backend is ope
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -24,6 +25,7 @@ __all__ = [
     "umt_cli_backend",
     "umt_cli_default_url",
     "umt_open_backend",
+    "umt_test_storage",
 ]
 
 _SCHEMES = ("postgresql", "postgres")
@@ -64,6 +66,19 @@ def umt_open_backend(
         return await PostgresBackend.open(url, **options)
 
     return open_backend()
+
+
+@hookimpl
+def umt_test_storage(url: str) -> AbstractAsyncContextManager[Mapping[str, Any]] | None:
+    if urlsplit(url).scheme not in _SCHEMES:
+        return None
+    try:
+        from umt_backend_pg._testing import fresh_schema
+    except ModuleNotFoundError as exc:  # the `pg` extra is not installed
+        if exc.name and exc.name.split(".")[0] in ("psycopg", "psycopg_pool"):
+            raise BackendNotFoundError(NEEDS_PSYCOPG) from exc
+        raise
+    return fresh_schema(url)
 
 
 # The command line: the modules are imported only when `umt` runs.

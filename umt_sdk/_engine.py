@@ -18,8 +18,8 @@ from opentelemetry.trace import TracerProvider
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
-from umt_sdk._ids import new_run_id
 from umt_sdk._export import RunHistory, history_of
+from umt_sdk._ids import new_run_id
 from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
 from umt_sdk._spi import (

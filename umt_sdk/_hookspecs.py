@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 import click
@@ -67,3 +68,10 @@ class BackendHookspecs:
     def umt_cli_default_url(self, options: Mapping[str, Any]) -> str | None:
         """The URL to use when the command line was given none (a local development server,
         say), or None. May start a server, and say so on stderr."""
+
+    @hookspec(firstresult=True)
+    def umt_test_storage(self, url: str) -> AbstractAsyncContextManager[Mapping[str, Any]] | None:
+        """Storage of one test's own under `url`, for the pytest plugin's `umt_engine`: an
+        async context manager that creates it (a fresh schema, say), gives the extra keyword
+        arguments of `connect()` that open it, and removes it on exit. None if the scheme is
+        not yours."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import types
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,6 +75,12 @@ class PluginHost:
     def cli_default_url(self, options: Mapping[str, Any]) -> str | None:
         url: str | None = self._pm.hook.umt_cli_default_url(options=dict(options))
         return url
+
+    def test_storage(self, url: str) -> AbstractAsyncContextManager[Mapping[str, Any]] | None:
+        storage: AbstractAsyncContextManager[Mapping[str, Any]] | None = (
+            self._pm.hook.umt_test_storage(url=url)
+        )
+        return storage
 
     async def open_backend(
         self, url: str, *, clock: Clock | None, options: Mapping[str, Any]

@@ -78,6 +78,8 @@ class RunInfo:
     failures: int
     lease_expirations: int
     error: ErrorInfo | None
+    input_json: str
+    """The input as stored: JSON text of the task's input type."""
     output_json: str | None
     idempotency_key: str | None
     cancel_requested: bool
@@ -99,6 +101,11 @@ class RunInfo:
         """The status as people read it: `running (lease expired)` for a running run whose
         lease lapsed, else `status`."""
         return "running (lease expired)" if self.lease_expired else self.status
+
+    @property
+    def input(self) -> Any:
+        """The input as JSON-ready data (a dict for an attrs or dataclass input)."""
+        return json.loads(self.input_json)
 
     @property
     def output(self) -> Any:
@@ -238,6 +245,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
         failures=record.failures,
         lease_expirations=record.lease_expirations,
         error=record.error,
+        input_json=record.input_json,
         output_json=record.output_json,
         idempotency_key=record.idempotency_key,
         cancel_requested=record.cancel_requested_at is not None,

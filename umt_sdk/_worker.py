@@ -173,6 +173,11 @@ class Worker:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    @property
+    def running(self) -> bool:
+        """Started and not yet stopped: it claims runs."""
+        return bool(self._tasks) and not self._stopping
+
     async def start(self) -> None:
         """Begin claiming and heartbeating."""
         if self._tasks:

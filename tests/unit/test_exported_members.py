@@ -107,3 +107,11 @@ def test_every_exception_is_an_umt_error() -> None:
         cls = getattr(umt_sdk.exceptions, name)
         assert issubclass(cls, umt_sdk.exceptions.UmtError), name
         assert str(cls()), f"{name} needs a default message"
+
+
+def test_the_testing_kit_exports_its_assertions_and_run_inline() -> None:
+    import umt_sdk.testing
+
+    kit = {"all_enqueued", "assert_enqueued", "refute_enqueued", "run_inline"}
+    assert kit <= set(umt_sdk.testing.__all__)
+    assert all(callable(getattr(umt_sdk.testing, name)) for name in kit)

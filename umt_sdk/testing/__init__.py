@@ -1,5 +1,8 @@
-"""Test kits: `FakeClock`, crash and freeze helpers, the `Replayer` (today's code against
-recorded histories) and the backend contract suite.
+"""Test kits: `FakeClock`, crash and freeze helpers, `explore_crashes` (a task crashed at every
+point it passes), the `Replayer` (today's code against recorded histories), the backend
+contract suite, and for testing your own tasks `run_inline` and the `assert_enqueued` family
+(with the pytest plugin's fixtures: `umt_engine`, `umt_clock`, `umt_worker`; see
+docs/testing.md).
 
 `BackendContract` is a pytest test class: subclass it in your backend's tests and provide a
 `harness` fixture returning a `BackendHarness` (see `tests/contract/` for the memory and
@@ -9,6 +12,7 @@ Postgres ones).
 from typing import TYPE_CHECKING
 
 from umt_sdk.testing._clock import FakeClock
+from umt_sdk.testing._enqueued import all_enqueued, assert_enqueued, refute_enqueued
 from umt_sdk.testing._explorer import CrashPoint, CrashReport, Exploration, explore_crashes
 from umt_sdk.testing._helpers import (
     BackendHarness,
@@ -17,6 +21,7 @@ from umt_sdk.testing._helpers import (
     thaw_heartbeats,
 )
 from umt_sdk.testing._replay import Replayer, ReplayResult
+from umt_sdk.testing._run_inline import run_inline
 
 __all__ = [
     "BackendContract",
@@ -27,8 +32,12 @@ __all__ = [
     "FakeClock",
     "ReplayResult",
     "Replayer",
+    "all_enqueued",
+    "assert_enqueued",
     "explore_crashes",
     "freeze_heartbeats",
+    "refute_enqueued",
+    "run_inline",
     "simulate_crash",
     "thaw_heartbeats",
 ]

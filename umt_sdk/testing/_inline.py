@@ -17,7 +17,7 @@ from uuid import UUID
 
 from umt_sdk._engine import Engine
 from umt_sdk._execution import Execution
-from umt_sdk._spi import TERMINAL_STATUSES, ControllableClock, RunQuery, RunRecord
+from umt_sdk._spi import TERMINAL_STATUSES, ControllableClock, RunQuery, RunRecord, TaskPair
 from umt_sdk.exceptions import RunNotFoundError, UsageError
 
 __all__ = ["Facts", "drive"]
@@ -30,6 +30,8 @@ _NO_FACT = object()
 
 INLINE_WORKER = "umt-inline"
 INLINE_LEASE = timedelta(seconds=30)
+_REAL_CLOCK_RETRY = 0.05
+"""Seconds between claims of a run that is due on a real clock but not claimed yet."""
 
 
 def _fact(facts: Facts | None, name: str) -> Any:
@@ -111,6 +113,12 @@ async def drive(
             )
         now = controls.now() if controls is not None else head.observed_at or due
         if due <= now and head.status != "running":
+            pair = TaskPair(name=head.task_name, version=head.task_version)
+            if controls is None and pair in engine.registry.pairs():
+                # A backend may find due timers on its own schedule (Postgres reads them about
+                # once a second): the claim takes the run soon.
+                await asyncio.sleep(_REAL_CLOCK_RETRY)
+                continue
             raise UsageError(
                 f"run {run_id} of {head.task_name}@{head.task_version} is due but nothing "
                 "claims it: register that task (and version) in the engine's registry",
