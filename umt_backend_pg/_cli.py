@@ -9,6 +9,7 @@ Imports without psycopg; commands that need it say how to install it.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,13 @@ data_dir_option = click.option(
 )
 
 
+def _db_command(verb: str, data_dir: Path) -> str:
+    """`umt db VERB` for `data_dir`, as a hint to type (`--data-dir` unless the default)."""
+    if data_dir == Path(DEFAULT_DATA_DIR):
+        return f"umt db {verb}"
+    return shlex.join(["umt", "db", verb, "--data-dir", str(data_dir)])
+
+
 def _embedded() -> Any:
     try:
         from umt_backend_pg import _embedded
@@ -215,7 +223,10 @@ def db_start(data_dir: Path) -> None:
     except RuntimeError as exc:
         raise CliError(_first_line(exc)) from exc
     click.echo(url)
-    click.echo(f"the embedded Postgres in {data_dir} runs until `umt db stop`", err=True)
+    click.echo(
+        f"the embedded Postgres in {data_dir} runs until `{_db_command('stop', data_dir)}`",
+        err=True,
+    )
 
 
 @db.command("stop")
@@ -240,7 +251,8 @@ def db_url(data_dir: Path) -> None:
     url = _embedded().running_url(data_dir)
     if url is None:
         raise CliError(
-            f"no embedded Postgres is running in {data_dir}; start it with `umt db start`"
+            f"no embedded Postgres is running in {data_dir}; start it with "
+            f"`{_db_command('start', data_dir)}`"
         )
     click.echo(url)
 

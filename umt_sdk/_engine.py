@@ -206,16 +206,25 @@ class Engine:
                 trace_context=self.telemetry.inject(),
             )
             result = await self.backend.enqueue(new, conn=conn)
+            # On the caller's transaction the run exists only if that commits, which the SDK
+            # never sees: such an enqueue is counted and traced as a request, not as a run.
+            transaction = "own" if conn is None else "caller"
+            span.set_attribute("umt.enqueue.transaction", transaction)
             span.set_attribute("umt.run.id", str(result.run_id))
             span.set_attribute("messaging.message.id", str(result.run_id))
-            span.set_attribute("umt.run.created", result.created)
+            span.set_attribute(
+                "umt.run.created" if conn is None else "umt.run.created_if_committed",
+                result.created,
+            )
+            task_attributes = Telemetry.task_attributes(definition.name, definition.version)
+            self.telemetry.enqueue_requests.add(
+                1, {**task_attributes, "umt.enqueue.transaction": transaction}
+            )
             if not result.created:
                 self._check_key_input(result, new)
                 await self._check_key_version(result, definition, idempotency_key)
-        if result.created:
-            self.telemetry.runs_enqueued.add(
-                1, Telemetry.task_attributes(definition.name, definition.version)
-            )
+        if result.created and conn is None:
+            self.telemetry.runs_enqueued.add(1, task_attributes)
         return RunHandle(
             run_id=result.run_id,
             task_name=definition.name,

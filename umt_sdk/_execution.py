@@ -208,7 +208,6 @@ class Execution:
             return  # it handed the run back while the heartbeat was on its way
         if run_id in result.lost:
             _log.warning("lost the lease of run %s; stopping its execution", run_id)
-            self.telemetry.lease_lost()
             self.abort("lease_lost", _ANOTHER_HOLDS)
         elif run_id in result.cancel_requested:
             # The one place a cancel takes effect: the backend read it from what is stored,
@@ -226,7 +225,6 @@ class Execution:
             "stopping its execution (another worker takes the run over)",
             self.claimed.run_id,
         )
-        self.telemetry.lease_lost()
         self.abort("lease_lost", "lease expired: the backend did not answer in time")
 
     # -- time and signals -------------------------------------------------------------------
@@ -249,7 +247,7 @@ class Execution:
         if kind == "cancel":
             self.telemetry.event("umt.cancel_requested", **{"umt.cancel.reason": reason})
         elif kind == "lease_lost":
-            self.telemetry.event("umt.lease_lost", **{"umt.reason": reason})
+            self.telemetry.lease_lost(reason)
         if self.aborts.stopped and self.task is not None:
             self.loop.call_soon_threadsafe(self.task.cancel)
 
@@ -392,7 +390,7 @@ class Execution:
                 try:
                     await self._execute()
                 except Suspend:
-                    self.telemetry.outcome("parked")
+                    self.telemetry.parked()
                 except (Stop, SimulatedCrash):
                     self.telemetry.outcome("stopped")
                 except asyncio.CancelledError:

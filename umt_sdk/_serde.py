@@ -44,6 +44,7 @@ __all__ = [
     "dumps",
     "encode",
     "encode_input",
+    "encode_payload",
     "encode_output",
     "from_raw",
     "input_hash",
@@ -448,6 +449,14 @@ def encode(value: Any, type_: Any = Any, *, what: str = "payload") -> str:
     except (TypeError, ValueError) as exc:
         raise _unsupported(exc, raw, what) from exc
     return _checked(text, raw, what)
+
+
+def encode_payload(value: Any, *, what: str) -> str:
+    """The JSON text of a payload that has no declared type yet (a run's input in its JSON
+    form, as an outbox row holds it), checked as `enqueue` checks an input of type `Any`:
+    `PayloadError` naming the path (`payload.items[3]`) of what cannot be stored (a NUL, a
+    lone surrogate, a value JSON has no form for, too deep, too big). None is JSON null."""
+    return encode(value, what=what)
 
 
 def decodes_to_itself(value: Any, type_: Any) -> bool:

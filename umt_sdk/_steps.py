@@ -41,7 +41,7 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
 )
-from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
+from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
 from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
@@ -249,10 +249,24 @@ class Steps:
         attempt = (last.attempt + 1) if last is not None else 1
         self._host.check_before_step()
         self._host.go_live()
-        with self._telemetry.step(full, attempt):
-            return await self._execute_step(call, full, attempt)
+        with self._telemetry.step(full, attempt) as step_trace:
+            try:
+                return await self._execute_step(call, full, attempt, step_trace)
+            except Stop:  # a write refused or given up (`guard`): the lease is lost, or a crash
+                step_trace.ended(self._stop_outcome())
+                raise
+            finally:
+                # Only now: a refused write of its record still names the step.
+                self.current_step = self.current_step_started_at = None
 
-    async def _execute_step(self, call: StepCall, full: str, attempt: int) -> Any:
+    def _stop_outcome(self) -> str:
+        """How a step cut off by a stop ended: its lease was lost, or the process is going
+        away (a crash)."""
+        return "lease_lost" if self._host.aborts.kind == "lease_lost" else "interrupted"
+
+    async def _execute_step(
+        self, call: StepCall, full: str, attempt: int, step_trace: StepTrace
+    ) -> Any:
         fn = call.fn
         _probe.reach(self._host.aborts, "step.before", full, attempt=attempt)
         started = self._host.now()
@@ -271,17 +285,22 @@ class Steps:
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
             verdict = self._host.aborts.classify(exc, cancelled_by_worker=_cancelled_by_worker())
             if verdict in (Verdict.SUSPEND, Verdict.STOP):
+                if verdict is Verdict.STOP:
+                    step_trace.ended(self._stop_outcome())
                 if isinstance(exc, (Stop, Suspend, asyncio.CancelledError, SimulatedCrash)):
                     raise
                 raise Stop from None
             if verdict is Verdict.FENCED:
+                step_trace.ended("lease_lost")
                 self._host.fenced()
                 raise Stop from None
             if verdict is Verdict.RELEASE:
+                step_trace.ended("released")
                 raise Release from None
             if verdict is Verdict.CANCEL and isinstance(
                 exc, (CanceledError, asyncio.CancelledError)
             ):
+                step_trace.ended("canceled")
                 self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
             # A failure of the step's code (while canceling: recorded, never retried).
@@ -303,17 +322,16 @@ class Steps:
                 try:
                     await self._host.park(outcome="retrying", step=record, available_at=retry_at)
                 except CanceledError:
+                    step_trace.failed(exc, "canceled")
                     self.canceled_step = (full, started)
                     raise
-                self._telemetry.event(
-                    "umt.step.retry_scheduled",
-                    **{
-                        "umt.step.name": full,
-                        "umt.step.attempt": attempt,
-                        "umt.retry_at": retry_at.isoformat(),
-                    },
-                )
+                except BaseException:
+                    step_trace.failed(exc, self._stop_outcome())
+                    raise
+                step_trace.failed(exc, "retrying")
+                self._telemetry.retry_scheduled(full, attempt, retry_at.isoformat(), exc)
                 raise Suspend from None
+            step_trace.failed(exc, "failed")
             record = self._step_record(
                 full,
                 "step",
@@ -325,8 +343,6 @@ class Steps:
             )
             await self._record(record)
             raise _step_failed(full, info) from exc
-        finally:
-            self.current_step = self.current_step_started_at = None
         try:
             # The value every replay decodes is the one this execution returns too.
             output_json, value = _serde.encode_output(
@@ -334,6 +350,7 @@ class Steps:
             )
         except PayloadError as exc:
             # Deterministic: the same body would return the same value, so no retry.
+            step_trace.failed(exc, "failed")
             info = error_info(exc)
             await self._record(
                 self._step_record(

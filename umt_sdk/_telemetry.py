@@ -5,10 +5,17 @@ execution of the run opens a CONSUMER span that is a *child* of that stored cont
 executions of a run, days apart or not, belong to the enqueuer's trace and `ctx.trace_id` is
 that trace's id. Each step that really executes is a child span of its execution; a replayed
 step is only an event on the execution span, so traces stay honest across resumes.
+
+One rule for span status: a failure of the user's code (a step's or a handler's exception) is
+ERROR with an `exception` event, whether or not it will be retried; a cancel, a release, a lost
+lease or a crash is not an error (status UNSET) and the outcome attribute says which it was.
+Every metric and attribute is listed, with its meaning and the process that emits it, in
+docs/operations.md ("Telemetry").
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -22,8 +29,9 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from umt_sdk._error_info import error_info, printed
 from umt_sdk._spi import ClaimedRun, StepRecord, TaskPair
+from umt_sdk.exceptions import CanceledError
 
-__all__ = ["ExecutionTelemetry", "Telemetry"]
+__all__ = ["ExecutionTelemetry", "StepTrace", "Telemetry"]
 
 _SYSTEM = "umt"
 
@@ -39,8 +47,18 @@ class Telemetry:
     ) -> None:
         self.tracer = trace.get_tracer("umt", tracer_provider=tracer_provider)
         meter = metrics.get_meter("umt", meter_provider=meter_provider)
+        # Only a commit the SDK made itself is known to have happened: an enqueue on the
+        # caller's transaction (`conn=`) is a request, counted as such and not as a run.
         self.runs_enqueued = meter.create_counter(
-            "umt.runs.enqueued", unit="{run}", description="Runs created by enqueue"
+            "umt.runs.enqueued",
+            unit="{run}",
+            description="Runs created and committed by enqueue in its own transaction",
+        )
+        self.enqueue_requests = meter.create_counter(
+            "umt.enqueue.requests",
+            unit="{request}",
+            description="Enqueue calls the backend answered, in the SDK's own transaction or "
+            "the caller's (umt.enqueue.transaction)",
         )
         self.runs_started = meter.create_counter(
             "umt.runs.started", unit="{execution}", description="Executions started by workers"
@@ -55,7 +73,14 @@ class Telemetry:
             "umt.claim.latency", unit="s", description="Time from a run's available_at to its claim"
         )
         self.lease_expirations = meter.create_counter(
-            "umt.lease.expirations", unit="{lease}", description="Leases this process lost"
+            "umt.lease.expirations",
+            unit="{lease}",
+            description="Expired leases taken over by this process's claims",
+        )
+        self.leases_lost = meter.create_counter(
+            "umt.lease.lost",
+            unit="{execution}",
+            description="Executions this process stopped because it found their lease lost",
         )
         self.fencing_rejections = meter.create_counter(
             "umt.fencing.rejections", unit="{write}", description="Writes refused by fencing"
@@ -176,6 +201,7 @@ class ExecutionTelemetry:
         self.trace_id = (
             format(span_context.trace_id, "032x") if span_context.is_valid else _trace_id(claimed)
         )
+        self._retry_error: BaseException | None = None
 
     def event(self, name: str, **attributes: Any) -> None:
         """An event on the execution span (attributes that are None are left out)."""
@@ -191,11 +217,17 @@ class ExecutionTelemetry:
                 max(0.0, (claimed.claimed_at - claimed.ready_at).total_seconds()),
                 self.task_attributes,
             )
+        if claimed.lost_leases > 0:
+            # This claim took over a lease that expired: the one place an expiration is seen
+            # by a live process (its holder may be dead, as after a `kill -9`).
+            self._telemetry.lease_expirations.add(1, self.task_attributes)
+            self.event("umt.lease_taken_over", **{"umt.lease.lost_since_step": claimed.lost_leases})
         with trace.use_span(self.span, end_on_exit=True):
             yield
 
     def outcome(self, outcome: str, error: BaseException | None = None) -> None:
-        """How the execution ended: the span's `umt.outcome`, and the run counters."""
+        """How the execution ended: the span's `umt.outcome`, and the run counters. An error of
+        the user's code makes the span ERROR (a cancel itself is no error)."""
         self.span.set_attribute("umt.outcome", outcome)
         counter = {
             "completed": self._telemetry.runs_completed,
@@ -204,19 +236,46 @@ class ExecutionTelemetry:
         }.get(outcome)
         if counter is not None:
             counter.add(1, self.task_attributes)
-        if error is not None and outcome in ("failed", "retrying"):
+        if error is not None and not _is_cancel(error):
             Telemetry.fail(self.span, error)
-        elif error is not None:
-            Telemetry.record_exception(self.span, error)
+
+    def parked(self) -> None:
+        """The execution parked the run: `retrying` when a step's failure scheduled a retry
+        (the span already carries that failure), else `parked` (a sleep, a fact wait)."""
+        self.outcome("retrying" if self._retry_error is not None else "parked")
+
+    def retry_scheduled(
+        self, step_name: str, attempt: int, retry_at: str, error: BaseException
+    ) -> None:
+        """A step's failure parked the run until its retry: the event names the error, and
+        the execution span is ERROR as when the handler's own failure is retried."""
+        info = error_info(error)
+        self.event(
+            "umt.step.retry_scheduled",
+            **{
+                "umt.step.name": step_name,
+                "umt.step.attempt": attempt,
+                "umt.retry_at": retry_at,
+                "exception.type": info.type,
+                "exception.message": info.message,
+            },
+        )
+        self._retry_error = error
+        Telemetry.fail(self.span, error)
 
     def fenced(self, step_name: str | None) -> None:
         """A write of this execution was refused: another attempt holds the run."""
-        self._telemetry.fencing_rejections.add(1, self.attributes)
+        self._telemetry.fencing_rejections.add(1, self.task_attributes)
         self.event("umt.fencing_rejected", **{"umt.step.name": step_name})
 
-    def lease_lost(self) -> None:
-        """The worker saw this execution's lease lost (its heartbeat was refused)."""
-        self._telemetry.lease_expirations.add(1, self.attributes)
+    def lease_lost(self, reason: str) -> None:
+        """This execution stops because its lease is lost (a refused heartbeat or write, or a
+        lease that ran out before a heartbeat renewed it). Counted here, once per execution,
+        as `umt.lease.lost`; the expiration itself is counted by the claim that takes the run
+        over (`umt.lease.expirations`), in whichever process makes it, so a frozen worker
+        that wakes up does not count it a second time and a killed one is not left out."""
+        self._telemetry.leases_lost.add(1, self.task_attributes)
+        self.event("umt.lease_lost", **{"umt.reason": reason})
 
     def replayed(self, record: StepRecord) -> None:
         self.event(
@@ -229,10 +288,11 @@ class ExecutionTelemetry:
         )
 
     @contextmanager
-    def step(self, name: str, attempt: int) -> Iterator[None]:
-        """A step that really executes: a child span, its outcome, and its duration. Control
-        flow that unwinds through it (a park, a release, a crash) names its own outcome in a
-        `step_outcome` attribute; anything else without one reads `interrupted`."""
+    def step(self, name: str, attempt: int) -> Iterator[StepTrace]:
+        """A step that really executes: a child span, its outcome, and its duration. The step
+        says how it ended on the `StepTrace` it is given; an exception that unwinds through
+        without one is a failure if it is an `Exception`, else control flow that names its own
+        outcome in a `step_outcome` attribute (a release), or `interrupted` (a crash)."""
         started = time.monotonic()
         with self._telemetry.tracer.start_as_current_span(
             f"umt.step {name}",
@@ -245,17 +305,15 @@ class ExecutionTelemetry:
             record_exception=False,
             set_status_on_exception=False,
         ) as span:
+            step_trace = StepTrace(span)
             try:
-                yield
-                span.set_attribute("umt.step.outcome", "completed")
+                yield step_trace
+                step_trace.ended("completed")
             except BaseException as exc:
                 if isinstance(exc, Exception):
-                    span.set_attribute("umt.step.outcome", "failed")
-                    Telemetry.fail(span, exc)
+                    step_trace.failed(exc, "failed")
                 else:
-                    span.set_attribute(
-                        "umt.step.outcome", getattr(exc, "step_outcome", "interrupted")
-                    )
+                    step_trace.ended(getattr(exc, "step_outcome", "interrupted"))
                 raise
             finally:
                 self._telemetry.step_duration.record(
@@ -267,6 +325,34 @@ class ExecutionTelemetry:
         """The id of the current span (a step's, else the execution's), for log records."""
         span_context = trace.get_current_span().get_span_context()
         return format(span_context.span_id, "016x") if span_context.is_valid else None
+
+
+class StepTrace:
+    """How one executed step ended, said once by the step (the first word stands)."""
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+        self.outcome: str | None = None
+
+    def failed(self, error: BaseException, outcome: str) -> None:
+        """The step's code failed: ERROR with its exception, whatever happens next (`failed`,
+        `retrying`, or `canceled` when a cancel keeps it from being retried)."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self._span.set_attribute("umt.step.outcome", outcome)
+            Telemetry.fail(self._span, error)
+
+    def ended(self, outcome: str) -> None:
+        """The step ended without a failure of its code: `completed`, or cut off by a cancel,
+        a release, a lost lease or a crash (`canceled`, `released`, `lease_lost`,
+        `interrupted`): status UNSET."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self._span.set_attribute("umt.step.outcome", outcome)
+
+
+def _is_cancel(error: BaseException) -> bool:
+    return isinstance(error, CanceledError | asyncio.CancelledError)
 
 
 def _trace_id(claimed: ClaimedRun) -> str:

@@ -1,5 +1,6 @@
 """The face for backend authors: the SPI protocol, its records, `hookimpl`, and the one rule
-of what a backend cannot store (`unstorable_reason`, `unstorable_json_reason`).
+of what a backend cannot store (`unstorable_reason`, `unstorable_json_reason`), and the SDK's
+encoding of an untyped payload (`encode_payload`).
 
 A backend package provides a plugin module registered under the `umt` entry-point group that
 implements `umt_backend_schemes` and `umt_open_backend` (see `BackendHookspecs`), and a class
@@ -9,7 +10,7 @@ satisfying `Backend`. Run `umt_sdk.testing.BackendContract` against it.
 from umt_sdk._clock import SystemClock
 from umt_sdk._engine import new_run_id
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
-from umt_sdk._serde import unstorable_json_reason, unstorable_reason
+from umt_sdk._serde import encode_payload, unstorable_json_reason, unstorable_reason
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
     Backend,
@@ -72,6 +73,7 @@ __all__ = [
     "SystemClock",
     "TERMINAL_STATUSES",
     "TaskPair",
+    "encode_payload",
     "hookimpl",
     "new_run_id",
     "unstorable_json_reason",

@@ -152,7 +152,11 @@ async def test_span_tree_across_crash_sleep_and_fact() -> None:
             for e in span.events
         ]
 
-    assert events(runs[1]) == [("umt.step.replayed", "a"), ("umt.sleep", "nap")]
+    assert events(runs[1]) == [
+        ("umt.lease_taken_over", None),  # the crashed execution's lease, taken over
+        ("umt.step.replayed", "a"),
+        ("umt.sleep", "nap"),
+    ]
     assert events(runs[2]) == [
         ("umt.step.replayed", "a"),
         ("umt.step.replayed", "b"),
@@ -181,6 +185,7 @@ async def test_span_tree_across_crash_sleep_and_fact() -> None:
     assert sum(p.value for p in metrics["umt.runs.completed"].data.data_points) == 1
     assert sum(p.count for p in metrics["umt.step.duration"].data.data_points) == 3
     assert sum(p.count for p in metrics["umt.claim.latency"].data.data_points) == 4
+    assert sum(p.value for p in metrics["umt.lease.expirations"].data.data_points) == 1
 
 
 @task("failing", version=1)

@@ -12,7 +12,8 @@ from psycopg.types.json import Jsonb
 
 from umt_backend_pg._args import refuse, text
 from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
-from umt_sdk.exceptions import UsageError
+from umt_sdk.backend import encode_payload, unstorable_reason
+from umt_sdk.exceptions import PayloadError, UsageError
 
 __all__ = ["channel_name", "insert_outbox_event", "install_outbox", "outbox_ddl", "outbox_sql"]
 
@@ -92,15 +93,24 @@ async def insert_outbox_event(
 ) -> int:
     """Insert an outbox row on `conn` (inside your business transaction) and return its id.
 
+    `payload` becomes the run's input (in its JSON form) when the relay dispatches the row. It
+    is checked here as `enqueue` checks an input, before anything reaches Postgres: a value
+    that cannot be stored (a NUL, a lone surrogate, something JSON has no form for) raises
+    `PayloadError` naming its path (`payload.items[0]`). None is stored as JSON null, not as
+    `{}`: the run gets None, and a task whose input type refuses it fails the dispatch.
+
     The current trace context (W3C headers), if any, is stored with the row: the relay's
     dispatch span links to it.
     """
     where = "insert_outbox_event()"
     text(type, "type", where=where, expected="an event type (a non-empty string)")
+    _storable(type, "type")
     if payload is not None and not isinstance(payload, Mapping):
         refuse("payload", "a mapping (a dict) or None", payload, where=where)
     if idempotency_key is not None:
         text(idempotency_key, "idempotency_key", where=where, expected="a non-empty string or None")
+        _storable(idempotency_key, "idempotency_key")
+    payload_json = encode_payload(None if payload is None else dict(payload), what="payload")
     query = outbox_sql("insert_event", schema, table)  # checks the names
     if not isinstance(conn, psycopg.AsyncConnection):
         refuse("conn", "a psycopg.AsyncConnection (your business transaction's)", conn, where=where)
@@ -110,7 +120,7 @@ async def insert_outbox_event(
         query,
         {
             "type": type,
-            "payload": Jsonb(dict(payload or {})),
+            "payload": Jsonb(payload_json, dumps=_as_is),  # JSON text already
             "idempotency_key": idempotency_key,
             "trace_context": Jsonb(carrier) if carrier else None,
         },
@@ -119,3 +129,16 @@ async def insert_outbox_event(
     assert row is not None
     event_id: int = row[0]
     return event_id
+
+
+def _as_is(text: str) -> str:
+    return text
+
+
+def _storable(value: str, argument: str) -> None:
+    """Text Postgres can store (as `enqueue` checks a key): else `PayloadError` naming it."""
+    problem = unstorable_reason(value)
+    if problem is not None:
+        raise PayloadError(
+            f"insert_outbox_event(): {argument} cannot be stored: it {problem}", field=argument
+        )

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import os
 import re
+import shlex
 import sys
 import traceback
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
@@ -54,6 +55,7 @@ __all__ = [
     "pass_config",
     "redact_url",
     "run",
+    "typed_command",
 ]
 
 T = TypeVar("T")
@@ -232,6 +234,31 @@ def _scrub(text: str, secrets: Sequence[str]) -> str:
     for secret in secrets:
         text = text.replace(secret, "***")
     return text
+
+
+def typed_command(ctx: click.Context, *words: str) -> tuple[str, bool]:
+    """`umt WORDS` as a command to type again (a hint): with the global options this command
+    was given on its command line (`--schema`, ...), shell-quoted. A `--database-url` holding a
+    password is left out (never printed): the second value says so, and the hint must say
+    that it needs it."""
+    root = ctx.find_root()
+    parts = ["umt"]
+    left_out = False
+    for param in root.command.params:
+        name = param.name
+        if not isinstance(param, click.Option) or name is None:
+            continue
+        if root.get_parameter_source(name) is not click.core.ParameterSource.COMMANDLINE:
+            continue  # a default, or the environment, which the typed command also gets
+        value = root.params.get(name)
+        if param.is_flag:
+            parts += [param.opts[0]] if value else []
+        elif value is not None:
+            if name == "database_url" and _secrets(str(value)):
+                left_out = True
+                continue
+            parts += [param.opts[0], str(value)]
+    return shlex.join([*parts, *words]), left_out
 
 
 def _first_line(exc: BaseException) -> str:

@@ -37,6 +37,7 @@ from umt_sdk.cli._app import (
     pass_config,
     redact_url,
     run,
+    typed_command,
 )
 from umt_sdk.cli._render import (
     ChildTree,
@@ -452,9 +453,11 @@ def _limit_option(default: int) -> Callable[[Callable[..., Any]], Callable[..., 
     "--before", callback=_run_id, metavar="RUN", help="Runs older than this one (paging)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one array).")
+@click.pass_context
 @pass_config
 def runs_list(
     cfg: CliConfig,
+    ctx: click.Context,
     task: str | None,
     status: Any,
     limit: int,
@@ -477,9 +480,22 @@ def runs_list(
             return
         click.echo(_list_text(page.runs))
         if page.next_cursor is not None:
-            click.echo(f"(more: umt runs list --before {page.next_cursor})", err=True)
+            click.echo(
+                f"(more: {_next_page(ctx, task, status, limit, page.next_cursor)})", err=True
+            )
 
     run(go(), cfg)
+
+
+def _next_page(
+    ctx: click.Context, task: str | None, status: str | None, limit: int, cursor: UUID
+) -> str:
+    """The command that lists the next page: every filter of this one repeated."""
+    words = ["runs", "list"]
+    words += ["--task", task] if task is not None else []
+    words += ["--status", status] if status is not None else []
+    command, left_out = typed_command(ctx, *words, "--limit", str(limit), "--before", str(cursor))
+    return f"{command}, with your --database-url" if left_out else command
 
 
 @runs.command("show")

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -381,7 +382,7 @@ def test_runs_list_filters_and_pages(umt: Umt) -> None:
     assert ids("--status", "canceled") == [third]
     assert ids("--status", "completed") == []
     page = umt.ok("runs", "list", "--limit", "1")
-    assert f"more: umt runs list --before {third}" in page.stderr
+    assert f"runs list --limit 1 --before {third})" in page.stderr  # followed: test_cli_hints
     assert ids("--limit", "1", "--before", third) == [second]
     bad = umt("runs", "list", "--status", "done")
     assert bad.exit_code == 2
@@ -694,8 +695,13 @@ def test_db_start_keeps_a_server_that_outlives_the_cli(scratch_dir: Path) -> Non
         assert down.returncode == 1
         assert "no embedded Postgres is running" in down.stderr
 
-        started = umt_in_tmp("db", "start", "--data-dir", str(data))
+        # Its hint is the command that starts this server (its --data-dir included).
+        start_hint = shlex.split(_quoted_command(down.stderr))
+        assert start_hint == ["umt", "db", "start", "--data-dir", str(data)]
+        started = umt_in_tmp(*start_hint[1:])
         assert started.returncode == 0, started.stderr
+        stop_hint = shlex.split(_quoted_command(started.stderr))
+        assert stop_hint == ["umt", "db", "stop", "--data-dir", str(data)]
         url = started.stdout.strip()
         assert url.startswith("postgresql://")
         # The CLI process has exited; the server is still there.
@@ -718,7 +724,7 @@ def test_db_start_keeps_a_server_that_outlives_the_cli(scratch_dir: Path) -> Non
         assert attach.stdout.strip() == url, attach.stderr
         assert umt_in_tmp("db", "url", "--data-dir", str(data)).returncode == 0
 
-        stopped = umt_in_tmp("db", "stop", "--data-dir", str(data))
+        stopped = umt_in_tmp(*stop_hint[1:])  # the hint `db start` printed
         assert stopped.returncode == 0, stopped.stderr
         assert "stopped the embedded Postgres" in stopped.stdout
         assert umt_in_tmp("db", "url", "--data-dir", str(data)).returncode == 1
@@ -729,6 +735,12 @@ def test_db_start_keeps_a_server_that_outlives_the_cli(scratch_dir: Path) -> Non
         assert "no embedded Postgres is running" in idle.stdout
     finally:
         umt_in_tmp("db", "stop", "--data-dir", str(data))
+
+
+def _quoted_command(text: str) -> str:
+    """The command a message quotes in backticks (`umt ...`)."""
+    start = text.index("`umt ") + 1
+    return text[start : text.index("`", start)]
 
 
 def test_without_a_database_url_the_cli_uses_the_embedded_postgres(scratch_dir: Path) -> None:

@@ -339,6 +339,13 @@ async def test_a_span_per_row_links_the_writer_and_parents_the_enqueue(
     assert [link.context.span_id for link in first.links] == [writer.get_span_context().span_id]
     assert first.context.trace_id != writer.get_span_context().trace_id, "linked, not parented"
     assert dispatch[untraced].links == ()
+    attributes = dict(first.attributes or {})
+    assert attributes["umt.outbox.event.type"] == "item"
+    assert attributes["umt.outbox.attempt"] == 1
+    assert attributes["umt.outbox.idempotency_key"] == relay.default_key(traced)
+    assert attributes["umt.outbox.same_database"] is True  # the engine's schema is here
+    assert attributes["umt.outbox.outcome"] == "dispatched"
+    assert attributes["umt.run.created"] is True
     assert dispatch[unknown].status.status_code == StatusCode.ERROR
     assert dispatch[unknown].attributes["umt.outbox.outcome"] == "dead"
     enqueues = [s for s in spans if s.name == "umt.enqueue process_item"]
