@@ -7,11 +7,12 @@ import logging
 import warnings
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar, overload
 from uuid import UUID
 
 from umt_sdk._abort import Aborts, AbortState, Release
+from umt_sdk._cron import tick_of_key
 from umt_sdk._names import check_run_arguments, check_sleep_arguments, check_wait_arguments
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
@@ -229,6 +230,12 @@ class _BaseContext(Generic[I]):
     def attempt_token(self) -> int:
         """This execution's fencing token: new and larger for every execution of the handler."""
         return self._execution.claimed.fencing_token
+
+    @property
+    def scheduled_at(self) -> datetime | None:
+        """The tick (UTC) a schedule started this run for; None for a run no schedule
+        started. The same on every execution of the run: read from its idempotency key."""
+        return tick_of_key(self._execution.claimed.idempotency_key)
 
     @property
     def trace_id(self) -> str:
