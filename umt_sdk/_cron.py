@@ -102,8 +102,13 @@ class CronSpec:
         return check_timezone(self.timezone)
 
     def _walk(self, start: datetime, *, reverse: bool = False) -> Iterator[datetime]:
+        # Strictly after `start` (before, in reverse), compared as instants: a start in the
+        # repeated hour of a fall-back (fold=1) can make cronsim hand back the first
+        # occurrence of a wall time, an hour before the start.
         for tick in CronSim(self.expression, start.astimezone(self.zone), reverse=reverse):
-            yield tick.astimezone(UTC)
+            moment = tick.astimezone(UTC)
+            if (moment < start) if reverse else (moment > start):
+                yield moment
 
     def walk_from(self, moment: datetime) -> Iterator[datetime]:
         """The ticks at `moment` or later, oldest first."""
@@ -120,7 +125,14 @@ class CronSpec:
 
     def last_at_or_before(self, moment: datetime) -> datetime:
         """The latest tick at `moment` or earlier."""
-        return next(self._walk(moment.replace(microsecond=0) + _SECOND, reverse=True))
+        # cronsim walks back by wall time, so from the repeated hour of a fall-back it can
+        # step over a tick (02:30 CEST is before 02:05 CET): walk forward again from there.
+        latest = next(self._walk(moment.replace(microsecond=0) + _SECOND, reverse=True))
+        for tick in self._walk(latest):
+            if tick > moment:
+                break
+            latest = tick
+        return latest
 
     def between(self, start: datetime, end: datetime, *, limit: int) -> list[datetime]:
         """The ticks in [`start`, `end`], oldest first; at most `limit` of them (the oldest)."""

@@ -290,3 +290,14 @@ async def test_a_worker_runs_its_schedules(clock: FakeClock) -> None:
         assert [await engine.result(r.run_id) for r in page.runs] == [
             f"acme@{(START + timedelta(hours=1)).isoformat()}"
         ]
+
+
+@pytest.mark.parametrize("minutes", range(0, 60, 5))
+def test_ticks_around_a_start_inside_the_repeated_hour(minutes: int) -> None:
+    """From 02:xx CET on 27 October (the second 02:xx, fold=1), cronsim by itself walks by wall
+    time: forward it gave back 02:30 CEST, an hour *before* the start, and backward it stepped
+    over that tick to the day before (found by tests/properties/test_schedule_properties.py)."""
+    spec = CronSpec.parse("30 2 * * *", "Europe/Paris")
+    moment = datetime(2030, 10, 27, 1, minutes, tzinfo=UTC)  # 02:mm CET
+    assert spec.next_after(moment) == datetime(2030, 10, 28, 1, 30, tzinfo=UTC)
+    assert spec.last_at_or_before(moment) == datetime(2030, 10, 27, 0, 30, tzinfo=UTC)
