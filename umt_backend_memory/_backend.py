@@ -42,6 +42,9 @@ from umt_sdk.backend import (
     RunQuery,
     RunRecord,
     RunStatus,
+    ScheduleQuery,
+    ScheduleRecord,
+    ScheduleState,
     SimulatedCrash,
     StepRecord,
     TaskPair,
@@ -151,6 +154,14 @@ class _Run:
 
 
 @define(eq=False)
+class _Schedule:
+    state: ScheduleState
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+@define(eq=False)
 class _LedgerRow:
     run_id: UUID
     fencing_token: int
@@ -203,6 +214,7 @@ class MemoryBackend:
             self._work_waiters: list[asyncio.Future[None]] = []
             self._run_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
             self._drivers = 0
+            self._schedules: dict[str, _Schedule] = {}
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -617,6 +629,7 @@ class MemoryBackend:
             ready_at=ready_at,
             lost_leases=lost_leases,
             cancel_reason=(None if run.cancel_requested_at is None else (run.cancel_reason or "")),
+            idempotency_key=run.idempotency_key,
         )
 
     @staticmethod
@@ -826,6 +839,63 @@ class MemoryBackend:
                     self._listeners.remove(listener)
 
         return remove
+
+    # -- schedules (ScheduleStore) ---------------------------------------------------------------
+
+    def _schedule_record(self, row: _Schedule, now: datetime) -> ScheduleRecord:
+        return ScheduleRecord(
+            state=row.state,
+            version=row.version,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            observed_at=now,
+        )
+
+    async def create_schedule(self, state: ScheduleState) -> bool:
+        _storable_json(state.input_json, f"input of schedule {state.name!r}")
+        with self._lock:
+            if state.name in self._schedules:
+                return False
+            now = self.clock.now()
+            self._schedules[state.name] = _Schedule(state, 1, now, now)
+            return True
+
+    async def get_schedule(self, name: str) -> ScheduleRecord | None:
+        with self._lock:
+            row = self._schedules.get(name)
+            return None if row is None else self._schedule_record(row, self.clock.now())
+
+    async def list_schedules(self, query: ScheduleQuery) -> Sequence[ScheduleRecord]:
+        with self._lock:
+            now = self.clock.now()
+            names = None if query.task_names is None else set(query.task_names)
+            found = []
+            for name in sorted(self._schedules):
+                row = self._schedules[name]
+                state = row.state
+                if names is not None and state.task_name not in names:
+                    continue
+                if query.due_only and (
+                    state.paused or (state.next_tick > now and state.buffered_tick is None)
+                ):
+                    continue
+                found.append(self._schedule_record(row, now))
+            return found
+
+    async def update_schedule(self, state: ScheduleState, *, expected_version: int) -> bool:
+        _storable_json(state.input_json, f"input of schedule {state.name!r}")
+        with self._lock:
+            row = self._schedules.get(state.name)
+            if row is None or row.version != expected_version:
+                return False
+            row.state = state
+            row.version += 1
+            row.updated_at = self.clock.now()
+            return True
+
+    async def delete_schedule(self, name: str) -> bool:
+        with self._lock:
+            return self._schedules.pop(name, None) is not None
 
     def ledger(self, conn: Any) -> MemoryLedger:
         if not isinstance(conn, MemoryStore):

@@ -53,7 +53,7 @@ from umt_backend_pg._ready import (
     TIMERS_MARGIN,
     ClaimClocks,
 )
-from umt_backend_pg._rows import _error_json, _record, _step
+from umt_backend_pg._rows import _error_json, _record, _schedule_record, _step
 from umt_backend_pg._sql import queries, render, validate_schema
 from umt_backend_pg._wakeups import Wakeups
 from umt_sdk.backend import (
@@ -71,6 +71,9 @@ from umt_sdk.backend import (
     NewRun,
     RunQuery,
     RunRecord,
+    ScheduleQuery,
+    ScheduleRecord,
+    ScheduleState,
     StepRecord,
     TaskPair,
 )
@@ -338,6 +341,7 @@ class PostgresBackend:
                     ready_at=row["ready_at"],
                     lost_leases=row["lost_leases"],
                     cancel_reason=row["cancel_reason"],
+                    idempotency_key=row["idempotency_key"],
                 )
             )
         return claimed
@@ -593,6 +597,44 @@ class PostgresBackend:
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
         return self._wakeups.add_cancel_listener(listener)
+
+    # -- schedules (ScheduleStore) -------------------------------------------------------------
+
+    @staticmethod
+    def _schedule_params(state: ScheduleState) -> dict[str, Any]:
+        return {
+            "name": state.name,
+            "task_name": state.task_name,
+            "cron": state.cron,
+            "timezone": state.timezone,
+            "input": state.input_json,
+            "overlap": state.overlap,
+            "catchup_window": state.catchup_window,
+            "paused": state.paused,
+            "next_tick": state.next_tick,
+            "last_tick": state.last_tick,
+            "last_run_id": state.last_run_id,
+            "buffered_tick": state.buffered_tick,
+        }
+
+    async def create_schedule(self, state: ScheduleState) -> bool:
+        return await self._one("insert_schedule", self._schedule_params(state)) is not None
+
+    async def get_schedule(self, name: str) -> ScheduleRecord | None:
+        row = await self._one("get_schedule", {"name": name})
+        return None if row is None else _schedule_record(row)
+
+    async def list_schedules(self, query: ScheduleQuery) -> Sequence[ScheduleRecord]:
+        names = None if query.task_names is None else list(query.task_names)
+        rows = await self._all("list_schedules", {"task_names": names, "due": query.due_only})
+        return [_schedule_record(row) for row in rows]
+
+    async def update_schedule(self, state: ScheduleState, *, expected_version: int) -> bool:
+        params = {**self._schedule_params(state), "expected_version": expected_version}
+        return await self._one("update_schedule", params) is not None
+
+    async def delete_schedule(self, name: str) -> bool:
+        return await self._one("delete_schedule", {"name": name}) is not None
 
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):

@@ -7,9 +7,16 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from umt_sdk.backend import ErrorInfo, ExecutionRecord, RunRecord, StepRecord
+from umt_sdk.backend import (
+    ErrorInfo,
+    ExecutionRecord,
+    RunRecord,
+    ScheduleRecord,
+    ScheduleState,
+    StepRecord,
+)
 
-__all__ = ["_error", "_error_json", "_record", "_step", "_ts"]
+__all__ = ["_error", "_error_json", "_record", "_schedule_record", "_step", "_ts"]
 
 
 def _error_json(error: ErrorInfo | None) -> str | None:
@@ -100,4 +107,27 @@ def _record(
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,
+    )
+
+
+def _schedule_record(row: Mapping[str, Any]) -> ScheduleRecord:
+    return ScheduleRecord(
+        state=ScheduleState(
+            name=row["name"],
+            task_name=row["task_name"],
+            cron=row["cron"],
+            timezone=row["timezone"],
+            input_json=row["input"],
+            overlap=row["overlap"],
+            catchup_window=row["catchup_window"],
+            paused=row["paused"],
+            next_tick=row["next_tick"],
+            last_tick=row["last_tick"],
+            last_run_id=row["last_run_id"],
+            buffered_tick=row["buffered_tick"],
+        ),
+        version=row["version"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        observed_at=row["db_now"],
     )

@@ -21,9 +21,10 @@ from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
-from umt_sdk._spi import ErrorInfo, ExecutionRecord, RunStatus, TaskPair
+from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
+from umt_sdk._spi import ErrorInfo, ExecutionRecord, OverlapPolicy, RunStatus, TaskPair
 from umt_sdk._sync import SyncEngine, connect_sync
-from umt_sdk._task import AsyncStep, Registry, SyncStep, TaskDefinition, step, task
+from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
 from umt_sdk._views import RunInfo, RunPage, StepView
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
@@ -40,6 +41,7 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    ScheduleNotFoundError,
     StepFailedError,
     UmtError,
     UsageError,
@@ -62,6 +64,7 @@ __all__ = [
     "IdempotencyConflictError",
     "LeaseLostTooOftenError",
     "NonDeterminismError",
+    "OverlapPolicy",
     "ParentClose",
     "PayloadError",
     "Registry",
@@ -74,6 +77,10 @@ __all__ = [
     "RunNotFoundError",
     "RunPage",
     "RunStatus",
+    "Schedule",
+    "ScheduleInfo",
+    "ScheduleNotFoundError",
+    "Schedules",
     "StepApi",
     "StepFailedError",
     "StepView",
@@ -85,6 +92,7 @@ __all__ = [
     "TaskContext",
     "TaskDefinition",
     "TaskPair",
+    "TickReport",
     "UmtError",
     "UsageError",
     "Worker",

@@ -7,12 +7,13 @@ import logging
 import warnings
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 from uuid import UUID
 
 from umt_sdk import _check as check
 from umt_sdk._abort import Aborts, AbortState, Release
+from umt_sdk._cron import tick_of_key
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._names import (
     check_name,
@@ -344,6 +345,12 @@ class _BaseContext(Generic[I]):
     def attempt_token(self) -> int:
         """This execution's fencing token: new and larger for every execution of the handler."""
         return self._execution.claimed.fencing_token
+
+    @property
+    def scheduled_at(self) -> datetime | None:
+        """The tick (UTC) a schedule started this run for; None for a run no schedule
+        started. The same on every execution of the run: read from its idempotency key."""
+        return tick_of_key(self._execution.claimed.idempotency_key)
 
     @property
     def trace_id(self) -> str:

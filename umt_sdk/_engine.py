@@ -18,10 +18,12 @@ from opentelemetry.trace import TracerProvider
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._ids import new_run_id
 from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
+from umt_sdk._schedules import Schedules, scheduler_enqueue
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
     Backend,
@@ -103,6 +105,10 @@ class Engine:
         self.registry = registry
         self.telemetry = telemetry or Telemetry()
         self._workers: list[Worker] = []
+        self.schedules: Schedules[RunHandle[Any]] = Schedules(
+            backend=backend, registry=registry, start=self._start_tick, cancel=self._cancel_for
+        )
+        """Create, list, pause, resume, delete, trigger and backfill schedules."""
 
     async def __aenter__(self) -> Engine:
         return self
@@ -183,6 +189,13 @@ class Engine:
         if idempotency_key is not None:
             check.text(idempotency_key, "idempotency_key", empty=False, max_length=512)
             _serde.check_text(idempotency_key, what="idempotency_key")
+            if idempotency_key.startswith(TICK_KEY_PREFIX) and not scheduler_enqueue.get():
+                raise UsageError(
+                    f"idempotency keys starting with {TICK_KEY_PREFIX!r} name the ticks of "
+                    "schedules and are made by umt only; use another key, or "
+                    "engine.schedules.trigger/backfill to start a schedule's run",
+                    argument="idempotency_key",
+                )
         if delay is not None:
             check.duration(delay, "delay")
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
@@ -266,6 +279,33 @@ class Engine:
                 existing_version=existing,
                 requested_version=definition.version,
             )
+
+    async def _start_tick(
+        self, definition: TaskDefinition[Any, Any], input: Any, key: str
+    ) -> RunHandle[Any]:
+        """The run of a schedule's tick, under the tick's key (see `umt_sdk._schedules`)."""
+        token = scheduler_enqueue.set(True)
+        try:
+            return await self.enqueue(
+                definition, input, idempotency_key=key, version=definition.version
+            )
+        except IdempotencyConflictError as exc:
+            # The tick's run exists with another version or input (a racing process runs
+            # other code): it is the tick's run all the same.
+            if exc.run_id is None:
+                raise
+            return RunHandle(
+                run_id=exc.run_id,
+                task_name=definition.name,
+                task_version=exc.existing_version or definition.version,
+                created=False,
+                engine=self,
+            )
+        finally:
+            scheduler_enqueue.reset(token)
+
+    async def _cancel_for(self, run_id: UUID, reason: str) -> CancelOutcome:
+        return await self.cancel(run_id, reason=reason)
 
     async def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
         """Store the fact `name` for the run (first write wins), then wake it if it waits.
@@ -432,10 +472,14 @@ class Engine:
         worker_id: str | None = None,
         poll_interval: timedelta = timedelta(seconds=1),
         shutdown_grace: timedelta = timedelta(seconds=10),
+        schedules: bool = True,
     ) -> Worker:
         """A worker for `versions` (`["name@1", "name@2"]`; all registered when None).
 
         It claims only those (name, version) pairs; runs of other pairs are never touched.
+        With `schedules` (the default, on a backend that stores them) it also runs the
+        scheduler loop for the tasks it serves: it stores the registry's declared schedules
+        of those tasks, then starts the runs of their due ticks every `poll_interval`.
         Use it as `async with engine.worker(...):`. A wrong option (a `concurrency` that is not
         an int in 1..10000, a `lease` under 100 ms, a number where a timedelta goes) raises
         `UsageError` naming it.
@@ -450,6 +494,7 @@ class Engine:
             poll_interval=poll_interval,
             shutdown_grace=shutdown_grace,
             telemetry=self.telemetry,
+            schedules=self.schedules if check.flag(schedules, "schedules") else None,
         )
         self._workers.append(worker)
         return worker

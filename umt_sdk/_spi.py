@@ -30,7 +30,9 @@ A backend author must store, atomically and durably before returning:
   refused; a claim takes only available runs, in the one order `claim` documents; a cancel ends
   at once a run nobody holds, a lapsed lease included (`cancel`); a child run that finishes
   stores its parent's fact, and a run that finishes failed or canceled requests the cancel of
-  its children that asked for it, each in the write that finishes it (`finishing`, below).
+  its children that asked for it, each in the write that finishes it (`finishing`, below). A
+  backend that stores schedules (`ScheduleStore`, optional) adds two: first write wins for a
+  schedule's name, and an update lands only on the version it was made from (compare and set).
 
 What a run's finishing write also stores (`finishing`), whichever write finishes it (an
 ending, a cancel, a cascade): a run enqueued with `NewRun.parent_fact` stores that fact for
@@ -77,9 +79,14 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "NewRun",
+    "OverlapPolicy",
     "RunQuery",
     "RunRecord",
     "RunStatus",
+    "ScheduleQuery",
+    "ScheduleRecord",
+    "ScheduleState",
+    "ScheduleStore",
     "SimulatedCrash",
     "StepKind",
     "StepRecord",
@@ -293,6 +300,9 @@ class ClaimedRun:
     """Set (the stored reason, "" if none) when the run's cancel was requested before this
     claim: an execution that held it was cut off before it could end it. The worker ends the
     run canceled without running the handler."""
+    idempotency_key: str | None = None
+    """The run's idempotency key as stored (None without one): a scheduled run's key names
+    its tick, which the SDK reads back as `ctx.scheduled_at`."""
 
 
 EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
@@ -667,4 +677,98 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Release connections and background tasks."""
+        ...
+
+
+# -- schedules ----------------------------------------------------------------------------------
+
+OverlapPolicy = Literal["skip", "buffer_one", "allow_all", "cancel_previous"]
+"""What a tick does while the schedule's previous run has not finished: `skip` it (the
+default), keep it in a buffer of one and start it when the previous run ends (`buffer_one`),
+start it anyway (`allow_all`), or request the previous run's cancel and start it
+(`cancel_previous`)."""
+
+
+@frozen(kw_only=True)
+class ScheduleState:
+    """A schedule as the SDK writes it (`create_schedule`, `update_schedule`), stored as given.
+
+    Every field is the SDK's: the cron expression and its time zone, the input of its runs,
+    and where it stands (`next_tick`, `last_tick`, `last_run_id`, `buffered_tick`). The store
+    computes none of them; it only checks, atomically, that an update was made from the
+    version it replaces.
+    """
+
+    name: str
+    task_name: str
+    cron: str
+    timezone: str
+    input_json: str
+    overlap: OverlapPolicy = "skip"
+    catchup_window: timedelta = timedelta(0)
+    """Missed ticks this recent are all started after downtime; 0: only the last missed one."""
+    paused: bool = False
+    next_tick: datetime = field(validator=_tz_aware_required)
+    """The first tick not yet handled: due once the store's clock reaches it."""
+    last_tick: datetime | None = field(default=None, validator=_tz_aware)
+    """The newest tick handled (started, skipped or buffered)."""
+    last_run_id: UUID | None = None
+    """The newest run the schedule started: what the overlap policy looks at."""
+    buffered_tick: datetime | None = field(default=None, validator=_tz_aware)
+    """Under `buffer_one`: the tick waiting for the previous run to end."""
+
+
+@frozen(kw_only=True)
+class ScheduleRecord:
+    """A schedule as stored: the SDK's state, the version an update must name, and times."""
+
+    state: ScheduleState
+    version: int
+    """1 when created; one more at every update (the compare-and-set of `update_schedule`)."""
+    created_at: datetime
+    updated_at: datetime
+    observed_at: datetime = field(validator=_tz_aware_required)
+    """The store's clock when it read the record: the "now" a scheduler decides due ticks by."""
+
+
+@frozen(kw_only=True)
+class ScheduleQuery:
+    """Filters for `list_schedules`; by name."""
+
+    task_names: Sequence[str] | None = None
+    """Only schedules of these tasks (None: all)."""
+    due_only: bool = False
+    """Only schedules that are not paused and whose `next_tick` is at or before the store's
+    clock, or that hold a `buffered_tick`."""
+
+
+@runtime_checkable
+class ScheduleStore(Protocol):
+    """What a backend implements to store schedules (`engine.schedules`, the workers'
+    scheduler loop). Optional: an engine on a backend without it refuses schedules with a
+    `UsageError` that says so. The SDK computes every time and decides every tick; the store
+    keeps the rows and checks, atomically with the write, the two conditions below.
+    """
+
+    async def create_schedule(self, state: ScheduleState) -> bool:
+        """Store a new schedule at version 1. First write wins: False (nothing written) when
+        a schedule of that name exists."""
+        ...
+
+    async def get_schedule(self, name: str) -> ScheduleRecord | None:
+        """The schedule, or None; `observed_at` is the store's clock at the read."""
+        ...
+
+    async def list_schedules(self, query: ScheduleQuery) -> Sequence[ScheduleRecord]:
+        """The schedules matching `query`, by name, each with `observed_at`."""
+        ...
+
+    async def update_schedule(self, state: ScheduleState, *, expected_version: int) -> bool:
+        """Compare and set: replace the schedule `state.name` with `state` and raise its
+        version by one, only if its stored version is `expected_version`; False (nothing
+        written) when it is not, or the schedule is gone."""
+        ...
+
+    async def delete_schedule(self, name: str) -> bool:
+        """Delete the schedule; False when there was none. Its runs are kept."""
         ...

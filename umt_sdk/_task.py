@@ -6,15 +6,20 @@ import functools
 import inspect
 import typing
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
+from datetime import timedelta
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, get_args, overload
+
+from attrs import field, frozen
 
 from umt_sdk import _check as check
+from umt_sdk import _serde
 from umt_sdk._check import shown
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
+from umt_sdk._cron import CronSpec
 from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, TaskDefinition
 from umt_sdk._names import check_name, check_retry, check_storable, hints, unwrap_awaitable
 from umt_sdk._retry import RetryPolicy
-from umt_sdk._spi import TaskPair
+from umt_sdk._spi import OverlapPolicy, TaskPair
 from umt_sdk._steps import StepCall
 from umt_sdk.exceptions import (
     NotInTaskError,
@@ -27,8 +32,10 @@ __all__ = [
     "DEFAULT_MAX_LOST_LEASES",
     "AsyncStep",
     "Registry",
+    "Schedule",
     "SyncStep",
     "TaskDefinition",
+    "check_schedule_name",
     "step",
     "task",
 ]
@@ -240,10 +247,17 @@ def step(name: str, *, retry: RetryPolicy | None = None) -> _StepDecorator:
 
 
 class Registry:
-    """The tasks a process knows: used to validate enqueues and to serve workers."""
+    """The tasks a process knows: used to validate enqueues and to serve workers; and the
+    schedules it declares (`schedules=[Schedule(...)]`), which its workers store and run."""
 
-    def __init__(self, tasks: Iterable[TaskDefinition[Any, Any]] = ()) -> None:
+    def __init__(
+        self,
+        tasks: Iterable[TaskDefinition[Any, Any]] = (),
+        *,
+        schedules: Iterable[Schedule[Any]] = (),
+    ) -> None:
         self._tasks: dict[TaskPair, TaskDefinition[Any, Any]] = {}
+        self._schedules: dict[str, Schedule[Any]] = {}
         if isinstance(tasks, TaskDefinition):
             raise TaskDefinitionError(
                 f"Registry(tasks) takes a list of definitions, got one ({tasks!r}): wrap it in "
@@ -265,6 +279,44 @@ class Registry:
                     argument="tasks",
                 )
             self.add(definition)
+        if isinstance(schedules, str) or not isinstance(schedules, Iterable):
+            raise TaskDefinitionError(
+                "Registry(schedules=...) takes a list of Schedule(...) declarations, got "
+                f"{shown(schedules)}",
+                argument="schedules",
+            )
+        for declared in schedules:
+            self.add_schedule(declared)
+
+    def add_schedule(self, schedule: Schedule[Any]) -> None:
+        """Declare a `Schedule` of a registered task (its workers store it and run it)."""
+        if not isinstance(schedule, Schedule):
+            raise TaskDefinitionError(
+                f"Registry: schedules must be Schedule(...) declarations, got {shown(schedule)}",
+                argument="schedules",
+            )
+        task = schedule.task
+        if isinstance(task, TaskDefinition):
+            if self._tasks.get(task.pair) is not task:
+                raise TaskDefinitionError(
+                    f"schedule {schedule.name!r}: its task {task.pair} is not registered; add "
+                    "its @task definition to the registry's tasks",
+                    argument="schedules",
+                )
+        else:
+            self.latest(task)  # UnknownTaskError, naming what is registered
+        existing = self._schedules.get(schedule.name)
+        if existing is not None and existing != schedule:
+            raise TaskDefinitionError(
+                f"schedule {schedule.name!r} is declared twice, differently; give each "
+                "schedule its own name",
+                argument="schedules",
+            )
+        self._schedules[schedule.name] = schedule
+
+    def schedules(self) -> list[Schedule[Any]]:
+        """The declared schedules (`Schedule`), by name."""
+        return [self._schedules[name] for name in sorted(self._schedules)]
 
     def add(self, definition: TaskDefinition[Any, Any]) -> None:
         """Register a task definition."""
@@ -403,3 +455,72 @@ class Registry:
 
 def _reference_error(text: str) -> str:
     return f"expected 'task_name@version' such as 'submit_download@2', got {text!r}"
+
+
+# -- schedules ------------------------------------------------------------------------------------
+
+
+_OVERLAPS: frozenset[str] = frozenset(get_args(OverlapPolicy))
+
+
+def check_schedule_name(name: object, *, where: str) -> str:
+    try:
+        return check_name("schedule", name, argument="name")
+    except UsageError as exc:
+        raise UsageError(f"{where}: {exc}", argument="name") from None
+
+
+@frozen(kw_only=True)
+class Schedule(Generic[I]):
+    """A cron schedule that starts runs of `task`: declared in code or created at run time.
+
+    Declare it in the registry, `Registry([sync_all], schedules=[nightly])`, and every worker
+    that serves the task stores it (idempotently) and starts its runs; or create it at run time
+    with `await engine.schedules.create(nightly)`. Everything is checked here, at construction.
+
+    Args:
+        name: the schedule's unique, stable name (letters, digits and `_ . : - /`).
+        task: the `@task` definition its runs start (the newest registered version is used),
+            or a task name (checked against the registry when the schedule is stored).
+        cron: a cron expression, five fields (`"0 3 * * *"`: 03:00 every day), or six with
+            seconds first; parsed by cronsim.
+        input: the input of every run (an instance of the task's input type, or its JSON form).
+        timezone: the IANA time zone the expression is read in (`"Europe/Paris"`); DST gaps
+            and repeats are handled as `umt_sdk._cron` says (docs/schedules.md).
+        overlap: what a tick does while the previous run of the schedule has not finished:
+            `skip` (default), `buffer_one`, `allow_all` or `cancel_previous`.
+        catchup_window: after downtime, missed ticks this recent are all started; the last
+            missed tick always is. `timedelta(0)` (default): only the last one.
+        paused: create it paused (a later declaration never pauses or resumes it).
+    """
+
+    name: str
+    task: TaskDefinition[I, Any] | str
+    cron: str
+    input: I
+    timezone: str = "UTC"
+    overlap: OverlapPolicy = "skip"
+    catchup_window: timedelta = timedelta(0)
+    paused: bool = False
+    _spec: CronSpec = field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        where = f"Schedule({self.name!r})" if isinstance(self.name, str) else "Schedule"
+        check_schedule_name(self.name, where="Schedule")
+        if not isinstance(self.task, TaskDefinition | str):
+            check.refuse("task", "a @task definition or a task name", self.task, where=where)
+        if isinstance(self.task, str):
+            check_name("task", self.task, argument="task")
+        spec = CronSpec.parse(self.cron, self.timezone, where=where)
+        check.choice(self.overlap, "overlap", _OVERLAPS, where=where)
+        check.duration(self.catchup_window, "catchup_window", where=where)
+        check.flag(self.paused, "paused", where=where)
+        if isinstance(self.task, TaskDefinition):
+            _serde.encode_input(
+                self.input, self.task.input_type, what=f"input of schedule {self.name!r}"
+            )
+        object.__setattr__(self, "_spec", spec)
+
+    @property
+    def task_name(self) -> str:
+        return self.task.name if isinstance(self.task, TaskDefinition) else self.task

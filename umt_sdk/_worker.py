@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -11,16 +12,19 @@ import uuid
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._execution import Execution
-from umt_sdk._spi import Backend, ClaimedRun, TaskPair
+from umt_sdk._spi import Backend, ClaimedRun, ControllableClock, TaskPair
 from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import BackendError, BackendUnavailableError
+
+if TYPE_CHECKING:
+    from umt_sdk._schedules import Schedules
 
 __all__ = ["Worker"]
 
@@ -107,6 +111,7 @@ class Worker:
         poll_interval: timedelta = timedelta(seconds=1),
         shutdown_grace: timedelta = timedelta(seconds=10),
         telemetry: Telemetry | None = None,
+        schedules: Schedules[Any] | None = None,
     ) -> None:
         check.integer(
             concurrency,
@@ -163,6 +168,8 @@ class Worker:
             max_workers=2 * concurrency + 4, thread_name_prefix="umt-worker"
         )
         self.crashed = False
+        self.schedules = schedules if schedules is not None and schedules.supported else None
+        """Whose due ticks this worker starts (the scheduler loop), for the tasks it serves."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -189,6 +196,12 @@ class Worker:
             asyncio.create_task(self._heartbeat_loop(), name=f"umt-heartbeat-{self.worker_id}"),
             asyncio.create_task(self._depth_loop(), name=f"umt-depths-{self.worker_id}"),
         ]
+        if self.schedules is not None:
+            self._tasks.append(
+                asyncio.create_task(
+                    self._schedule_loop(self.schedules), name=f"umt-schedules-{self.worker_id}"
+                )
+            )
 
     async def stop(self, *, grace: timedelta | None = None) -> None:
         """Stop claiming; let handlers reach a step boundary; give back what is still held."""
@@ -407,6 +420,46 @@ class Worker:
             except Exception as exc:
                 _log.debug("queue depth refresh failed: %s", exc)
             await asyncio.sleep(10)
+
+    async def _schedule_loop(self, schedules: Schedules[Any]) -> None:
+        """The scheduler loop: store the declared schedules of the tasks this worker serves,
+        then start the runs of their due ticks every poll interval (at once when a test's
+        clock moves). Every worker runs it; the ticks' keys make one run per tick."""
+        names = sorted({pair.name for pair in self.pairs})
+        outage = _Outage("starting scheduled runs")
+        moved = asyncio.Event()
+        clock = self.backend.clock
+        loop = asyncio.get_running_loop()
+        unsubscribe = None
+
+        def wake() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(moved.set)
+
+        if isinstance(clock, ControllableClock):
+            unsubscribe = clock.subscribe(wake)
+        declared = False
+        try:
+            while not self._stopping:
+                delay = self.poll_interval.total_seconds()
+                try:
+                    if not declared:
+                        await schedules.declare(task_names=names)
+                        declared = True
+                    await schedules.run_due(task_names=names)
+                    outage.succeeded()
+                except Exception as exc:
+                    if self._stopping:
+                        return
+                    delay = outage.backoff()
+                    outage.failed(exc, delay)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await moved.wait()
+                moved.clear()
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
 
     def _on_cancel(self, run_id: UUID, reason: str) -> None:
         """A backend's hint that a cancel may have been requested: look now. Never acted on

@@ -13,6 +13,7 @@ UmtError
 ├── FencingError             this attempt no longer holds the run (lease lost): never retry
 ├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
+├── ScheduleNotFoundError    (also LookupError) no schedule with that name
 ├── NonDeterminismError      the code no longer matches the run's recorded history
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
@@ -56,6 +57,7 @@ __all__ = [
     "RunCanceledError",
     "RunFailedError",
     "RunNotFoundError",
+    "ScheduleNotFoundError",
     "StepFailedError",
     "TaskDefinitionError",
     "UmtError",
@@ -165,6 +167,14 @@ class RunNotFoundError(UmtError, LookupError):
     def __init__(self, message: str | None = None, *, run_id: UUID | None = None) -> None:
         super().__init__(message)
         self.run_id = run_id
+
+
+class ScheduleNotFoundError(UmtError, LookupError):
+    """No schedule with this name exists."""
+
+    def __init__(self, message: str | None = None, *, schedule_name: str = "") -> None:
+        super().__init__(message)
+        self.schedule_name = schedule_name
 
 
 class NonDeterminismError(UmtError):

@@ -140,7 +140,7 @@ WITH pairs AS (
     FROM locked l
     WHERE r.id = l.id
     RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
-              r.claims, r.failures, r.trace_context, l.previous_status,
+              r.claims, r.failures, r.trace_context, r.idempotency_key, l.previous_status,
               l.previous_token, l.ready_at,
               CASE WHEN r.cancel_requested_at IS NOT NULL
                    THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
@@ -170,7 +170,7 @@ WITH pairs AS (
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, t.timers_from, t.timers_left,
+       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left,
        CASE WHEN c.claims > 1 THEN (
            SELECT json_agg(json_build_object(
                'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
@@ -688,3 +688,50 @@ CREATE TABLE IF NOT EXISTS {schema}.op_ledger (
 -- The command line's check before a command: does the schema hold the engine's tables? The
 -- parameters are quoted qualified names ("schema".table); no schema is substituted here.
 SELECT to_regclass(%(migrations)s) IS NOT NULL, to_regclass(%(runs)s) IS NOT NULL;
+
+-- Schedules (see migrations/0007_schedules.sql): the SDK decides, these store and compare.
+
+-- name: insert_schedule
+-- First write wins: no row comes back when a schedule of that name exists.
+INSERT INTO {schema}.schedules (
+    name, task_name, cron, timezone, input, overlap, catchup_window, paused, next_tick,
+    last_tick, last_run_id, buffered_tick
+)
+VALUES (
+    %(name)s, %(task_name)s, %(cron)s, %(timezone)s, %(input)s::jsonb, %(overlap)s,
+    %(catchup_window)s::interval, %(paused)s, %(next_tick)s, %(last_tick)s, %(last_run_id)s,
+    %(buffered_tick)s
+)
+ON CONFLICT (name) DO NOTHING
+RETURNING name;
+
+-- name: get_schedule
+SELECT name, task_name, cron, timezone, input::text AS input, overlap, catchup_window, paused,
+       next_tick, last_tick, last_run_id, buffered_tick, version, created_at, updated_at,
+       now() AS db_now
+FROM {schema}.schedules WHERE name = %(name)s;
+
+-- name: list_schedules
+-- %(due)s: only those a scheduler must look at now (not paused; a tick due, or one buffered).
+SELECT name, task_name, cron, timezone, input::text AS input, overlap, catchup_window, paused,
+       next_tick, last_tick, last_run_id, buffered_tick, version, created_at, updated_at,
+       now() AS db_now
+FROM {schema}.schedules
+WHERE (%(task_names)s::text[] IS NULL OR task_name = ANY (%(task_names)s::text[]))
+  AND (NOT %(due)s::boolean
+       OR (NOT paused AND (next_tick <= now() OR buffered_tick IS NOT NULL)))
+ORDER BY name;
+
+-- name: update_schedule
+-- Compare and set: the row changes only if it is still at %(expected_version)s.
+UPDATE {schema}.schedules SET
+    task_name = %(task_name)s, cron = %(cron)s, timezone = %(timezone)s,
+    input = %(input)s::jsonb, overlap = %(overlap)s,
+    catchup_window = %(catchup_window)s::interval, paused = %(paused)s,
+    next_tick = %(next_tick)s, last_tick = %(last_tick)s, last_run_id = %(last_run_id)s,
+    buffered_tick = %(buffered_tick)s, version = version + 1, updated_at = now()
+WHERE name = %(name)s AND version = %(expected_version)s
+RETURNING version;
+
+-- name: delete_schedule
+DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;

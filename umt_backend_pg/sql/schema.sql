@@ -251,3 +251,24 @@ BEGIN
     RETURN nextval('{schema}.fencing_tokens');
 END
 $$;
+
+-- Schedules: the SDK's state of each one and a version for compare-and-set (see
+-- migrations/0007_schedules.sql).
+CREATE TABLE {schema}.schedules (
+    name            text PRIMARY KEY,
+    task_name       text NOT NULL,
+    cron            text NOT NULL,
+    timezone        text NOT NULL,
+    input           jsonb NOT NULL,
+    overlap         text NOT NULL,
+    catchup_window  interval NOT NULL,
+    paused          boolean NOT NULL DEFAULT false,
+    next_tick       timestamptz NOT NULL,
+    last_tick       timestamptz,
+    last_run_id     uuid,
+    buffered_tick   timestamptz,
+    version         bigint NOT NULL DEFAULT 1,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX schedules_by_task ON {schema}.schedules (task_name, next_tick);

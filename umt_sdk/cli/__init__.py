@@ -8,7 +8,10 @@ and run their coroutines with `run` (umt's errors become one line and the right 
 """
 
 from umt_sdk._hookspecs import CliBackend
-from umt_sdk.cli import _commands  # noqa: F401  (registers the commands on `cli`)
+from umt_sdk.cli import (
+    _commands,  # noqa: F401  (registers the commands on `cli`)
+    _schedules,  # noqa: F401  (registers `umt schedules ...`)
+)
 from umt_sdk.cli._app import (
     CliConfig,
     CliError,

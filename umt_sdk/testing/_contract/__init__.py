@@ -23,6 +23,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_payloads`: payloads a backend cannot store, serde on replay
 - `_timeline`: the timeline of runs that did not end well
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
+- `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from umt_sdk.testing._contract import (
     _replay,
     _retries,
     _runs,
+    _schedules,
     _spi_meanings,
     _timeline,
     _user_code,
@@ -67,6 +69,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_ledger.TASKS,
     *_payloads.TASKS,
     *_timeline.TASKS,
+    *_schedules.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -89,6 +92,7 @@ class BackendContract(
     _payloads.PayloadsContract,
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
+    _schedules.SchedulesContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
