@@ -293,6 +293,7 @@ def test_the_example_of_docs_testing_md_passes_on_both_backends(
     files = re.findall(r"```python\n# (\S+)\n(.*?)```", page, re.S)
     assert [name for name, _ in files] == [
         "myapp/tasks.py",
+        "tests/test_crashes.py",
         "tests/conftest.py",
         "tests/test_approvals.py",
     ]
@@ -302,7 +303,8 @@ def test_the_example_of_docs_testing_md_passes_on_both_backends(
         (pytester.path / name).write_text(body, "utf-8")
     pytester.makeini(INI.format(mode="auto") + "pythonpath = .\n")
     result = pytester.runpytest("--umt-backend=all", "-v")
-    result.assert_outcomes(passed=5)  # two tests on both backends, one pinned to memory
+    # two tests on both backends, one pinned to memory, and the crash exploration
+    result.assert_outcomes(passed=6)
 
 
 def test_without_pytest_asyncio_the_fixtures_say_what_to_install(pytester: pytest.Pytester) -> None:

@@ -449,6 +449,33 @@ async def test_sleeps_and_fact_waits_are_events_on_the_execution() -> None:
     assert otel.total("umt.claim.latency") == len(runs)
 
 
+@task("tel.child", version=1)
+async def tel_child(ctx: TaskContext[Key]) -> str:
+    await ctx.step.sleep("nap", timedelta(minutes=5))
+    return ctx.input.key.upper()
+
+
+@task("tel.parent", version=1)
+async def tel_parent(ctx: TaskContext[Key]) -> str:
+    handle = await ctx.step.start_child("kid", tel_child, Key(ctx.input.key))
+    value: str = await handle.result()
+    return value
+
+
+async def test_waiting_on_a_child_is_an_event_naming_the_child() -> None:
+    otel = Otel()
+    engine = await otel.engine(tel_parent, tel_child, clock=FakeClock(auto_advance=True))
+    handle = await engine.enqueue(tel_parent, Key("c"))
+    async with engine.worker():
+        assert await handle.result(timeout=10) == "C"
+    (child,) = (await engine.list(parent=handle.run_id)).runs
+    await engine.close()
+    runs = otel.spans("umt.run tel.parent")
+    waits = [e for s in runs for e in events(s, "umt.child.wait")]
+    assert waits == [{"umt.step.name": "kid.result", "umt.child.run_id": str(child.run_id)}]
+    assert [attrs_of(s)["umt.outcome"] for s in runs] == ["parked", "completed"]
+
+
 async def test_the_queue_depth_gauge_counts_the_pending_runs_a_worker_serves() -> None:
     otel = Otel()
     engine = await otel.engine(noop, clock=FakeClock())
