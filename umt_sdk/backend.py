@@ -44,6 +44,9 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
     StepStatus,
+    StreamAppend,
+    StreamEntry,
+    StreamStore,
     TaskPair,
 )
 
@@ -80,6 +83,9 @@ __all__ = [
     "StepKind",
     "StepRecord",
     "StepStatus",
+    "StreamAppend",
+    "StreamEntry",
+    "StreamStore",
     "SystemClock",
     "TERMINAL_STATUSES",
     "TaskPair",
