@@ -104,6 +104,7 @@ def _record(
         wait_for=row["wait_for"],
         trace_context=row["trace_context"] or {},
         parent_run_id=row.get("parent_run_id"),
+        concurrency_key=row.get("concurrency_key"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,
