@@ -37,7 +37,11 @@ CREATE TABLE {schema}.runs (
     -- its cancel is requested when the parent finishes failed or canceled (migration 0006).
     parent_run_id       uuid,
     parent_fact         text,
-    cancel_with_parent  boolean NOT NULL DEFAULT false
+    cancel_with_parent  boolean NOT NULL DEFAULT false,
+    -- A run started again: the run it reruns, or forks and the step it forks from (0011).
+    rerun_of            uuid,
+    forked_from         uuid,
+    forked_at_step      text
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -272,3 +276,12 @@ CREATE TABLE {schema}.schedules (
     updated_at      timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX schedules_by_task ON {schema}.schedules (task_name, next_tick);
+
+-- Paused tasks: the claim takes no run of a pair named here, by its version or by the task
+-- alone (task_version 0: every version); see migrations/0011_pause_rerun_fork.sql.
+CREATE TABLE {schema}.paused_tasks (
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL CHECK (task_version >= 0),
+    paused_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (task_name, task_version)
+);
