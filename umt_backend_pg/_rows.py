@@ -14,9 +14,18 @@ from umt_sdk.backend import (
     ScheduleRecord,
     ScheduleState,
     StepRecord,
+    StreamEntry,
 )
 
-__all__ = ["_error", "_error_json", "_record", "_schedule_record", "_step", "_ts"]
+__all__ = [
+    "_error",
+    "_error_json",
+    "_record",
+    "_schedule_record",
+    "_step",
+    "_stream_entry",
+    "_ts",
+]
 
 
 def _error_json(error: ErrorInfo | None) -> str | None:
@@ -133,4 +142,15 @@ def _schedule_record(row: Mapping[str, Any]) -> ScheduleRecord:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         observed_at=row["db_now"],
+    )
+
+
+def _stream_entry(row: Mapping[str, Any]) -> StreamEntry:
+    return StreamEntry(
+        run_id=row["run_id"],
+        stream=row["name"],
+        seq=row["seq"],
+        key=row["key"],
+        value_json=row["value"],
+        written_at=row["written_at"],
     )

@@ -46,6 +46,9 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
     StepStatus,
+    StreamAppend,
+    StreamEntry,
+    StreamStore,
     TaskPair,
 )
 
@@ -84,6 +87,9 @@ __all__ = [
     "StepKind",
     "StepRecord",
     "StepStatus",
+    "StreamAppend",
+    "StreamEntry",
+    "StreamStore",
     "SystemClock",
     "TERMINAL_STATUSES",
     "TaskPair",
