@@ -39,6 +39,7 @@ from umt_sdk.backend import (
     Lease,
     LedgerEntry,
     NewRun,
+    PausedTask,
     RunQuery,
     RunRecord,
     RunStatus,
@@ -47,6 +48,8 @@ from umt_sdk.backend import (
     ScheduleState,
     SimulatedCrash,
     StepRecord,
+    StreamAppend,
+    StreamEntry,
     TaskPair,
     unstorable_json_reason,
     unstorable_reason,
@@ -145,6 +148,9 @@ class _Run:
     parent_run_id: UUID | None = None
     parent_fact: str | None = None
     cancel_with_parent: bool = False
+    rerun_of: UUID | None = None
+    forked_from: UUID | None = None
+    forked_at_step: str | None = None
     concurrency_key: str | None = None
     count_waiting: bool = False
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
@@ -180,6 +186,12 @@ class _Schedule:
     version: int
     created_at: datetime
     updated_at: datetime
+
+
+@define(eq=False)
+class _Stream:
+    entries: list[StreamEntry] = field(factory=list)
+    by_key: dict[str, StreamEntry] = field(factory=dict)
 
 
 @define(eq=False)
@@ -241,6 +253,8 @@ class MemoryBackend:
             self._run_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
             self._drivers = 0
             self._schedules: dict[str, _Schedule] = {}
+            self._paused: dict[tuple[str, int | None], datetime] = {}
+            self._streams: dict[UUID, dict[str, _Stream]] = {}
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -378,7 +392,16 @@ class MemoryBackend:
         return run
 
     def _has_ready(self, pairs: Sequence[TaskPair], now: datetime) -> bool:
-        return any(self._ready_head(pair, now) is not None for pair in pairs)
+        return any(self._ready_head(pair, now) is not None for pair in self._unpaused(pairs))
+
+    def _unpaused(self, pairs: Sequence[TaskPair]) -> list[TaskPair]:
+        """The pairs a claim may take runs of: those no stored pause names (`LifecycleStore`)."""
+        paused = self._paused
+        if not paused:
+            return list(pairs)
+        return [
+            p for p in pairs if (p.name, None) not in paused and (p.name, p.version) not in paused
+        ]
 
     @staticmethod
     def _held(run: _Run, now: datetime) -> bool:
@@ -583,6 +606,9 @@ class MemoryBackend:
             wait_for=run.wait_for,
             trace_context=dict(run.trace_context),
             parent_run_id=run.parent_run_id,
+            rerun_of=run.rerun_of,
+            forked_from=run.forked_from,
+            forked_at_step=run.forked_at_step,
             concurrency_key=run.concurrency_key,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
@@ -600,6 +626,16 @@ class MemoryBackend:
         _storable_json(new.input_json, "input")
         _storable_text(new.idempotency_key, "idempotency key")
         with self._lock:
+            source = None
+            if new.forked_from is not None:
+                source = self._runs.get(new.forked_from)
+                if source is None:
+                    raise RunNotFoundError(f"no run {new.forked_from}", run_id=new.forked_from)
+                missing = [key for key in new.kept_steps if key not in source.steps]
+                if missing:
+                    raise BackendError(
+                        f"run {new.forked_from} has no step records {missing} to keep in its fork"
+                    )
             if new.idempotency_key is not None:
                 existing_id = self._by_key.get((new.task_name, new.idempotency_key))
                 if existing_id is not None:
@@ -628,9 +664,17 @@ class MemoryBackend:
                 parent_run_id=new.parent_run_id,
                 parent_fact=new.parent_fact,
                 cancel_with_parent=new.cancel_with_parent,
+                rerun_of=new.rerun_of,
+                forked_from=new.forked_from,
+                forked_at_step=new.forked_at_step,
                 concurrency_key=new.concurrency_key,
                 count_waiting=new.count_waiting,
             )
+            if source is not None:  # a fork: its kept records and the old run's facts, as stored
+                run.steps = {key: source.steps[key] for key in new.kept_steps}
+                for (scope, name), fact in list(self._facts.items()):
+                    if scope == source.run_id:
+                        self._facts[(run.run_id, name)] = evolve(fact, run_id=run.run_id)
             self._runs[run.run_id] = run
             if run.key is not None:
                 assert new.concurrency_limit is not None  # NewRun checks they go together
@@ -650,7 +694,7 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
-            open_pairs = list(dict.fromkeys(pairs))
+            open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
                 # busy pair cannot starve another; within the turn the higher priority goes
@@ -883,9 +927,18 @@ class MemoryBackend:
             await asyncio.wait_for(future, timeout)
 
     async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
+        await self._wait_for_change(run_id, timeout=timeout)
+
+    async def _wait_for_change(
+        self, run_id: UUID, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> None:
+        """Wait until the run's waiters are woken (a change of state, a stream entry), the
+        clock moves or `timeout` passes; at once if `ready()` (under the lock) says so."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
+            if ready is not None and ready():
+                return
             self._run_waiters.setdefault(run_id, []).append(future)
             self._drivers += 1
             self._maybe_auto_advance()
@@ -917,6 +970,73 @@ class MemoryBackend:
                     self._listeners.remove(listener)
 
         return remove
+
+    # -- streams (StreamStore) -------------------------------------------------------------------
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        for append in appends:
+            _storable_text(append.stream, "stream name")
+            _storable_text(append.key, f"key of stream {append.stream!r}")
+            _storable_json(append.value_json, f"value of stream {append.stream!r}")
+        self._crash("append_stream", lease.run_id, "before")
+        with self._lock:
+            self._check(lease)
+            now = self.clock.now()
+            streams = self._streams.setdefault(lease.run_id, {})
+            stored = []
+            for append in appends:
+                stream = streams.setdefault(append.stream, _Stream())
+                entry = stream.by_key.get(append.key)
+                if entry is None:
+                    entry = StreamEntry(
+                        run_id=lease.run_id,
+                        stream=append.stream,
+                        seq=len(stream.entries) + 1,
+                        key=append.key,
+                        value_json=append.value_json,
+                        written_at=now,
+                    )
+                    stream.entries.append(entry)
+                    stream.by_key[append.key] = entry
+                stored.append(entry)
+            self._notify_run(lease.run_id)
+        self._crash("append_stream", lease.run_id, "after")
+        return stored
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        with self._lock:
+            found = self._streams.get(run_id, {}).get(stream)
+            if found is None:
+                return []
+            # seq n sits at index n - 1: entries are never removed but with their run.
+            return found.entries[max(after, 0) : max(after, 0) + limit]
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        with self._lock:
+            found = []
+            for run_id in dict.fromkeys(run_ids):
+                for name, entries in self._streams.get(run_id, {}).items():
+                    if (stream is None or name == stream) and entries.entries:
+                        found.append(entries.entries[-1])
+            return found
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        def ready() -> bool:
+            found = self._streams.get(run_id, {}).get(stream)
+            run = self._runs.get(run_id)
+            return (found is not None and len(found.entries) > after) or (
+                run is None or run.status in TERMINAL_STATUSES
+            )
+
+        await self._wait_for_change(run_id, timeout=timeout, ready=ready)
 
     # -- schedules (ScheduleStore) ---------------------------------------------------------------
 
@@ -974,6 +1094,40 @@ class MemoryBackend:
     async def delete_schedule(self, name: str) -> bool:
         with self._lock:
             return self._schedules.pop(name, None) is not None
+
+    # -- pause (LifecycleStore) ------------------------------------------------------------------
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        with self._lock:
+            key = (task_name, task_version)
+            if key in self._paused:
+                return False
+            self._paused[key] = self.clock.now()
+            return True
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        with self._lock:
+            keys = [
+                key
+                for key in self._paused
+                if key[0] == task_name and (task_version is None or key[1] == task_version)
+            ]
+            for key in keys:
+                del self._paused[key]
+            if keys:
+                self._notify_work()
+                self._maybe_auto_advance()
+            return bool(keys)
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        with self._lock:
+            keys = sorted(self._paused, key=lambda k: (k[0], k[1] or 0))
+            return [
+                PausedTask(
+                    task_name=name, task_version=version, paused_at=self._paused[(name, version)]
+                )
+                for name, version in keys
+            ]
 
     def ledger(self, conn: Any) -> MemoryLedger:
         if not isinstance(conn, MemoryStore):

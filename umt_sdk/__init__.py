@@ -23,7 +23,15 @@ from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
-from umt_sdk._spi import ErrorInfo, ExecutionRecord, OverlapPolicy, RunStatus, TaskPair
+from umt_sdk._spi import (
+    ErrorInfo,
+    ExecutionRecord,
+    OverlapPolicy,
+    PausedTask,
+    RunStatus,
+    TaskPair,
+)
+from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
 from umt_sdk._sync import SyncEngine, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
 from umt_sdk._views import RunInfo, RunPage, StepView
@@ -69,6 +77,7 @@ __all__ = [
     "NonDeterminismError",
     "OverlapPolicy",
     "ParentClose",
+    "PausedTask",
     "PayloadError",
     "Registry",
     "RetryPolicy",
@@ -87,10 +96,13 @@ __all__ = [
     "StepApi",
     "StepFailedError",
     "StepView",
+    "StreamApi",
+    "StreamItem",
     "SyncChildHandle",
     "SyncEngine",
     "SyncStep",
     "SyncStepApi",
+    "SyncStreamApi",
     "SyncTaskContext",
     "TaskContext",
     "TaskDefinition",

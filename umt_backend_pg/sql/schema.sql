@@ -40,7 +40,11 @@ CREATE TABLE {schema}.runs (
     cancel_with_parent  boolean NOT NULL DEFAULT false,
     -- The run's concurrency key, and whether it keeps its slot while waiting (migration 0009).
     concurrency_key     text,
-    count_waiting       boolean NOT NULL DEFAULT false
+    count_waiting       boolean NOT NULL DEFAULT false,
+    -- A run started again: the run it reruns, or forks and the step it forks from (0011).
+    rerun_of            uuid,
+    forked_from         uuid,
+    forked_at_step      text
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -302,3 +306,32 @@ CREATE TABLE {schema}.schedules (
     updated_at      timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX schedules_by_task ON {schema}.schedules (task_name, next_tick);
+
+-- Streams of runs: one row per (run, stream) with its newest seq, and the entries, unique by
+-- the writer's key (see migrations/0008_streams.sql).
+CREATE TABLE {schema}.streams (
+    run_id      uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    name        text NOT NULL,
+    last_seq    bigint NOT NULL,
+    PRIMARY KEY (run_id, name)
+);
+CREATE TABLE {schema}.stream_entries (
+    run_id      uuid NOT NULL,
+    name        text NOT NULL,
+    seq         bigint NOT NULL,
+    key         text NOT NULL,
+    value       jsonb NOT NULL,
+    written_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, name, seq),
+    UNIQUE (run_id, name, key),
+    FOREIGN KEY (run_id, name) REFERENCES {schema}.streams (run_id, name) ON DELETE CASCADE
+);
+
+-- Paused tasks: the claim takes no run of a pair named here, by its version or by the task
+-- alone (task_version 0: every version); see migrations/0011_pause_rerun_fork.sql.
+CREATE TABLE {schema}.paused_tasks (
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL CHECK (task_version >= 0),
+    paused_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (task_name, task_version)
+);
