@@ -75,6 +75,7 @@ from umt_sdk.backend import (
     HeartbeatResult,
     Lease,
     NewRun,
+    PausedTask,
     RunQuery,
     RunRecord,
     ScheduleQuery,
@@ -86,6 +87,7 @@ from umt_sdk.backend import (
     TaskPair,
 )
 from umt_sdk.exceptions import (
+    BackendError,
     FencingError,
     IdempotencyConflictError,
     RunNotFoundError,
@@ -258,6 +260,12 @@ class PostgresBackend:
             "parent_run_id": new.parent_run_id,
             "parent_fact": new.parent_fact,
             "cancel_with_parent": new.cancel_with_parent,
+            "rerun_of": new.rerun_of,
+            "forked_from": new.forked_from,
+            "forked_at_step": new.forked_at_step,
+            "concurrency_key": new.concurrency_key,
+            "concurrency_limit": new.concurrency_limit,
+            "count_waiting": new.count_waiting,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -270,7 +278,11 @@ class PostgresBackend:
                 return await self._enqueue_on(conn, new, {**params, "notify": True})
         with wrap_exceptions():
             async with self._pool.connection() as own:  # autocommit: one statement, one commit
-                result = await self._enqueue_on(own, new, {**params, "notify": False})
+                if new.forked_from is None:
+                    result = await self._enqueue_on(own, new, {**params, "notify": False})
+                else:  # a fork: the run and its copied history in one transaction
+                    async with own.transaction():
+                        result = await self._enqueue_on(own, new, {**params, "notify": False})
         if result.created:
             self._notifier.notify(f"{new.task_name}@{new.task_version}")
         return result
@@ -280,6 +292,8 @@ class PostgresBackend:
     ) -> EnqueueResult:
         cur = await conn.execute(self._q["insert_run"], params)
         if await cur.fetchone() is not None:
+            if new.forked_from is not None:
+                await self._copy_fork(conn, new)
             return EnqueueResult(run_id=new.run_id, created=True, task_version=new.task_version)
         cur = await conn.execute(self._q["find_idempotent_run"], params)
         row = await cur.fetchone()
@@ -295,6 +309,28 @@ class PostgresBackend:
             task_version=existing_version,
             input_hash=existing_hash,
         )
+
+    async def _copy_fork(self, conn: psycopg.AsyncConnection[Any], new: NewRun) -> None:
+        """Copy the kept step records and the facts of the run `new` forks (`NewRun`)."""
+        source = new.forked_from
+        cur = await conn.execute(
+            self._q["copy_fork"],
+            {
+                "id": new.run_id,
+                "source": source,
+                "names": [name for name, _ in new.kept_steps],
+                "attempts": [attempt for _, attempt in new.kept_steps],
+            },
+        )
+        row = await cur.fetchone()
+        copied, _, found = row if row else (0, 0, False)
+        if not found:
+            raise RunNotFoundError(f"no run {source}", run_id=source)
+        if copied != len(new.kept_steps):
+            raise BackendError(
+                f"run {source} has {copied} of the {len(new.kept_steps)} step records its fork "
+                "keeps; read it again and fork it anew"
+            )
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
@@ -330,6 +366,7 @@ class PostgresBackend:
                 started=started,
                 timers_from=rows[0]["timers_from"],
                 left=rows[0]["timers_left"],
+                paused=frozenset(rows[0]["paused"] or ()),
             )
         claimed = []
         for row in rows:
@@ -472,7 +509,7 @@ class PostgresBackend:
                         await conn.execute(self._q["lock_run"], params)
                         cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
-        owned, ended, fact_present, _ = row if row else (0, 0, False, None)
+        owned, ended, fact_present = row[:3] if row else (0, 0, False)
         if not owned:
             raise self._fenced(lease, f"ending as {ending.outcome}")
         if ended:
@@ -520,12 +557,13 @@ class PostgresBackend:
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
                 cur = await conn.execute(
-                    self._q["cancel_run"], {"run_id": run_id, "reason": reason}
+                    self._q["cancel_run"],
+                    {"run_id": run_id, "reason": reason, "channel": self.work_channel},
                 )
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                (status,) = row
+                status = row[0]
                 if status is None:
                     return "already_finished"
                 if status == "canceled":  # it finished: what a finishing write also does
@@ -554,9 +592,13 @@ class PostgresBackend:
         while level:
             cur = await conn.execute(
                 self._q["cancel_children"],
-                {"run_ids": level, "cancel_channel": self.cancel_channel},
+                {
+                    "run_ids": level,
+                    "cancel_channel": self.cancel_channel,
+                    "work_channel": self.work_channel,
+                },
             )
-            level = [child for child, ends, _ in await cur.fetchall() if ends]
+            level = [child for child, ends, *_ in await cur.fetchall() if ends]
             ended += level
         return ended
 
@@ -586,6 +628,7 @@ class PostgresBackend:
                 "task_version": query.task_version,
                 "status": query.status,
                 "parent_run_id": query.parent_run_id,
+                "concurrency_key": query.concurrency_key,
                 "before": query.before,
                 "limit": query.limit,
             },
@@ -711,6 +754,32 @@ class PostgresBackend:
 
     async def delete_schedule(self, name: str) -> bool:
         return await self._one("delete_schedule", {"name": name}) is not None
+
+    # -- pause (LifecycleStore) ----------------------------------------------------------------
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "pause_task", {"task_name": task_name, "task_version": task_version or 0}
+        )
+        return bool(row and row["stored"])
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "resume_task",
+            {"task_name": task_name, "task_version": task_version, "channel": self.work_channel},
+        )
+        return bool(row and row["deleted"])
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        rows = await self._all("list_paused_tasks", {})
+        return [
+            PausedTask(
+                task_name=r["task_name"],
+                task_version=r["task_version"] or None,
+                paused_at=r["paused_at"],
+            )
+            for r in rows
+        ]
 
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):

@@ -8,6 +8,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
     ChildHandle,
     ParentClose,
@@ -22,7 +23,14 @@ from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
-from umt_sdk._spi import ErrorInfo, ExecutionRecord, OverlapPolicy, RunStatus, TaskPair
+from umt_sdk._spi import (
+    ErrorInfo,
+    ExecutionRecord,
+    OverlapPolicy,
+    PausedTask,
+    RunStatus,
+    TaskPair,
+)
 from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
 from umt_sdk._sync import SyncEngine, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
@@ -56,6 +64,8 @@ __all__ = [
     "ChildCanceledError",
     "ChildFailedError",
     "ChildHandle",
+    "Concurrency",
+    "ConcurrencyStrategy",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -67,6 +77,7 @@ __all__ = [
     "NonDeterminismError",
     "OverlapPolicy",
     "ParentClose",
+    "PausedTask",
     "PayloadError",
     "Registry",
     "RetryPolicy",
