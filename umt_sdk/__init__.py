@@ -8,6 +8,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
     ChildError,
     ChildHandle,
@@ -23,7 +24,15 @@ from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
-from umt_sdk._spi import ErrorInfo, ExecutionRecord, OverlapPolicy, RunStatus, TaskPair
+from umt_sdk._spi import (
+    ErrorInfo,
+    ExecutionRecord,
+    OverlapPolicy,
+    PausedTask,
+    RunStatus,
+    TaskPair,
+)
+from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
 from umt_sdk._sync import SyncEngine, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
 from umt_sdk._views import RunInfo, RunPage, StepView
@@ -59,6 +68,8 @@ __all__ = [
     "ChildFailedError",
     "ChildHandle",
     "ChildrenFailedError",
+    "Concurrency",
+    "ConcurrencyStrategy",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -70,6 +81,7 @@ __all__ = [
     "NonDeterminismError",
     "OverlapPolicy",
     "ParentClose",
+    "PausedTask",
     "PayloadError",
     "Registry",
     "RetryPolicy",
@@ -88,10 +100,13 @@ __all__ = [
     "StepApi",
     "StepFailedError",
     "StepView",
+    "StreamApi",
+    "StreamItem",
     "SyncChildHandle",
     "SyncEngine",
     "SyncStep",
     "SyncStepApi",
+    "SyncStreamApi",
     "SyncTaskContext",
     "TaskContext",
     "TaskDefinition",

@@ -38,6 +38,13 @@ CREATE TABLE {schema}.runs (
     parent_run_id       uuid,
     parent_fact         text,
     cancel_with_parent  boolean NOT NULL DEFAULT false,
+    -- The run's concurrency key, and whether it keeps its slot while waiting (migration 0009).
+    concurrency_key     text,
+    count_waiting       boolean NOT NULL DEFAULT false,
+    -- A run started again: the run it reruns, or forks and the step it forks from (0011).
+    rerun_of            uuid,
+    forked_from         uuid,
+    forked_at_step      text,
     -- A member of a child group of its parent (map, gather), and its place in it (0013).
     child_group         text,
     group_index         integer
@@ -49,7 +56,7 @@ CREATE TABLE {schema}.runs (
 -- The claim reads only its own (name, version) pairs: `ready` (below), pending runs not in it
 -- (delayed runs, retries, releases) by priority, then FIFO ...
 CREATE INDEX runs_claim_ready ON {schema}.runs (task_name, task_version, priority DESC, available_at)
-    WHERE status = 'pending' AND NOT queued;
+    WHERE status = 'pending' AND NOT queued AND concurrency_key IS NULL;
 -- Queued runs by age, for the sweeper: a queued run whose `ready` row is gone (a TRUNCATE or
 -- DELETE by hand, a bug) goes back to runs_claim_ready (see sweep_ready in queries.sql).
 CREATE INDEX runs_queued ON {schema}.runs (available_at, id) WHERE status = 'pending' AND queued;
@@ -64,6 +71,33 @@ CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
 CREATE INDEX runs_finished ON {schema}.runs (finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
 CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
+-- Runs that want a slot of their concurrency key, in the claim's order within the key (see
+-- migrations/0009_concurrency_keys.sql) ...
+CREATE INDEX runs_claim_keyed
+    ON {schema}.runs (task_name, concurrency_key, priority DESC, available_at)
+    WHERE concurrency_key IS NOT NULL
+      AND (status = 'pending' OR (status = 'waiting' AND NOT count_waiting));
+-- ... and every run of a key, for the strategies (cancel_in_progress, keep_newest).
+CREATE INDEX runs_by_concurrency_key ON {schema}.runs (task_name, concurrency_key, id)
+    WHERE concurrency_key IS NOT NULL;
+
+-- Per concurrency key: its limit and two exact counters, `running` (runs holding a slot) and
+-- `queued` (runs wanting one), changed by every write that changes a keyed run's status.
+CREATE TABLE {schema}.concurrency_keys (
+    task_name       text NOT NULL,
+    concurrency_key text NOT NULL,
+    slot_limit      integer NOT NULL CHECK (slot_limit >= 1),
+    running         integer NOT NULL DEFAULT 0 CHECK (running >= 0),
+    queued          integer NOT NULL DEFAULT 0 CHECK (queued >= 0),
+    claimed_at      timestamptz NOT NULL DEFAULT '-infinity',
+    PRIMARY KEY (task_name, concurrency_key)
+) WITH (
+    fillfactor = 50, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 100,
+    autovacuum_vacuum_cost_delay = 0
+);
+-- The keys a claim may take from (a free slot and a run wanting one), least recently served first.
+CREATE INDEX concurrency_keys_open ON {schema}.concurrency_keys (task_name, claimed_at)
+    WHERE queued > 0 AND running < slot_limit;
 
 -- The ready queue: runs claimable now, emptied by truncation (see migrations/0003_ready_queue.sql).
 CREATE TABLE {schema}.ready (
@@ -276,6 +310,35 @@ CREATE TABLE {schema}.schedules (
 );
 CREATE INDEX schedules_by_task ON {schema}.schedules (task_name, next_tick);
 
+-- Streams of runs: one row per (run, stream) with its newest seq, and the entries, unique by
+-- the writer's key (see migrations/0008_streams.sql).
+CREATE TABLE {schema}.streams (
+    run_id      uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    name        text NOT NULL,
+    last_seq    bigint NOT NULL,
+    PRIMARY KEY (run_id, name)
+);
+CREATE TABLE {schema}.stream_entries (
+    run_id      uuid NOT NULL,
+    name        text NOT NULL,
+    seq         bigint NOT NULL,
+    key         text NOT NULL,
+    value       jsonb NOT NULL,
+    written_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, name, seq),
+    UNIQUE (run_id, name, key),
+    FOREIGN KEY (run_id, name) REFERENCES {schema}.streams (run_id, name) ON DELETE CASCADE
+);
+
+-- Paused tasks: the claim takes no run of a pair named here, by its version or by the task
+-- alone (task_version 0: every version); see migrations/0011_pause_rerun_fork.sql.
+CREATE TABLE {schema}.paused_tasks (
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL CHECK (task_version >= 0),
+    paused_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (task_name, task_version)
+);
+
 -- Fan-out: groups of a parent's children awaited together (see
 -- migrations/0013_child_groups.sql).
 CREATE TABLE {schema}.child_groups (
@@ -328,9 +391,9 @@ BEGIN
                                         slot)
             SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
                    {schema}.ready_slot()
-            FROM {schema}.runs r WHERE r.id = next_id
+            FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
             RETURNING task_name || '@' || task_version INTO pair;
-            PERFORM pg_notify(channel, pair);
+            PERFORM pg_notify(channel, COALESCE(pair, ''));
         END IF;
     END IF;
     IF left_over = 0 THEN
@@ -338,16 +401,20 @@ BEGIN
         VALUES (parent::text, grp, parent, 'null'::jsonb)
         ON CONFLICT (scope, name) DO NOTHING;
         IF FOUND THEN
-            SELECT r.id, r.status, r.wait_for, r.task_name, r.task_version, r.priority
+            SELECT r.id, r.status, r.wait_for, r.task_name, r.task_version, r.priority,
+                   r.concurrency_key IS NULL OR r.count_waiting AS holds
             INTO waiter FROM {schema}.runs r WHERE r.id = parent
             FOR NO KEY UPDATE;
             IF FOUND AND waiter.status = 'waiting' AND waiter.wait_for = grp THEN
                 UPDATE {schema}.runs SET available_at = now(), updated_at = now()
                 WHERE id = parent;
-                INSERT INTO {schema}.ready (run_id, task_name, task_version, priority,
-                                            available_at, slot)
-                VALUES (parent, waiter.task_name, waiter.task_version, waiter.priority, now(),
-                        {schema}.ready_slot());
+                -- A keyed parent that gave its slot back is claimed through its key instead.
+                IF waiter.holds THEN
+                    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority,
+                                                available_at, slot)
+                    VALUES (parent, waiter.task_name, waiter.task_version, waiter.priority,
+                            now(), {schema}.ready_slot());
+                END IF;
                 PERFORM pg_notify(channel, waiter.task_name || '@' || waiter.task_version);
             END IF;
         END IF;

@@ -61,9 +61,9 @@ BEGIN
                                         slot)
             SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
                    {schema}.ready_slot()
-            FROM {schema}.runs r WHERE r.id = next_id
+            FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
             RETURNING task_name || '@' || task_version INTO pair;
-            PERFORM pg_notify(channel, pair);
+            PERFORM pg_notify(channel, COALESCE(pair, ''));
         END IF;
     END IF;
     IF left_over = 0 THEN
@@ -71,16 +71,20 @@ BEGIN
         VALUES (parent::text, grp, parent, 'null'::jsonb)
         ON CONFLICT (scope, name) DO NOTHING;
         IF FOUND THEN
-            SELECT r.id, r.status, r.wait_for, r.task_name, r.task_version, r.priority
+            SELECT r.id, r.status, r.wait_for, r.task_name, r.task_version, r.priority,
+                   r.concurrency_key IS NULL OR r.count_waiting AS holds
             INTO waiter FROM {schema}.runs r WHERE r.id = parent
             FOR NO KEY UPDATE;
             IF FOUND AND waiter.status = 'waiting' AND waiter.wait_for = grp THEN
                 UPDATE {schema}.runs SET available_at = now(), updated_at = now()
                 WHERE id = parent;
-                INSERT INTO {schema}.ready (run_id, task_name, task_version, priority,
-                                            available_at, slot)
-                VALUES (parent, waiter.task_name, waiter.task_version, waiter.priority, now(),
-                        {schema}.ready_slot());
+                -- A keyed parent that gave its slot back is claimed through its key instead.
+                IF waiter.holds THEN
+                    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority,
+                                                available_at, slot)
+                    VALUES (parent, waiter.task_name, waiter.task_version, waiter.priority,
+                            now(), {schema}.ready_slot());
+                END IF;
                 PERFORM pg_notify(channel, waiter.task_name || '@' || waiter.task_version);
             END IF;
         END IF;
