@@ -10,6 +10,7 @@ import inspect
 
 from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
+    ChildError,
     ChildHandle,
     ParentClose,
     StepApi,
@@ -41,6 +42,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -62,8 +64,10 @@ __all__ = [
     "BackendError",
     "CanceledError",
     "ChildCanceledError",
+    "ChildError",
     "ChildFailedError",
     "ChildHandle",
+    "ChildrenFailedError",
     "Concurrency",
     "ConcurrencyStrategy",
     "Engine",
