@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
-from attrs import evolve, frozen
+from attrs import evolve, field, frozen
 
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
@@ -95,6 +95,9 @@ class RunInfo:
     parent_run_id: UUID | None = None
     """The run whose step started this one (`ctx.step.start_child`); its children are
     `engine.list(parent=run_id)`."""
+    tags: Mapping[str, str] = field(factory=dict)
+    """The labels given at enqueue (`enqueue(..., tags=...)`); `engine.list(tags=...)` finds
+    runs by them."""
 
     @property
     def display_status(self) -> str:
@@ -257,6 +260,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
         lease_expires_at=record.lease_expires_at if record.status == "running" else None,
         lease_expired=lease_expired(record),
         parent_run_id=record.parent_run_id,
+        tags=dict(record.tags),
     )
 
 

@@ -37,7 +37,9 @@ CREATE TABLE {schema}.runs (
     -- its cancel is requested when the parent finishes failed or canceled (migration 0006).
     parent_run_id       uuid,
     parent_fact         text,
-    cancel_with_parent  boolean NOT NULL DEFAULT false
+    cancel_with_parent  boolean NOT NULL DEFAULT false,
+    -- The labels given at enqueue; one row each in run_tags (migration 0012).
+    tags                jsonb NOT NULL DEFAULT '{{}}'
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -272,3 +274,28 @@ CREATE TABLE {schema}.schedules (
     updated_at      timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX schedules_by_task ON {schema}.schedules (task_name, next_tick);
+
+-- Tags one a row, for listing by a tag in run-id order (see migrations/0012_retention_and_tags.sql).
+CREATE TABLE {schema}.run_tags (
+    run_id  uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    key     text NOT NULL,
+    value   text NOT NULL,
+    PRIMARY KEY (run_id, key)
+);
+CREATE INDEX run_tags_lookup ON {schema}.run_tags (key, value, run_id);
+
+-- The tombstones of runs deleted by retention: their idempotency keys stay taken.
+CREATE TABLE {schema}.pruned_runs (
+    run_id          uuid PRIMARY KEY,
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL,
+    status          text NOT NULL,
+    idempotency_key text,
+    input_hash      text NOT NULL,
+    created_at      timestamptz NOT NULL,
+    finished_at     timestamptz NOT NULL,
+    pruned_at       timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);

@@ -24,6 +24,8 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_timeline`: the timeline of runs that did not end well
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
+- `_listing`: tags, and listing by key, tag, time range and cursor
+- `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from umt_sdk.testing._contract import (
     _facts,
     _leases,
     _ledger,
+    _listing,
     _payloads,
+    _pruning,
     _replay,
     _retries,
     _runs,
@@ -70,6 +74,8 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_payloads.TASKS,
     *_timeline.TASKS,
     *_schedules.TASKS,
+    *_listing.TASKS,
+    *_pruning.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -93,6 +99,8 @@ class BackendContract(
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
+    _listing.ListingContract,
+    _pruning.PruningContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
