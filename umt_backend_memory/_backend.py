@@ -50,6 +50,8 @@ from umt_sdk.backend import (
     ScheduleState,
     SimulatedCrash,
     StepRecord,
+    StreamAppend,
+    StreamEntry,
     TaskPair,
     unstorable_json_reason,
     unstorable_reason,
@@ -166,6 +168,12 @@ class _Schedule:
 
 
 @define(eq=False)
+class _Stream:
+    entries: list[StreamEntry] = field(factory=list)
+    by_key: dict[str, StreamEntry] = field(factory=dict)
+
+
+@define(eq=False)
 class _LedgerRow:
     run_id: UUID
     fencing_token: int
@@ -221,6 +229,7 @@ class MemoryBackend:
             self._schedules: dict[str, _Schedule] = {}
             self._tombstones: dict[UUID, PrunedRun] = {}
             self._tombstone_keys: dict[tuple[str, str], UUID] = {}
+            self._streams: dict[UUID, dict[str, _Stream]] = {}
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -815,9 +824,18 @@ class MemoryBackend:
             await asyncio.wait_for(future, timeout)
 
     async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
+        await self._wait_for_change(run_id, timeout=timeout)
+
+    async def _wait_for_change(
+        self, run_id: UUID, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> None:
+        """Wait until the run's waiters are woken (a change of state, a stream entry), the
+        clock moves or `timeout` passes; at once if `ready()` (under the lock) says so."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
+            if ready is not None and ready():
+                return
             self._run_waiters.setdefault(run_id, []).append(future)
             self._drivers += 1
             self._maybe_auto_advance()
@@ -849,6 +867,73 @@ class MemoryBackend:
                     self._listeners.remove(listener)
 
         return remove
+
+    # -- streams (StreamStore) -------------------------------------------------------------------
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        for append in appends:
+            _storable_text(append.stream, "stream name")
+            _storable_text(append.key, f"key of stream {append.stream!r}")
+            _storable_json(append.value_json, f"value of stream {append.stream!r}")
+        self._crash("append_stream", lease.run_id, "before")
+        with self._lock:
+            self._check(lease)
+            now = self.clock.now()
+            streams = self._streams.setdefault(lease.run_id, {})
+            stored = []
+            for append in appends:
+                stream = streams.setdefault(append.stream, _Stream())
+                entry = stream.by_key.get(append.key)
+                if entry is None:
+                    entry = StreamEntry(
+                        run_id=lease.run_id,
+                        stream=append.stream,
+                        seq=len(stream.entries) + 1,
+                        key=append.key,
+                        value_json=append.value_json,
+                        written_at=now,
+                    )
+                    stream.entries.append(entry)
+                    stream.by_key[append.key] = entry
+                stored.append(entry)
+            self._notify_run(lease.run_id)
+        self._crash("append_stream", lease.run_id, "after")
+        return stored
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        with self._lock:
+            found = self._streams.get(run_id, {}).get(stream)
+            if found is None:
+                return []
+            # seq n sits at index n - 1: entries are never removed but with their run.
+            return found.entries[max(after, 0) : max(after, 0) + limit]
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        with self._lock:
+            found = []
+            for run_id in dict.fromkeys(run_ids):
+                for name, entries in self._streams.get(run_id, {}).items():
+                    if (stream is None or name == stream) and entries.entries:
+                        found.append(entries.entries[-1])
+            return found
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        def ready() -> bool:
+            found = self._streams.get(run_id, {}).get(stream)
+            run = self._runs.get(run_id)
+            return (found is not None and len(found.entries) > after) or (
+                run is None or run.status in TERMINAL_STATUSES
+            )
+
+        await self._wait_for_change(run_id, timeout=timeout, ready=ready)
 
     # -- schedules (ScheduleStore) ---------------------------------------------------------------
 
@@ -965,6 +1050,7 @@ class MemoryBackend:
         for fact_key in [k for k in self._facts if k[0] == run.run_id]:
             del self._facts[fact_key]
         self._children.pop(run.run_id, None)
+        self._streams.pop(run.run_id, None)
         if run.parent_run_id is not None:
             siblings = self._children.get(run.parent_run_id)
             if siblings is not None and run.run_id in siblings:

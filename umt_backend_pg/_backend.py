@@ -53,7 +53,14 @@ from umt_backend_pg._ready import (
     TIMERS_MARGIN,
     ClaimClocks,
 )
-from umt_backend_pg._rows import _error_json, _pruned_run, _record, _schedule_record, _step
+from umt_backend_pg._rows import (
+    _error_json,
+    _pruned_run,
+    _record,
+    _schedule_record,
+    _step,
+    _stream_entry,
+)
 from umt_backend_pg._sql import queries, render, validate_schema
 from umt_backend_pg._wakeups import Wakeups
 from umt_sdk.backend import (
@@ -78,6 +85,8 @@ from umt_sdk.backend import (
     ScheduleRecord,
     ScheduleState,
     StepRecord,
+    StreamAppend,
+    StreamEntry,
     TaskPair,
 )
 from umt_sdk.exceptions import (
@@ -139,11 +148,13 @@ class PostgresBackend:
         self.work_channel = f"{schema}.work"
         self.cancel_channel = f"{schema}.cancel"
         self.ended_channel = f"{schema}.ended"
+        self.stream_channel = f"{schema}.stream"
         self._wakeups = Wakeups(
             url,
             work_channel=self.work_channel,
             cancel_channel=self.cancel_channel,
             ended_channel=self.ended_channel,
+            stream_channel=self.stream_channel,
             queries=self._q,
             listen=listen,
         )
@@ -151,6 +162,9 @@ class PostgresBackend:
         self._notifier = Notifier(pool, self._q, self.work_channel)
         self._endings = Notifier(
             pool, self._q, self.ended_channel, what="result() callers of ended runs"
+        )
+        self._streams = Notifier(
+            pool, self._q, self.stream_channel, what="followers of the streams of runs"
         )
         self._clocks = ClaimClocks()
         self._database = EngineDatabase(pool, schema=schema, queries=self._q)
@@ -612,6 +626,69 @@ class PostgresBackend:
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
         return self._wakeups.add_cancel_listener(listener)
 
+    # -- streams (StreamStore) -----------------------------------------------------------------
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        """One statement per value (one for a single value, the SDK's case; several in one
+        transaction for a batch); the followers' NOTIFY follows in the background
+        (`_notifier`), so the write never waits on the server-wide NOTIFY lock."""
+        params = [
+            {
+                "run_id": lease.run_id,
+                "token": lease.fencing_token,
+                "name": append.stream,
+                "key": append.key,
+                "value": append.value_json,
+            }
+            for append in appends
+        ]
+        rows: list[dict[str, Any] | None] = []
+        if len(params) == 1:
+            rows.append(await self._one("append_stream", params[0]))
+        elif params:
+            with wrap_exceptions():
+                async with self._pool.connection() as conn, conn.transaction():
+                    cur = conn.cursor(row_factory=dict_row)
+                    for one in params:
+                        await cur.execute(self._q["append_stream"], one)
+                        rows.append(await cur.fetchone())
+        entries = []
+        new = False
+        for append, row in zip(appends, rows, strict=True):
+            if row is None or not row["held"] or row["seq"] is None:
+                raise self._fenced(lease, f"writing to stream {append.stream!r}")
+            new = new or row["new"]
+            entries.append(
+                _stream_entry(
+                    {**row, "run_id": lease.run_id, "name": append.stream, "key": append.key}
+                )
+            )
+        if new:
+            self._streams.notify(str(lease.run_id))
+        return entries
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        rows = await self._all(
+            "read_stream", {"run_id": run_id, "name": stream, "after": after, "limit": limit}
+        )
+        return [_stream_entry(row) for row in rows]
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        rows = await self._all("last_stream_entries", {"run_ids": list(run_ids), "name": stream})
+        return [_stream_entry(row) for row in rows]
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        del stream, after  # hints name the run: a follower reads again after any of them
+        await self._wakeups.wait_for_stream(run_id, timeout=timeout)
+
     # -- schedules (ScheduleStore) -------------------------------------------------------------
 
     @staticmethod
@@ -707,4 +784,5 @@ class PostgresBackend:
         await self._checkpoints.close()
         await self._notifier.close()
         await self._endings.close()
+        await self._streams.close()
         await self._pool.close()

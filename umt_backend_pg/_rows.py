@@ -15,6 +15,7 @@ from umt_sdk.backend import (
     ScheduleRecord,
     ScheduleState,
     StepRecord,
+    StreamEntry,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "_record",
     "_schedule_record",
     "_step",
+    "_stream_entry",
     "_ts",
 ]
 
@@ -154,4 +156,15 @@ def _pruned_run(row: Mapping[str, Any]) -> PrunedRun:
         created_at=row["created_at"],
         finished_at=row["finished_at"],
         pruned_at=row["pruned_at"],
+    )
+
+
+def _stream_entry(row: Mapping[str, Any]) -> StreamEntry:
+    return StreamEntry(
+        run_id=row["run_id"],
+        stream=row["name"],
+        seq=row["seq"],
+        key=row["key"],
+        value_json=row["value"],
+        written_at=row["written_at"],
     )

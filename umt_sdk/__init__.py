@@ -24,6 +24,7 @@ from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
 from umt_sdk._spi import ErrorInfo, ExecutionRecord, OverlapPolicy, RunStatus, TaskPair
+from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
 from umt_sdk._sync import SyncEngine, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
 from umt_sdk._views import RunInfo, RunPage, StepView
@@ -88,10 +89,13 @@ __all__ = [
     "StepApi",
     "StepFailedError",
     "StepView",
+    "StreamApi",
+    "StreamItem",
     "SyncChildHandle",
     "SyncEngine",
     "SyncStep",
     "SyncStepApi",
+    "SyncStreamApi",
     "SyncTaskContext",
     "TaskContext",
     "TaskDefinition",

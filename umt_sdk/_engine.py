@@ -6,7 +6,7 @@ import asyncio
 import builtins
 import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar, get_args, overload
 from uuid import UUID
@@ -45,6 +45,7 @@ from umt_sdk._spi import (
     RunStatus,
     TaskPair,
 )
+from umt_sdk._streams import StreamItem, follow_stream, heads_by_run, item_of, stream_store
 from umt_sdk._task import Registry, TaskDefinition
 from umt_sdk._telemetry import Telemetry
 from umt_sdk._views import RunInfo, RunPage, build_run_info
@@ -596,6 +597,67 @@ class Engine:
             return self.registry.get(name, version).output_type
         except LookupError:
             return Any
+
+    # -- streams ----------------------------------------------------------------------------
+
+    def stream(
+        self,
+        run_id: UUID,
+        name: str,
+        *,
+        since: int = 0,
+        follow: bool = True,
+        value_type: Any = Any,
+    ) -> AsyncGenerator[StreamItem, None]:
+        """The values the run wrote to its stream `name` (`ctx.stream.write`), in order:
+        `async for item in engine.stream(run_id, "progress"): ...`.
+
+        Gives what was written after seq `since` (0: from the first), then, with `follow`
+        (the default), waits for new values as they are written (woken by the store: LISTEN
+        on Postgres) and ends once the run has ended and its last value was given. Without
+        `follow`, it ends after what is stored now. Values are decoded as JSON, or to
+        `value_type`. `RunNotFoundError` (when iterated) if there is no such run.
+        """
+        run_id = _check_run_id(run_id, "stream")
+        check_name("stream", name, argument="name")
+        check.integer(since, "since", at_least=0, expected="a seq (an int >= 0): 0 for all")
+        check.flag(follow, "follow")
+        if value_type is not Any:
+            check_type_argument(value_type, "value_type", where="stream()")
+        stream_store(self.backend)
+        return follow_stream(
+            self.backend, run_id, name, since=since, follow=follow, value_type=value_type
+        )
+
+    async def stream_last(
+        self, run_id: UUID, name: str, *, value_type: Any = Any
+    ) -> StreamItem | None:
+        """The newest value of the run's stream `name` (a progress bar's need), or None when
+        the run has written none there yet. `RunNotFoundError` if there is no such run."""
+        run_id = _check_run_id(run_id, "stream_last")
+        check_name("stream", name, argument="name")
+        if value_type is not Any:
+            check_type_argument(value_type, "value_type", where="stream_last()")
+        entries = await stream_store(self.backend).last_stream_entries([run_id], name)
+        if entries:
+            return item_of(entries[0], value_type)
+        if await self.backend.get_run_head(run_id) is None:
+            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        return None
+
+    async def stream_heads(
+        self, run_ids: Sequence[UUID], *, name: str | None = None
+    ) -> Mapping[UUID, Mapping[str, StreamItem]]:
+        """The newest value of each stream of these runs (only the stream `name` when given),
+        by run id then stream name, in one read: what `umt runs watch` shows. A run with no
+        stream (or no such run) is left out."""
+        ids = list(run_ids) if not isinstance(run_ids, (str, bytes)) else [run_ids]
+        checked = [_check_run_id(run_id, "stream_heads") for run_id in ids]
+        if name is not None:
+            check_name("stream", name, argument="name")
+        if not checked:
+            return {}
+        return heads_by_run(await stream_store(self.backend).last_stream_entries(checked, name))
 
     # -- consuming --------------------------------------------------------------------------
 

@@ -33,6 +33,9 @@ A backend author must store, atomically and durably before returning:
   its children that asked for it, each in the write that finishes it (`finishing`, below). A
   backend that stores schedules (`ScheduleStore`, optional) adds two: first write wins for a
   schedule's name, and an update lands only on the version it was made from (compare and set).
+  A backend that stores the streams of runs (`StreamStore`, optional) adds two more: first
+  write wins for an entry's key within its run's stream, and an entry becomes visible only
+  after every earlier entry of its stream (a reader's cursor never skips one).
 
 What a run's finishing write also stores (`finishing`), whichever write finishes it (an
 ending, a cancel, a cascade): a run enqueued with `NewRun.parent_fact` stores that fact for
@@ -95,6 +98,9 @@ __all__ = [
     "StepKind",
     "StepRecord",
     "StepStatus",
+    "StreamAppend",
+    "StreamEntry",
+    "StreamStore",
     "TaskPair",
 ]
 
@@ -883,4 +889,83 @@ class RetentionStore(Protocol):
     async def forget_pruned(self, *, older_than: timedelta, limit: int) -> PruneBatch:
         """Drop up to `limit` tombstones pruned before the store's clock minus `older_than`:
         their idempotency keys are free again (`connect(idempotency_retention=...)`)."""
+
+
+# -- streams --------------------------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class StreamAppend:
+    """One value a run writes to one of its streams (`ctx.stream.write`), as the SDK made it."""
+
+    stream: str
+    """The stream's name (checked by the SDK: a step-like name, at most 200 characters)."""
+    key: str
+    """Where the writer stands (the step, its attempt and the write's position in it; see
+    `umt_sdk._streams`): unique within the run's stream, so a write the SDK repeats after a
+    crash finds the entry it made before (first write wins)."""
+    value_json: str
+    """The value as JSON text (at most `umt_sdk._streams.MAX_VALUE_BYTES`)."""
+
+
+@frozen(kw_only=True)
+class StreamEntry:
+    """One entry of a run's stream, as stored."""
+
+    run_id: UUID
+    stream: str
+    seq: int
+    """The entry's place in its stream: 1 for the first, one more for each new entry, given by
+    the store as it stores it. A reader that has seen `seq` n misses nothing by asking for the
+    entries after n: an entry becomes visible only after every entry before it in the stream."""
+    key: str
+    value_json: str
+    written_at: datetime = field(validator=_tz_aware_required)
+    """The store's clock when the entry was first stored."""
+
+
+@runtime_checkable
+class StreamStore(Protocol):
+    """What a backend implements to store the streams of runs (`ctx.stream.write`,
+    `engine.stream`, `engine.stream_last`). Optional: an engine on a backend without it
+    refuses streams with a `UsageError` that says so. The SDK decides the key of each write
+    and reads the entries back; the store keeps them in order and checks, atomically with the
+    write, the two conditions below. A run's entries go when the run goes.
+    """
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        """Append the values in order, each to its stream, if the run is still held under
+        `lease`'s token (else `FencingError`, nothing written); returns the stored entry of
+        each append, in order.
+
+        First write wins on (run, stream, key): an append whose key is stored already stores
+        nothing and returns the stored entry (with its own seq, value and time). A new entry
+        takes the next seq of its stream, and becomes visible to readers only once every
+        earlier entry of the stream is visible. The lease is neither extended nor changed.
+        Waiters of the run (`wait_for_stream`) are woken."""
+        ...
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        """Up to `limit` entries of the run's stream with a seq larger than `after`, by seq
+        (none for a run or stream the store does not know)."""
+        ...
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        """The newest entry of each stream of these runs (only of the stream named `stream`
+        when given), in any order: what a progress bar, `umt runs watch` and `umt runs show`
+        need, in one read whatever the number of runs."""
+        ...
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        """Return when the run's stream may have an entry after seq `after` or the run may
+        have ended, or after `timeout` seconds. Only a hint, as `wait_for_run` is (the caller
+        reads again); a backend may return at once when it knows of a newer entry."""
         ...

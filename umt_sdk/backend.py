@@ -48,6 +48,9 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
     StepStatus,
+    StreamAppend,
+    StreamEntry,
+    StreamStore,
     TaskPair,
 )
 
@@ -88,6 +91,9 @@ __all__ = [
     "StepKind",
     "StepRecord",
     "StepStatus",
+    "StreamAppend",
+    "StreamEntry",
+    "StreamStore",
     "SystemClock",
     "TERMINAL_STATUSES",
     "TaskPair",

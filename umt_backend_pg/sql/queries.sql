@@ -862,3 +862,53 @@ WITH lock AS MATERIALIZED (
     DELETE FROM {schema}.pruned_runs t USING old o WHERE t.run_id = o.run_id RETURNING 1
 )
 SELECT (SELECT held FROM lock) AS held, (SELECT count(*) FROM deleted) AS pruned;
+-- Streams (see migrations/0008_streams.sql): the SDK keys each write, these store and number.
+
+-- name: append_stream
+-- One value, fenced: stored only while the run is held under %(token)s (`held` is 0 when it is
+-- not, and nothing is written). A key already stored returns its entry and takes no seq; a new
+-- one takes the stream's next seq by updating its `streams` row, locked until the commit, so
+-- the entries of a stream commit in seq order.
+WITH target AS MATERIALIZED (
+    SELECT r.id, r.fencing_token, r.status FROM {schema}.runs r
+    WHERE r.id = %(run_id)s
+    FOR KEY SHARE
+), held AS (
+    SELECT t.id FROM target t WHERE t.fencing_token = %(token)s AND t.status = 'running'
+), existing AS (
+    SELECT e.seq, e.value::text AS value, e.written_at FROM {schema}.stream_entries e
+    WHERE e.run_id = %(run_id)s AND e.name = %(name)s AND e.key = %(key)s
+), counter AS (
+    INSERT INTO {schema}.streams AS s (run_id, name, last_seq)
+    SELECT h.id, %(name)s, 1 FROM held h WHERE NOT EXISTS (SELECT 1 FROM existing)
+    ON CONFLICT (run_id, name) DO UPDATE SET last_seq = s.last_seq + 1
+    RETURNING s.last_seq
+), inserted AS (
+    INSERT INTO {schema}.stream_entries (run_id, name, seq, key, value)
+    SELECT %(run_id)s, %(name)s, c.last_seq, %(key)s, %(value)s::jsonb FROM counter c
+    RETURNING seq, value::text AS value, written_at
+)
+SELECT (SELECT count(*) FROM held) AS held, x.seq, x.value, x.written_at, x.new
+FROM (SELECT 1) AS one
+LEFT JOIN (
+    SELECT seq, value, written_at, true AS new FROM inserted
+    UNION ALL
+    SELECT seq, value, written_at, false AS new FROM existing
+) AS x ON true;
+
+-- name: read_stream
+-- The entries after %(after)s, by seq: the primary key's range.
+SELECT run_id, name, seq, key, value::text AS value, written_at
+FROM {schema}.stream_entries
+WHERE run_id = %(run_id)s AND name = %(name)s AND seq > %(after)s
+ORDER BY seq
+LIMIT %(limit)s;
+
+-- name: last_stream_entries
+-- The newest entry of each stream of the runs (of the stream %(name)s only, when given).
+SELECT e.run_id, e.name, e.seq, e.key, e.value::text AS value, e.written_at
+FROM {schema}.streams s
+JOIN {schema}.stream_entries e
+  ON e.run_id = s.run_id AND e.name = s.name AND e.seq = s.last_seq
+WHERE s.run_id = ANY (%(run_ids)s::uuid[])
+  AND (%(name)s::text IS NULL OR s.name = %(name)s);

@@ -275,6 +275,25 @@ CREATE TABLE {schema}.schedules (
 );
 CREATE INDEX schedules_by_task ON {schema}.schedules (task_name, next_tick);
 
+-- Streams of runs: one row per (run, stream) with its newest seq, and the entries, unique by
+-- the writer's key (see migrations/0008_streams.sql).
+CREATE TABLE {schema}.streams (
+    run_id      uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    name        text NOT NULL,
+    last_seq    bigint NOT NULL,
+    PRIMARY KEY (run_id, name)
+);
+CREATE TABLE {schema}.stream_entries (
+    run_id      uuid NOT NULL,
+    name        text NOT NULL,
+    seq         bigint NOT NULL,
+    key         text NOT NULL,
+    value       jsonb NOT NULL,
+    written_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, name, seq),
+    UNIQUE (run_id, name, key),
+    FOREIGN KEY (run_id, name) REFERENCES {schema}.streams (run_id, name) ON DELETE CASCADE
+);
 -- Tags one a row, for listing by a tag in run-id order (see migrations/0012_retention_and_tags.sql).
 CREATE TABLE {schema}.run_tags (
     run_id  uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,

@@ -26,6 +26,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
 - `_listing`: tags, and listing by key, tag, time range and cursor
 - `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
+- `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from umt_sdk.testing._contract import (
     _runs,
     _schedules,
     _spi_meanings,
+    _streams,
     _timeline,
     _user_code,
 )
@@ -76,6 +78,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_schedules.TASKS,
     *_listing.TASKS,
     *_pruning.TASKS,
+    *_streams.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -101,6 +104,7 @@ class BackendContract(
     _schedules.SchedulesContract,
     _listing.ListingContract,
     _pruning.PruningContract,
+    _streams.StreamsContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""

@@ -20,7 +20,7 @@ from umt_sdk import (
     task,
 )
 from umt_sdk._engine import new_run_id
-from umt_sdk.backend import NewRun, RetentionStore
+from umt_sdk.backend import NewRun, RetentionStore, StreamStore
 from umt_sdk.testing._contract._base import (
     Job,
     Tally,
@@ -32,6 +32,7 @@ from umt_sdk.testing._contract._base import (
     wait_until,
     waiter_task,
 )
+from umt_sdk.testing._contract._streams import streams_task
 from umt_sdk.testing._helpers import BackendHarness
 
 __all__ = ["PruningContract"]
@@ -105,6 +106,28 @@ class PruningContract:
             assert (await engine.prune(older_than=OLD)).pruned == 0, "nothing is old enough"
             tally.gate("held").set()
             assert await held.result(timeout=15) == 6
+
+    async def test_a_pruned_run_takes_its_facts_and_streams_with_it(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        store = _store(engine)
+        if not isinstance(store, StreamStore):
+            pytest.fail(f"{type(store).__name__} does not implement StreamStore")
+        streamed = await engine.enqueue(streams_task, Job(key="s", n=2))
+        waited = await engine.enqueue(waiter_task, Job(key="fact"))
+        async with engine.worker():
+            await wait_until(engine, waited.run_id, lambda r: r.status == "waiting")
+            assert await engine.signal(waited.run_id, "fact", {"ok": 1})
+            await streamed.result(timeout=15)
+            await waited.result(timeout=15)
+        assert await store.read_stream(streamed.run_id, "progress", after=0, limit=10)
+        await harness.advance(AGED)
+        assert (await engine.prune(older_than=OLD)).pruned == 2
+        assert await store.read_stream(streamed.run_id, "progress", after=0, limit=10) == []
+        assert await store.last_stream_entries([streamed.run_id]) == []
+        assert await engine.backend.get_facts(run_id=waited.run_id, name="fact") == []
+        with pytest.raises(RunNotFoundError):
+            await engine.signal(waited.run_id, "late", None)
 
     async def test_dry_run_counts_and_a_task_filter_narrows(
         self, engine: Engine, harness: BackendHarness
