@@ -62,7 +62,8 @@ def _fill(pg_url: str, schema: str) -> None:
         ):
             conn.execute(
                 sql.SQL(
-                    "INSERT INTO {s}.{t} ({c}) SELECT {v} FROM {s}.runs WHERE finished_at IS NOT NULL"
+                    "INSERT INTO {s}.{t} ({c}) "
+                    "SELECT {v} FROM {s}.runs WHERE finished_at IS NOT NULL"
                 ).format(s=s, t=sql.Identifier(table), c=sql.SQL(columns), v=sql.SQL(values))
             )
 
