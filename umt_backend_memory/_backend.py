@@ -39,6 +39,7 @@ from umt_sdk.backend import (
     Lease,
     LedgerEntry,
     NewRun,
+    PausedTask,
     PruneBatch,
     PrunedRun,
     PruneQuery,
@@ -150,6 +151,9 @@ class _Run:
     parent_run_id: UUID | None = None
     parent_fact: str | None = None
     cancel_with_parent: bool = False
+    rerun_of: UUID | None = None
+    forked_from: UUID | None = None
+    forked_at_step: str | None = None
     tags: dict[str, str] = field(factory=dict)
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
@@ -227,6 +231,7 @@ class MemoryBackend:
             self._run_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
             self._drivers = 0
             self._schedules: dict[str, _Schedule] = {}
+            self._paused: dict[tuple[str, int | None], datetime] = {}
             self._tombstones: dict[UUID, PrunedRun] = {}
             self._tombstone_keys: dict[tuple[str, str], UUID] = {}
             self._streams: dict[UUID, dict[str, _Stream]] = {}
@@ -322,7 +327,16 @@ class MemoryBackend:
         return run
 
     def _has_ready(self, pairs: Sequence[TaskPair], now: datetime) -> bool:
-        return any(self._ready_head(pair, now) is not None for pair in pairs)
+        return any(self._ready_head(pair, now) is not None for pair in self._unpaused(pairs))
+
+    def _unpaused(self, pairs: Sequence[TaskPair]) -> list[TaskPair]:
+        """The pairs a claim may take runs of: those no stored pause names (`LifecycleStore`)."""
+        paused = self._paused
+        if not paused:
+            return list(pairs)
+        return [
+            p for p in pairs if (p.name, None) not in paused and (p.name, p.version) not in paused
+        ]
 
     @staticmethod
     def _held(run: _Run, now: datetime) -> bool:
@@ -527,6 +541,9 @@ class MemoryBackend:
             wait_for=run.wait_for,
             trace_context=dict(run.trace_context),
             parent_run_id=run.parent_run_id,
+            rerun_of=run.rerun_of,
+            forked_from=run.forked_from,
+            forked_at_step=run.forked_at_step,
             tags=dict(run.tags),
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
@@ -547,6 +564,16 @@ class MemoryBackend:
             _storable_text(key, "tag key")
             _storable_text(value, f"tag {key!r}")
         with self._lock:
+            source = None
+            if new.forked_from is not None:
+                source = self._runs.get(new.forked_from)
+                if source is None:
+                    raise RunNotFoundError(f"no run {new.forked_from}", run_id=new.forked_from)
+                missing = [key for key in new.kept_steps if key not in source.steps]
+                if missing:
+                    raise BackendError(
+                        f"run {new.forked_from} has no step records {missing} to keep in its fork"
+                    )
             if new.idempotency_key is not None:
                 existing_id = self._by_key.get((new.task_name, new.idempotency_key))
                 if existing_id is not None:
@@ -585,8 +612,16 @@ class MemoryBackend:
                 parent_run_id=new.parent_run_id,
                 parent_fact=new.parent_fact,
                 cancel_with_parent=new.cancel_with_parent,
+                rerun_of=new.rerun_of,
+                forked_from=new.forked_from,
+                forked_at_step=new.forked_at_step,
                 tags=dict(new.tags),
             )
+            if source is not None:  # a fork: its kept records and the old run's facts, as stored
+                run.steps = {key: source.steps[key] for key in new.kept_steps}
+                for (scope, name), fact in list(self._facts.items()):
+                    if scope == source.run_id:
+                        self._facts[(run.run_id, name)] = evolve(fact, run_id=run.run_id)
             self._runs[run.run_id] = run
             if new.parent_run_id is not None:
                 self._children.setdefault(new.parent_run_id, []).append(run.run_id)
@@ -603,7 +638,7 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
-            open_pairs = list(dict.fromkeys(pairs))
+            open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
                 # busy pair cannot starve another; within the turn the higher priority goes
@@ -991,6 +1026,40 @@ class MemoryBackend:
     async def delete_schedule(self, name: str) -> bool:
         with self._lock:
             return self._schedules.pop(name, None) is not None
+
+    # -- pause (LifecycleStore) ------------------------------------------------------------------
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        with self._lock:
+            key = (task_name, task_version)
+            if key in self._paused:
+                return False
+            self._paused[key] = self.clock.now()
+            return True
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        with self._lock:
+            keys = [
+                key
+                for key in self._paused
+                if key[0] == task_name and (task_version is None or key[1] == task_version)
+            ]
+            for key in keys:
+                del self._paused[key]
+            if keys:
+                self._notify_work()
+                self._maybe_auto_advance()
+            return bool(keys)
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        with self._lock:
+            keys = sorted(self._paused, key=lambda k: (k[0], k[1] or 0))
+            return [
+                PausedTask(
+                    task_name=name, task_version=version, paused_at=self._paused[(name, version)]
+                )
+                for name, version in keys
+            ]
 
     # -- retention (RetentionStore) ----------------------------------------------------------------
 

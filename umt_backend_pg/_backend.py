@@ -76,6 +76,7 @@ from umt_sdk.backend import (
     HeartbeatResult,
     Lease,
     NewRun,
+    PausedTask,
     PruneBatch,
     PrunedRun,
     PruneQuery,
@@ -90,6 +91,7 @@ from umt_sdk.backend import (
     TaskPair,
 )
 from umt_sdk.exceptions import (
+    BackendError,
     FencingError,
     IdempotencyConflictError,
     RunNotFoundError,
@@ -262,6 +264,9 @@ class PostgresBackend:
             "parent_run_id": new.parent_run_id,
             "parent_fact": new.parent_fact,
             "cancel_with_parent": new.cancel_with_parent,
+            "rerun_of": new.rerun_of,
+            "forked_from": new.forked_from,
+            "forked_at_step": new.forked_at_step,
             "tags": Jsonb(dict(new.tags)),
         }
         if conn is not None:
@@ -275,7 +280,11 @@ class PostgresBackend:
                 return await self._enqueue_on(conn, new, {**params, "notify": True})
         with wrap_exceptions():
             async with self._pool.connection() as own:  # autocommit: one statement, one commit
-                result = await self._enqueue_on(own, new, {**params, "notify": False})
+                if new.forked_from is None:
+                    result = await self._enqueue_on(own, new, {**params, "notify": False})
+                else:  # a fork: the run and its copied history in one transaction
+                    async with own.transaction():
+                        result = await self._enqueue_on(own, new, {**params, "notify": False})
         if result.created:
             self._notifier.notify(f"{new.task_name}@{new.task_version}")
         return result
@@ -285,6 +294,8 @@ class PostgresBackend:
     ) -> EnqueueResult:
         cur = await conn.execute(self._q["insert_run"], params)
         if await cur.fetchone() is not None:
+            if new.forked_from is not None:
+                await self._copy_fork(conn, new)
             return EnqueueResult(run_id=new.run_id, created=True, task_version=new.task_version)
         cur = await conn.execute(self._q["find_idempotent_run"], params)
         row = await cur.fetchone()
@@ -301,6 +312,28 @@ class PostgresBackend:
             input_hash=existing_hash,
             pruned=pruned,
         )
+
+    async def _copy_fork(self, conn: psycopg.AsyncConnection[Any], new: NewRun) -> None:
+        """Copy the kept step records and the facts of the run `new` forks (`NewRun`)."""
+        source = new.forked_from
+        cur = await conn.execute(
+            self._q["copy_fork"],
+            {
+                "id": new.run_id,
+                "source": source,
+                "names": [name for name, _ in new.kept_steps],
+                "attempts": [attempt for _, attempt in new.kept_steps],
+            },
+        )
+        row = await cur.fetchone()
+        copied, _, found = row if row else (0, 0, False)
+        if not found:
+            raise RunNotFoundError(f"no run {source}", run_id=source)
+        if copied != len(new.kept_steps):
+            raise BackendError(
+                f"run {source} has {copied} of the {len(new.kept_steps)} step records its fork "
+                "keeps; read it again and fork it anew"
+            )
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
@@ -336,6 +369,7 @@ class PostgresBackend:
                 started=started,
                 timers_from=rows[0]["timers_from"],
                 left=rows[0]["timers_left"],
+                paused=frozenset(rows[0]["paused"] or ()),
             )
         claimed = []
         for row in rows:
@@ -726,6 +760,32 @@ class PostgresBackend:
 
     async def delete_schedule(self, name: str) -> bool:
         return await self._one("delete_schedule", {"name": name}) is not None
+
+    # -- pause (LifecycleStore) ----------------------------------------------------------------
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "pause_task", {"task_name": task_name, "task_version": task_version or 0}
+        )
+        return bool(row and row["stored"])
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "resume_task",
+            {"task_name": task_name, "task_version": task_version, "channel": self.work_channel},
+        )
+        return bool(row and row["deleted"])
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        rows = await self._all("list_paused_tasks", {})
+        return [
+            PausedTask(
+                task_name=r["task_name"],
+                task_version=r["task_version"] or None,
+                paused_at=r["paused_at"],
+            )
+            for r in rows
+        ]
 
     # -- retention (RetentionStore) --------------------------------------------------------------
 

@@ -81,8 +81,10 @@ __all__ = [
     "Lease",
     "Ledger",
     "LedgerEntry",
+    "LifecycleStore",
     "NewRun",
     "OverlapPolicy",
+    "PausedTask",
     "PruneBatch",
     "PruneQuery",
     "PrunedRun",
@@ -232,6 +234,19 @@ class NewRun:
     module docstring): how a parent waiting for its child is woken."""
     cancel_with_parent: bool = False
     """Whether this run's cancel is requested when its parent finishes failed or canceled."""
+    rerun_of: UUID | None = None
+    """The run this one runs again (`engine.rerun`): kept as `RunRecord.rerun_of`."""
+    forked_from: UUID | None = None
+    """The run this one is a fork of (`engine.fork`): kept as `RunRecord.forked_from`. A
+    backend that stores it (`LifecycleStore`) also copies, in the write that stores the run,
+    the step records `kept_steps` names and every fact of that run (its own, not broadcast
+    ones), as they are stored: their payloads never leave the store."""
+    forked_at_step: str | None = None
+    """The step the fork executes from: kept as `RunRecord.forked_at_step`."""
+    kept_steps: Sequence[tuple[str, int]] = ()
+    """For a fork: the (`name`, `attempt`) of each step record of `forked_from` to copy into
+    this run, in the order to record them (the SDK chose them; the store copies them as
+    stored, their `output_json`, error, times and token untouched)."""
     tags: Mapping[str, str] = field(factory=dict)
     """The caller's labels (`enqueue(..., tags={"tenant": "t7"})`), checked by the SDK: kept
     as `RunRecord.tags` and matched by `RunQuery.tags`."""
@@ -456,6 +471,12 @@ class RunRecord:
     trace_context: Mapping[str, str] = field(factory=dict)
     parent_run_id: UUID | None = None
     """The run that started this one, if it is a child run."""
+    rerun_of: UUID | None = None
+    """The run this one runs again (`NewRun.rerun_of`)."""
+    forked_from: UUID | None = None
+    """The run this one is a fork of (`NewRun.forked_from`)."""
+    forked_at_step: str | None = None
+    """The step the fork executed from (`NewRun.forked_at_step`)."""
     tags: Mapping[str, str] = field(factory=dict)
     """The labels given at enqueue (`NewRun.tags`)."""
     steps: Sequence[StepRecord] = ()
@@ -968,4 +989,58 @@ class StreamStore(Protocol):
         """Return when the run's stream may have an entry after seq `after` or the run may
         have ended, or after `timeout` seconds. Only a hint, as `wait_for_run` is (the caller
         reads again); a backend may return at once when it knows of a newer entry."""
+        ...
+
+
+# -- pause, rerun and fork ----------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class PausedTask:
+    """A task paused by `engine.pause`: no claim starts its runs until it is resumed."""
+
+    task_name: str
+    task_version: int | None
+    """The version paused; None: every version of the task."""
+    paused_at: datetime = field(validator=_tz_aware_required)
+
+    def __str__(self) -> str:
+        return (
+            self.task_name if self.task_version is None else f"{self.task_name}@{self.task_version}"
+        )
+
+
+@runtime_checkable
+class LifecycleStore(Protocol):
+    """What a backend implements to pause tasks and to rerun and fork runs (`engine.pause`,
+    `engine.resume`, `engine.rerun`, `engine.fork`). Optional: an engine on a backend without
+    it refuses those calls with a `UsageError` that says so.
+
+    A backend that implements it keeps three more rules:
+    - `claim` takes no run of a paused pair: a pair is paused when a pause names its task and
+      version, or its task alone (every version). Its runs wait as they are (pending, or
+      waiting with their timers), unharmed; a run already held goes on until its execution
+      ends. The check is made in the claim's own statement, against what is stored, so a
+      pause holds on every worker and host as soon as it is stored.
+    - `enqueue` keeps `NewRun.rerun_of`, `forked_from` and `forked_at_step` (read back on
+      `RunRecord`), and for a fork copies, in the same write, the step records
+      `NewRun.kept_steps` names and every run-scoped fact of `forked_from`, as stored; the
+      copied records are handed out with the run's first claim (`ClaimedRun.steps`).
+    - the SDK decides which steps a fork keeps and what a resume of one version of a task
+      paused as a whole means; the store only keeps the rows.
+    """
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        """Store the pause of `task_name@task_version` (None: every version). False (nothing
+        written) when that exact pause is stored already."""
+        ...
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        """Delete the pause of `task_name@task_version`; with None, every pause of the task
+        (the whole task's and each version's). Wakes the workers that may now claim its runs.
+        False when there was nothing to delete."""
+        ...
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        """Every stored pause, by task name then version (the whole task's first)."""
         ...

@@ -12,7 +12,7 @@ from uuid import UUID
 from umt_sdk._engine import Engine, connect
 from umt_sdk._export import RunHistory
 from umt_sdk._retention import DEFAULT_BATCH_SIZE, PruneReport
-from umt_sdk._spi import CancelOutcome, Clock, RunStatus
+from umt_sdk._spi import CancelOutcome, Clock, PausedTask, RunStatus, TaskPair
 from umt_sdk._streams import StreamItem
 from umt_sdk._task import Registry, TaskDefinition
 from umt_sdk._views import RunInfo, RunPage
@@ -23,8 +23,9 @@ T = TypeVar("T")
 
 
 class SyncEngine:
-    """enqueue / signal / cancel / get / list / result / stream, blocking. Runs its own
-    event loop in a background thread; close it (or use `with`) when done."""
+    """enqueue / signal / cancel / pause / resume / rerun / fork / get / list / result /
+    stream, blocking. Runs its own event loop in a background thread; close it (or use `with`)
+    when done."""
 
     def __init__(
         self, engine: Engine, loop: asyncio.AbstractEventLoop, thread: threading.Thread
@@ -83,6 +84,26 @@ class SyncEngine:
 
     def cancel(self, run_id: UUID, *, reason: str = "") -> CancelOutcome:
         return self._call(self._engine.cancel(run_id, reason=reason))
+
+    def pause(self, task: str | TaskPair) -> bool:
+        """Pause a task (see `Engine.pause`)."""
+        return self._call(self._engine.pause(task))
+
+    def resume(self, task: str | TaskPair) -> bool:
+        """Resume a paused task (see `Engine.resume`)."""
+        return self._call(self._engine.resume(task))
+
+    def paused(self) -> list[PausedTask]:
+        """The stored pauses (see `Engine.paused`)."""
+        return self._call(self._engine.paused())
+
+    def rerun(self, run_id: UUID, *, version: int | None = None) -> UUID:
+        """Start a finished run again (see `Engine.rerun`) and return the new run's id."""
+        return self._call(self._engine.rerun(run_id, version=version)).run_id
+
+    def fork(self, run_id: UUID, from_step: str, *, version: int | None = None) -> UUID:
+        """Fork a finished run from a step (see `Engine.fork`) and return the new run's id."""
+        return self._call(self._engine.fork(run_id, from_step, version=version)).run_id
 
     def get(self, run_id: UUID) -> RunInfo:
         return self._call(self._engine.get(run_id))

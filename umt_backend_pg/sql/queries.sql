@@ -11,20 +11,26 @@
 -- One statement: the run, and (only if it was inserted, and when %(notify)s) the NOTIFY that
 -- wakes idle workers, delivered at commit. Only an enqueue in the caller's transaction notifies
 -- here; the others are notified after their commit, coalesced (see _notifier.py).
--- A run claimable at once (no delay) is also queued in `ready`, in the same statement.
+-- A run claimable at once (no delay) is also queued in `ready`, in the same statement, unless
+-- its pair is paused (it waits in runs_claim_ready: paused runs never hold `ready` rows, which
+-- would keep its slots from being truncated).
 -- A keyed run is not inserted when the key's run was pruned (its tombstone in `pruned_runs`,
 -- one index probe, only for keyed runs); its tags (if any) go to `run_tags`.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, tags
+        cancel_with_parent, rerun_of, forked_from, forked_at_step, tags
     )
     SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
         now() + %(delay)s::interval, %(idempotency_key)s::text, %(input_hash)s,
-        %(trace_context)s, %(input)s::jsonb, %(delay)s::interval <= interval '0',
-        %(parent_run_id)s::uuid, %(parent_fact)s::text, %(cancel_with_parent)s, %(tags)s::jsonb
+        %(trace_context)s, %(input)s::jsonb,
+        %(delay)s::interval <= interval '0' AND NOT EXISTS (
+            SELECT 1 FROM {schema}.paused_tasks z
+            WHERE z.task_name = %(task_name)s AND z.task_version IN (0, %(task_version)s)),
+        %(parent_run_id)s::uuid, %(parent_fact)s::text, %(cancel_with_parent)s,
+        %(rerun_of)s::uuid, %(forked_from)s::uuid, %(forked_at_step)s::text, %(tags)s::jsonb
     WHERE %(idempotency_key)s::text IS NULL OR NOT EXISTS (
         SELECT 1 FROM {schema}.pruned_runs t
         WHERE t.task_name = %(task_name)s AND t.idempotency_key = %(idempotency_key)s::text
@@ -41,6 +47,35 @@ WITH inserted AS (
 )
 SELECT i.id, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, %(pair)s) END
 FROM inserted i;
+
+-- name: copy_fork
+-- A fork's history, in the transaction that inserted it: the step records of the old run it
+-- keeps (in the order given, so they read back in that order) and the old run's own facts, as
+-- stored (their payloads never leave the database).
+WITH kept AS (
+    SELECT k.name, k.attempt, k.position
+    FROM unnest(%(names)s::text[], %(attempts)s::integer[]) WITH ORDINALITY
+        AS k (name, attempt, position)
+), steps AS (
+    INSERT INTO {schema}.steps (
+        run_id, name, attempt, kind, status, fencing_token, output, error, started_at,
+        finished_at, wake_at
+    )
+    SELECT %(id)s, s.name, s.attempt, s.kind, s.status, s.fencing_token, s.output, s.error,
+           s.started_at, s.finished_at, s.wake_at
+    FROM kept k
+    JOIN {schema}.steps s
+      ON s.run_id = %(source)s AND s.name = k.name AND s.attempt = k.attempt
+    ORDER BY k.position
+    RETURNING 1
+), facts AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload, created_at)
+    SELECT %(id)s::text, f.name, %(id)s, f.payload, f.created_at
+    FROM {schema}.facts f WHERE f.scope = %(source)s::text
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM steps) AS steps, (SELECT count(*) FROM facts) AS facts,
+       EXISTS (SELECT 1 FROM {schema}.runs r WHERE r.id = %(source)s) AS source_found;
 
 -- name: find_idempotent_run
 -- The run the key names: the stored one, else the tombstone of the pruned one.
@@ -87,9 +122,17 @@ SET LOCAL synchronous_commit TO off;
 -- earliest timer offered and not claimed, locked by another claim or beyond %(limit)s; the last
 -- one offered of a pair whose timers filled %(scan)s; at most %(timers_margin)s before now, for
 -- a writer that commits late), and `timers_left`: some are due still (read again at once).
-WITH pairs AS (
-    SELECT p.name, p.version
+-- Pairs that a stored pause names (paused_tasks, by version or the whole task) are left out
+-- before anything is read: their runs wait as they are. When the timers were read, the row also
+-- names them (`paused`): a pair resumed later has timers this read passed over, so the backend
+-- reads all timers again once it sees one resumed.
+WITH served AS (
+    SELECT p.name, p.version,
+           EXISTS (SELECT 1 FROM {schema}.paused_tasks z
+                   WHERE z.task_name = p.name AND z.task_version IN (0, p.version)) AS paused
     FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
+), pairs AS (
+    SELECT s.name, s.version FROM served s WHERE NOT s.paused
 ), candidates AS (
     SELECT c.id, c.priority, c.available_at, c.timer, p.name AS pair_name,
            p.version AS pair_version,
@@ -155,7 +198,7 @@ WITH pairs AS (
     WHERE r.id = l.id
     RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
               r.claims, r.failures, r.trace_context, r.idempotency_key, l.previous_status,
-              l.previous_token, l.ready_at,
+              l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked,
               CASE WHEN r.cancel_requested_at IS NOT NULL
                    THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
 ), dequeued AS (
@@ -179,13 +222,15 @@ WITH pairs AS (
     ) AS due_from
 ), timers_read AS (
     SELECT least(d.due_from, now() - %(timers_margin)s::interval) AS timers_from,
-           d.due_from IS NOT NULL AS timers_left
+           d.due_from IS NOT NULL AS timers_left,
+           ARRAY(SELECT s.name || '@' || s.version FROM served s WHERE s.paused) AS paused
     FROM timers_due d WHERE %(timers)s::boolean
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left,
-       CASE WHEN c.claims > 1 THEN (
+       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left, t.paused,
+       -- A fork's first claim replays the step records it kept.
+       CASE WHEN c.claims > 1 OR c.forked THEN (
            SELECT json_agg(json_build_object(
                'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
                'fencing_token', s.fencing_token, 'output', s.output::text, 'error', s.error,
@@ -575,8 +620,8 @@ FROM changed c;
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
-       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, tags,
-       now() AS db_now
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
+       forked_from, forked_at_step, tags, now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -595,8 +640,8 @@ FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
-       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, tags,
-       now() AS db_now
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
+       forked_from, forked_at_step, tags, now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
@@ -619,7 +664,8 @@ SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.
        r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
        r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
        r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason, r.wait_for,
-       r.trace_context, r.parent_run_id, r.tags, now() AS db_now
+       r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from, r.forked_at_step, r.tags,
+       now() AS db_now
 FROM {schema}.run_tags t
 JOIN {schema}.runs r ON r.id = t.run_id
 WHERE t.key = %(tag_key)s AND t.value = %(tag_value)s
@@ -912,3 +958,41 @@ JOIN {schema}.stream_entries e
   ON e.run_id = s.run_id AND e.name = s.name AND e.seq = s.last_seq
 WHERE s.run_id = ANY (%(run_ids)s::uuid[])
   AND (%(name)s::text IS NULL OR s.name = %(name)s);
+
+-- Pauses (see migrations/0011_pause_rerun_fork.sql): task_version 0 is the whole task.
+
+-- name: pause_task
+-- First write wins for a pause; a new one also takes the pair's runs out of `ready` (they wait
+-- in runs_claim_ready, pending and not queued), so paused runs never keep its slots from being
+-- truncated.
+WITH paused AS (
+    INSERT INTO {schema}.paused_tasks (task_name, task_version)
+    VALUES (%(task_name)s, %(task_version)s)
+    ON CONFLICT (task_name, task_version) DO NOTHING
+    RETURNING task_name, task_version
+), dequeued AS (
+    DELETE FROM {schema}.ready q USING paused p
+    WHERE q.task_name = p.task_name AND p.task_version IN (0, q.task_version)
+    RETURNING q.run_id
+), unqueued AS (
+    UPDATE {schema}.runs r SET queued = false
+    FROM dequeued d WHERE r.id = d.run_id AND r.status = 'pending' AND r.queued
+)
+SELECT count(*) AS stored FROM paused;
+
+-- name: resume_task
+-- %(task_version)s NULL: every pause of the task. Idle workers are woken (an empty payload:
+-- whatever pair); the resumed runs are claimed from runs_claim_ready in their usual order.
+WITH resumed AS (
+    DELETE FROM {schema}.paused_tasks
+    WHERE task_name = %(task_name)s
+      AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
+    RETURNING 1
+)
+SELECT count(*) AS deleted,
+       (SELECT pg_notify(%(channel)s, '') FROM resumed HAVING count(*) > 0) AS notified
+FROM resumed;
+
+-- name: list_paused_tasks
+SELECT task_name, task_version, paused_at FROM {schema}.paused_tasks
+ORDER BY task_name, task_version;

@@ -38,6 +38,10 @@ CREATE TABLE {schema}.runs (
     parent_run_id       uuid,
     parent_fact         text,
     cancel_with_parent  boolean NOT NULL DEFAULT false,
+    -- A run started again: the run it reruns, or forks and the step it forks from (0011).
+    rerun_of            uuid,
+    forked_from         uuid,
+    forked_at_step      text,
     -- The labels given at enqueue; one row each in run_tags (migration 0012).
     tags                jsonb NOT NULL DEFAULT '{{}}'
 ) WITH (
@@ -293,6 +297,15 @@ CREATE TABLE {schema}.stream_entries (
     PRIMARY KEY (run_id, name, seq),
     UNIQUE (run_id, name, key),
     FOREIGN KEY (run_id, name) REFERENCES {schema}.streams (run_id, name) ON DELETE CASCADE
+);
+
+-- Paused tasks: the claim takes no run of a pair named here, by its version or by the task
+-- alone (task_version 0: every version); see migrations/0011_pause_rerun_fork.sql.
+CREATE TABLE {schema}.paused_tasks (
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL CHECK (task_version >= 0),
+    paused_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (task_name, task_version)
 );
 -- Tags one a row, for listing by a tag in run-id order (see migrations/0012_retention_and_tags.sql).
 CREATE TABLE {schema}.run_tags (

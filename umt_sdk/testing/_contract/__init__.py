@@ -27,6 +27,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_listing`: tags, and listing by key, tag, time range and cursor
 - `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
+- `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from umt_sdk.testing._contract import (
     _facts,
     _leases,
     _ledger,
+    _lifecycle,
     _listing,
     _payloads,
     _pruning,
@@ -79,6 +81,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_listing.TASKS,
     *_pruning.TASKS,
     *_streams.TASKS,
+    *_lifecycle.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -105,6 +108,7 @@ class BackendContract(
     _listing.ListingContract,
     _pruning.PruningContract,
     _streams.StreamsContract,
+    _lifecycle.LifecycleContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
