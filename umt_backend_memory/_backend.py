@@ -155,12 +155,33 @@ class _Run:
     forked_from: UUID | None = None
     forked_at_step: str | None = None
     tags: dict[str, str] = field(factory=dict)
+    concurrency_key: str | None = None
+    count_waiting: bool = False
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
 
     @property
     def pair(self) -> TaskPair:
         return TaskPair(name=self.task_name, version=self.task_version)
+
+    @property
+    def key(self) -> tuple[str, str] | None:
+        """Its concurrency key, per task name (None without one)."""
+        return None if self.concurrency_key is None else (self.task_name, self.concurrency_key)
+
+    @property
+    def holds_slot(self) -> bool:
+        """A keyed run holds a slot while running, and while waiting with count_waiting."""
+        return self.concurrency_key is not None and (
+            self.status == "running" or (self.status == "waiting" and self.count_waiting)
+        )
+
+    @property
+    def wants_slot(self) -> bool:
+        """A keyed run wants a slot while pending, and while waiting without count_waiting."""
+        return self.concurrency_key is not None and (
+            self.status == "pending" or (self.status == "waiting" and not self.count_waiting)
+        )
 
 
 @define(eq=False)
@@ -222,6 +243,11 @@ class MemoryBackend:
             self._requested: list[tuple[UUID, str]] = []
             self._ledger: dict[str, _LedgerRow] = {}
             self._ready: dict[TaskPair, list[tuple[int, datetime, int, UUID, int]]] = {}
+            # Keyed runs that want a slot and are due, per pair and key (never in `_ready`);
+            # the runs holding a slot, and the limit, per (task name, key).
+            self._keyed: dict[TaskPair, dict[str, list[tuple[int, datetime, int, UUID, int]]]] = {}
+            self._holders: dict[tuple[str, str], set[UUID]] = {}
+            self._limits: dict[tuple[str, str], int] = {}
             self._timers: list[tuple[datetime, int, UUID, int]] = []
             self._running: set[UUID] = set()
             self._seq = itertools.count(1)
@@ -265,10 +291,11 @@ class MemoryBackend:
         """Index the run after a state change (old heap entries go stale by version)."""
         run.version += 1
         now = self.clock.now()
+        self._count_slot(run)
         if run.status in ("pending", "waiting") and run.available_at is not None:
             if run.available_at <= now:
                 heapq.heappush(
-                    self._ready.setdefault(run.pair, []),
+                    self._ready_heap(run),
                     (-run.priority, run.available_at, run.seq, run.run_id, run.version),
                 )
                 self._notify_work()
@@ -292,18 +319,60 @@ class MemoryBackend:
                 ready_at = expires or now
             else:
                 ready_at = run.available_at or now
-            heapq.heappush(
-                self._ready.setdefault(run.pair, []),
-                (-run.priority, ready_at, seq, run_id, version),
-            )
+            heapq.heappush(self._ready_heap(run), (-run.priority, ready_at, seq, run_id, version))
+
+    def _ready_heap(self, run: _Run) -> list[tuple[int, datetime, int, UUID, int]]:
+        """Where the run waits once due: its key's heap if it wants a slot, else its pair's."""
+        if run.wants_slot:
+            assert run.concurrency_key is not None
+            return self._keyed.setdefault(run.pair, {}).setdefault(run.concurrency_key, [])
+        return self._ready.setdefault(run.pair, [])
+
+    def _count_slot(self, run: _Run) -> None:
+        """Keep the key's holders exact after a state change; a freed slot wakes the claims."""
+        key = run.key
+        if key is None:
+            return
+        holders = self._holders.setdefault(key, set())
+        if run.holds_slot:
+            holders.add(run.run_id)
+        elif run.run_id in holders:
+            holders.discard(run.run_id)
+            self._notify_work()
+
+    def _free_slot(self, key: tuple[str, str]) -> bool:
+        return len(self._holders.get(key, ())) < self._limits[key]
 
     def _ready_head(self, pair: TaskPair, now: datetime) -> _Run | None:
-        """The first claimable run in the pair's ready heap, dropping stale entries.
+        """The first claimable run of the pair: the head of its ready heap, or of the heap of
+        one of its keys with a free slot, whichever the claim's order puts first."""
+        found = self._head_entry(pair, now)
+        return None if found is None else found[1]
+
+    def _head_entry(
+        self, pair: TaskPair, now: datetime
+    ) -> tuple[tuple[int, datetime, int], _Run, list[tuple[int, datetime, int, UUID, int]]] | None:
+        best = None
+        run = self._heap_head(self._ready.get(pair), now)
+        if run is not None:
+            heap = self._ready[pair]
+            best = (heap[0][:3], run, heap)
+        for key, heap in self._keyed.get(pair, {}).items():
+            if not heap or not self._free_slot((pair.name, key)):
+                continue
+            run = self._heap_head(heap, now)
+            if run is not None and (best is None or heap[0][:3] < best[0]):
+                best = (heap[0][:3], run, heap)
+        return best
+
+    def _heap_head(
+        self, heap: list[tuple[int, datetime, int, UUID, int]] | None, now: datetime
+    ) -> _Run | None:
+        """The first claimable run in a ready heap, dropping stale entries.
 
         A running run was promoted because its lease had expired; if its holder renewed the
         lease since (a heartbeat, a recorded step), it is not claimable: back to the timers.
         """
-        heap = self._ready.get(pair)
         while heap:
             *_, run_id, version = heap[0]
             run = self._runs.get(run_id)
@@ -321,9 +390,11 @@ class MemoryBackend:
         return None
 
     def _pop_ready(self, pair: TaskPair, now: datetime) -> _Run | None:
-        run = self._ready_head(pair, now)
-        if run is not None:
-            heapq.heappop(self._ready[pair])
+        found = self._head_entry(pair, now)
+        if found is None:
+            return None
+        _, run, heap = found
+        heapq.heappop(heap)
         return run
 
     def _has_ready(self, pairs: Sequence[TaskPair], now: datetime) -> bool:
@@ -545,6 +616,7 @@ class MemoryBackend:
             forked_from=run.forked_from,
             forked_at_step=run.forked_at_step,
             tags=dict(run.tags),
+            concurrency_key=run.concurrency_key,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,
@@ -616,6 +688,8 @@ class MemoryBackend:
                 forked_from=new.forked_from,
                 forked_at_step=new.forked_at_step,
                 tags=dict(new.tags),
+                concurrency_key=new.concurrency_key,
+                count_waiting=new.count_waiting,
             )
             if source is not None:  # a fork: its kept records and the old run's facts, as stored
                 run.steps = {key: source.steps[key] for key in new.kept_steps}
@@ -623,6 +697,9 @@ class MemoryBackend:
                     if scope == source.run_id:
                         self._facts[(run.run_id, name)] = evolve(fact, run_id=run.run_id)
             self._runs[run.run_id] = run
+            if run.key is not None:
+                assert new.concurrency_limit is not None  # NewRun checks they go together
+                self._limits[run.key] = new.concurrency_limit
             if new.parent_run_id is not None:
                 self._children.setdefault(new.parent_run_id, []).append(run.run_id)
             if new.idempotency_key is not None:
@@ -645,11 +722,11 @@ class MemoryBackend:
                 # first, then the earlier ready, then the earlier enqueued.
                 heads: list[tuple[tuple[int, datetime, int], TaskPair]] = []
                 for pair in list(open_pairs):
-                    if self._ready_head(pair, now) is None:
+                    found = self._head_entry(pair, now)
+                    if found is None:
                         open_pairs.remove(pair)
                         continue
-                    neg_priority, ready_at, seq, *_ = self._ready[pair][0]
-                    heads.append(((neg_priority, ready_at, seq), pair))
+                    heads.append((found[0], pair))
                 heads.sort(key=lambda head: head[0])
                 for _, pair in heads:
                     if len(claimed) >= limit:
@@ -1247,6 +1324,7 @@ def _matches(run: _Run, query: RunQuery) -> bool:
         and (query.task_version is None or run.task_version == query.task_version)
         and (query.status is None or run.status == query.status)
         and (query.parent_run_id is None or run.parent_run_id == query.parent_run_id)
+        and (query.concurrency_key is None or run.concurrency_key == query.concurrency_key)
         and (query.idempotency_key is None or run.idempotency_key == query.idempotency_key)
         and all(run.tags.get(key) == value for key, value in query.tags.items())
         and (query.created_after is None or run.created_at >= query.created_after)

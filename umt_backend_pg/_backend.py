@@ -268,6 +268,9 @@ class PostgresBackend:
             "forked_from": new.forked_from,
             "forked_at_step": new.forked_at_step,
             "tags": Jsonb(dict(new.tags)),
+            "concurrency_key": new.concurrency_key,
+            "concurrency_limit": new.concurrency_limit,
+            "count_waiting": new.count_waiting,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -512,7 +515,7 @@ class PostgresBackend:
                         await conn.execute(self._q["lock_run"], params)
                         cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
-        owned, ended, fact_present, _ = row if row else (0, 0, False, None)
+        owned, ended, fact_present = row[:3] if row else (0, 0, False)
         if not owned:
             raise self._fenced(lease, f"ending as {ending.outcome}")
         if ended:
@@ -560,12 +563,13 @@ class PostgresBackend:
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
                 cur = await conn.execute(
-                    self._q["cancel_run"], {"run_id": run_id, "reason": reason}
+                    self._q["cancel_run"],
+                    {"run_id": run_id, "reason": reason, "channel": self.work_channel},
                 )
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                (status,) = row
+                status = row[0]
                 if status is None:
                     return "already_finished"
                 if status == "canceled":  # it finished: what a finishing write also does
@@ -594,9 +598,13 @@ class PostgresBackend:
         while level:
             cur = await conn.execute(
                 self._q["cancel_children"],
-                {"run_ids": level, "cancel_channel": self.cancel_channel},
+                {
+                    "run_ids": level,
+                    "cancel_channel": self.cancel_channel,
+                    "work_channel": self.work_channel,
+                },
             )
-            level = [child for child, ends, _ in await cur.fetchall() if ends]
+            level = [child for child, ends, *_ in await cur.fetchall() if ends]
             ended += level
         return ended
 
@@ -624,6 +632,7 @@ class PostgresBackend:
             "task_version": query.task_version,
             "status": query.status,
             "parent_run_id": query.parent_run_id,
+            "concurrency_key": query.concurrency_key,
             "idempotency_key": query.idempotency_key,
             "created_after": query.created_after,
             "created_before": query.created_before,

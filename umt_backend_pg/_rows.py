@@ -119,6 +119,7 @@ def _record(
         forked_from=row.get("forked_from"),
         forked_at_step=row.get("forked_at_step"),
         tags=row.get("tags") or {},
+        concurrency_key=row.get("concurrency_key"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,

@@ -8,6 +8,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
     ChildHandle,
     ParentClose,
@@ -65,6 +66,8 @@ __all__ = [
     "ChildCanceledError",
     "ChildFailedError",
     "ChildHandle",
+    "Concurrency",
+    "ConcurrencyStrategy",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",

@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 
 from attrs import frozen
 
+from umt_sdk._concurrency import Concurrency
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
 
@@ -39,6 +40,8 @@ class TaskDefinition(Generic[I, O]):
     retention: timedelta | None = None
     """How long this task's finished runs are kept before workers delete them (see `task`);
     None: the engine's `connect(retention=...)`."""
+    concurrency: Concurrency[Any] | None = None
+    """At most `limit` runs of a key running at once (see `Concurrency`); None: no limit."""
 
     @property
     def pair(self) -> TaskPair:

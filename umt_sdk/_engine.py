@@ -19,6 +19,7 @@ from opentelemetry.trace import TracerProvider
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._ids import new_run_id
@@ -244,6 +245,20 @@ class Engine:
             check.duration(delay, "delay")
         run_tags = check_tags(tags)
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
+        keyed = key_fields(
+            definition.concurrency,
+            task_name=definition.name,
+            input_type=definition.input_type,
+            input_json=input_json,
+        )
+        strategy = definition.concurrency.strategy if definition.concurrency else "queue"
+        if conn is not None and strategy != "queue":
+            raise UsageError(
+                f"task {definition.name!r} has concurrency strategy {strategy!r}, which "
+                "cancels other runs of the key once the new run is stored: enqueue it without "
+                "conn= (the strategy cannot wait for your transaction to commit)",
+                argument="conn",
+            )
         run_id = new_run_id()
         attributes = {
             **Telemetry.task_attributes(definition.name, definition.version),
@@ -263,6 +278,7 @@ class Engine:
                 delay=delay,
                 trace_context=self.telemetry.inject(),
                 tags=run_tags,
+                **keyed,
             )
             result = await self.backend.enqueue(new, conn=conn)
             # On the caller's transaction the run exists only if that commits, which the SDK
@@ -284,6 +300,14 @@ class Engine:
                 await self._check_key_version(result, definition, idempotency_key)
         if result.created and conn is None:
             self.telemetry.runs_enqueued.add(1, task_attributes)
+            if new.concurrency_key is not None:
+                await apply_strategy(
+                    self.backend,
+                    definition.concurrency,
+                    task_name=definition.name,
+                    run_id=result.run_id,
+                    key=new.concurrency_key,
+                )
         return RunHandle(
             run_id=result.run_id,
             task_name=definition.name,
@@ -514,6 +538,16 @@ class Engine:
             )
         else:
             input_json, input_hash = record.input_json, _serde.input_hash(record.input_json)
+        keyed = (
+            key_fields(
+                definition.concurrency,
+                task_name=definition.name,
+                input_type=definition.input_type,
+                input_json=input_json,
+            )
+            if definition is not None
+            else {}
+        )
         call = "rerun" if rerun else "fork"
         attributes = {
             **Telemetry.task_attributes(record.task_name, version),
@@ -535,6 +569,7 @@ class Engine:
                 forked_at_step=None if plan is None else plan.from_step,
                 kept_steps=() if plan is None else plan.kept_steps,
                 tags=dict(record.tags),  # found by the same tags as the run it starts again
+                **keyed,
             )
             result = await self.backend.enqueue(new)
             span.set_attribute("umt.run.id", str(result.run_id))

@@ -27,7 +27,8 @@ A backend author must store, atomically and durably before returning:
 - the few conditions only the store can check atomically with a write, each named where it
   applies: first write wins for a fact and for an idempotency key; a park onto a fact already
   stored is refused (no lost wake-up); a hand-back of a run whose cancel was requested is
-  refused; a claim takes only available runs, in the one order `claim` documents; a cancel ends
+  refused; a claim takes only available runs, in the one order `claim` documents, and never more
+  runs of a concurrency key than its free slots; a cancel ends
   at once a run nobody holds, a lapsed lease included (`cancel`); a child run that finishes
   stores its parent's fact, and a run that finishes failed or canceled requests the cancel of
   its children that asked for it, each in the write that finishes it (`finishing`, below). A
@@ -132,6 +133,11 @@ def _tz_aware(_: object, attribute: Any, value: datetime | None) -> None:
 def _tz_aware_required(_: object, attribute: Any, value: datetime) -> None:
     if value.tzinfo is None:
         raise ValueError(f"{attribute.name} must be timezone-aware, got {value!r}")
+
+
+def _optional_limit(_: object, __: object, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"concurrency_limit must be an integer >= 1, got {value!r}")
 
 
 def _positive_token(_: object, __: object, value: int) -> None:
@@ -250,6 +256,21 @@ class NewRun:
     tags: Mapping[str, str] = field(factory=dict)
     """The caller's labels (`enqueue(..., tags={"tenant": "t7"})`), checked by the SDK: kept
     as `RunRecord.tags` and matched by `RunQuery.tags`."""
+    concurrency_key: str | None = None
+    """The run's concurrency key (the SDK computed it from the input): at most
+    `concurrency_limit` runs of this task name and key hold a slot at once (see `claim`)."""
+    concurrency_limit: int | None = field(default=None, validator=_optional_limit)
+    """With `concurrency_key`: the key's limit, stored for the key (the newest enqueue's wins)."""
+    count_waiting: bool = False
+    """With `concurrency_key`: whether the run keeps its slot while `waiting` (a sleep, a
+    wait for a fact); by default a waiting run gives its slot back and needs one again to run."""
+
+    def __attrs_post_init__(self) -> None:
+        if (self.concurrency_key is None) != (self.concurrency_limit is None):
+            raise ValueError(
+                "NewRun: concurrency_key and concurrency_limit go together (both or neither), "
+                f"got key {self.concurrency_key!r} and limit {self.concurrency_limit!r}"
+            )
 
 
 @frozen(kw_only=True)
@@ -479,6 +500,8 @@ class RunRecord:
     """The step the fork executed from (`NewRun.forked_at_step`)."""
     tags: Mapping[str, str] = field(factory=dict)
     """The labels given at enqueue (`NewRun.tags`)."""
+    concurrency_key: str | None = None
+    """The run's concurrency key as stored (None without one)."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)
@@ -497,6 +520,8 @@ class RunQuery:
     status: RunStatus | None = None
     parent_run_id: UUID | None = None
     """Only the children of this run."""
+    concurrency_key: str | None = None
+    """Only the runs of this concurrency key."""
     limit: int = 100
     before: UUID | None = None
     idempotency_key: str | None = None
@@ -609,7 +634,18 @@ class Backend(Protocol):
 
         Each claimed run becomes `running` under its new token, with a lease until the
         backend's clock plus `lease`, a new `running` execution, one more `claims`, and no
-        `wait_for`."""
+        `wait_for`.
+
+        Concurrency keys (`NewRun.concurrency_key`): a run with a key *holds a slot* of its
+        (task name, key) while it is `running`, and while it is `waiting` if it was enqueued
+        with `count_waiting`. A claim takes a run that does not hold one (pending, or waiting
+        without `count_waiting`) only while fewer runs than the key's limit hold a slot, and
+        never more than the free slots, atomically with the other claims (across workers);
+        the others of the key stay where they are, unharmed, in the order above, and runs of
+        other keys and without a key are claimed as if they were not there. A run that holds
+        a slot (a lapsed lease taken over, a `count_waiting` run woken) is claimed as any
+        other. A write that frees a slot (an ending, a cancel) makes the key's next run
+        claimable at once, and wakes `wait_for_work`."""
         ...
 
     async def heartbeat(

@@ -22,6 +22,7 @@ from attrs import field, frozen
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
@@ -406,6 +407,12 @@ class Steps:
         input_json, input_hash = _serde.encode_input(
             input, definition.input_type, what=f"input of child {name!r}"
         )
+        keyed = key_fields(
+            definition.concurrency,
+            task_name=definition.name,
+            input_type=definition.input_type,
+            input_json=input_json,
+        )
 
         async def enqueue_child() -> UUID:
             child_id = new_run_id()
@@ -423,9 +430,20 @@ class Steps:
                         parent_run_id=parent.run_id,
                         parent_fact=child_fact(child_id),
                         cancel_with_parent=cancel_with_parent,
+                        **keyed,
                     )
                 )
             )
+            if result.created and keyed:
+                await self._host.guard(
+                    apply_strategy(
+                        self._host.backend,
+                        definition.concurrency,
+                        task_name=definition.name,
+                        run_id=result.run_id,
+                        key=keyed["concurrency_key"],
+                    )
+                )
             if not result.created and result.input_hash not in (None, input_hash):
                 raise IdempotencyConflictError(
                     f"step {name!r} started child run {result.run_id} with another input "

@@ -14,6 +14,7 @@ from attrs import field, frozen
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
 from umt_sdk._cron import CronSpec
 from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, TaskDefinition
@@ -62,6 +63,7 @@ def task(
     retry: RetryPolicy | None = None,
     max_lost_leases: int = DEFAULT_MAX_LOST_LEASES,
     retention: timedelta | None = None,
+    concurrency: Concurrency[Any] | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
 
@@ -81,6 +83,9 @@ def task(
         retention: how long this task's finished runs are kept before the workers delete
             them (a timedelta > 0); None (the default) uses `connect(retention=...)`. The
             longest of a task's versions applies to all its runs. See docs/retention.md.
+        concurrency: at most `limit` runs with the same key running at once, across all
+            workers (`Concurrency(key=lambda inp: inp.tenant_id, limit=2)`); the others wait
+            their turn. See docs/flow-control.md.
     """
     check_name("task", name)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -112,6 +117,7 @@ def task(
             f"{shown(retention)}",
             argument="retention",
         )
+    concurrency = check_concurrency(concurrency, task_name=name)
 
     def decorate(fn: Callable[..., Any]) -> TaskDefinition[Any, Any]:
         if isinstance(fn, TaskDefinition):
@@ -152,6 +158,7 @@ def task(
             retry=policy,
             max_lost_leases=max_lost_leases,
             retention=retention,
+            concurrency=concurrency,
         )
 
     return typing.cast(_TaskDecorator, decorate)

@@ -28,6 +28,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
+- `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from umt_sdk.testing._contract import (
     _cancel,
     _children,
     _claims,
+    _concurrency,
     _facts,
     _leases,
     _ledger,
@@ -82,6 +84,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_pruning.TASKS,
     *_streams.TASKS,
     *_lifecycle.TASKS,
+    *_concurrency.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -109,6 +112,7 @@ class BackendContract(
     _pruning.PruningContract,
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
+    _concurrency.ConcurrencyContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
