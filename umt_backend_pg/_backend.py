@@ -67,6 +67,7 @@ from umt_sdk.backend import (
     TERMINAL_STATUSES,
     Beat,
     CancelOutcome,
+    ChildGroup,
     ClaimedRun,
     Clock,
     Ending,
@@ -569,13 +570,13 @@ class PostgresBackend:
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                status = row[0]
+                status, held = row[0], row[-1]
                 if status is None:
                     return "already_finished"
                 if status == "canceled":  # it finished: what a finishing write also does
-                    await conn.execute(
-                        self._q["finish_child"], {"run_id": run_id, "channel": self.work_channel}
-                    )
+                    finished = {"run_id": run_id, "channel": self.work_channel, "held": held}
+                    await conn.execute(self._q["finish_child"], finished)
+                    await conn.execute(self._q["group_member_canceled"], finished)
                     canceled = await self._cancel_children(conn, run_id)
                 else:
                     await conn.execute(
@@ -668,6 +669,69 @@ class PostgresBackend:
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
         return self._wakeups.add_cancel_listener(listener)
+
+    # -- child groups (ChildGroupStore) --------------------------------------------------------
+
+    async def start_group(
+        self, group: ChildGroup, runs: Sequence[NewRun]
+    ) -> Sequence[EnqueueResult]:
+        """One statement for the whole group, however many children (arrays, unnested)."""
+        params = {
+            "parent_run_id": group.parent_run_id,
+            "name": group.name,
+            "max_concurrency": group.max_concurrency,
+            "ids": [new.run_id for new in runs],
+            "task_names": [new.task_name for new in runs],
+            "task_versions": [new.task_version for new in runs],
+            "priorities": [new.priority for new in runs],
+            "keys": [new.idempotency_key for new in runs],
+            "hashes": [new.input_hash for new in runs],
+            "inputs": [new.input_json for new in runs],
+            "trace_context": Jsonb(dict(runs[0].trace_context) if runs else {}),
+            "cancel_with_parent": bool(runs) and runs[0].cancel_with_parent,
+            "channel": self.work_channel,
+        }
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(self._q["start_group"], params)
+                row = await cur.fetchone()
+                if row is not None and row[0] and row[1] != len(runs):
+                    raise IdempotencyConflictError(  # rolls the group back
+                        f"start_group {group.name!r}: {len(runs) - row[1]} of its children's "
+                        "idempotency keys name runs that already exist",
+                        idempotency_key=runs[0].idempotency_key or "",
+                    )
+                if row is not None and row[0]:
+                    return [
+                        EnqueueResult(
+                            run_id=new.run_id, created=True, task_version=new.task_version
+                        )
+                        for new in runs
+                    ]
+                cur = await conn.execute(self._q["group_members"], params)
+                members = await cur.fetchall()
+        return [
+            EnqueueResult(run_id=run_id, created=False, task_version=version, input_hash=hashed)
+            for run_id, hashed, version in members
+        ]
+
+    async def join_group(self, group: ChildGroup, run_ids: Sequence[UUID]) -> int:
+        row = await self._one(
+            "join_group",
+            {"parent_run_id": group.parent_run_id, "name": group.name, "ids": list(run_ids)},
+        )
+        found, left_over = (row["found"], row["left_over"]) if row else (0, 0)
+        if found != len(run_ids):
+            raise RunNotFoundError(
+                f"join_group {group.name!r}: only {found} of the {len(run_ids)} runs are "
+                f"children of run {group.parent_run_id}",
+                run_id=group.parent_run_id,
+            )
+        return int(left_over)
+
+    async def group_runs(self, *, parent_run_id: UUID, name: str) -> Sequence[RunRecord]:
+        rows = await self._all("group_runs", {"parent_run_id": parent_run_id, "name": name})
+        return [_record(r) for r in rows]
 
     # -- streams (StreamStore) -----------------------------------------------------------------
 

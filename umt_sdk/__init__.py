@@ -10,6 +10,7 @@ import inspect
 
 from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
+    ChildError,
     ChildHandle,
     ParentClose,
     StepApi,
@@ -42,6 +43,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -64,8 +66,10 @@ __all__ = [
     "BackendError",
     "CanceledError",
     "ChildCanceledError",
+    "ChildError",
     "ChildFailedError",
     "ChildHandle",
+    "ChildrenFailedError",
     "Concurrency",
     "ConcurrencyStrategy",
     "Engine",

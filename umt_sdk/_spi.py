@@ -44,6 +44,10 @@ ending, a cancel, a cascade): a run enqueued with `NewRun.parent_fact` stores th
 for it, as `signal` does); a run that finishes `failed` or `canceled` requests the cancel of
 each of its unfinished children enqueued with `cancel_with_parent`, as `cancel` does (reason
 `"parent <id> <status>"`: a child nobody holds ends canceled at once and finishes in turn).
+A member of a child group (`ChildGroupStore`, optional) also counts itself out of its group
+in that write: the group's `remaining` goes down by one; at zero, the group's fact is stored
+for the parent (waking it, as above: the one wake-up of a fan-out); and a member that had been
+let run (not `held` when it finished) lets the group's first held member run (in input order).
 It may not decide anything else: no retry policy, no limits of its own, no rewriting of what it
 was given. What a backend does on its own (its clock, the lease it extends, what it counts) is
 said on each method and record below. `umt_sdk.testing.BackendContract` checks all of this
@@ -67,6 +71,8 @@ __all__ = [
     "Backend",
     "Beat",
     "CancelOutcome",
+    "ChildGroup",
+    "ChildGroupStore",
     "ClaimedRun",
     "Clock",
     "ControllableClock",
@@ -113,6 +119,11 @@ running: leased by a worker (held while its lease has not lapsed); waiting: park
 durable sleep or a fact; completed/failed/canceled: terminal."""
 
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "canceled"})
+
+HELD_WAIT = "umt turn"
+"""The `wait_for` of a member of a child group held back by its `max_concurrency`: `waiting`,
+with no `available_at`, until a member that ran finishes and lets it run. No fact can wake it
+(a fact's name has no space)."""
 
 StepKind = Literal["step", "sleep", "fact"]
 StepStatus = Literal["completed", "failed", "retrying", "waiting"]
@@ -946,6 +957,56 @@ class RetentionStore(Protocol):
     async def forget_pruned(self, *, older_than: timedelta, limit: int) -> PruneBatch:
         """Drop up to `limit` tombstones pruned before the store's clock minus `older_than`:
         their idempotency keys are free again (`connect(idempotency_retention=...)`)."""
+
+
+# -- child groups (fan-out) --------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class ChildGroup:
+    """A group of a parent's child runs awaited together (`ctx.step.map`, `ctx.step.gather`):
+    its last member to finish stores the fact `name` for the parent, once."""
+
+    parent_run_id: UUID
+    name: str
+    """The group's name within its parent, and the fact stored for the parent when its last
+    member finishes (the parent parks on it)."""
+    max_concurrency: int | None = None
+    """`start_group`: at most this many members not finished and not held; None: no limit."""
+
+
+@runtime_checkable
+class ChildGroupStore(Protocol):
+    """What a backend implements for fan-out (`ctx.step.map`, `ctx.step.gather`). Optional: an
+    engine on a backend without it refuses them with a `UsageError` that says so.
+
+    A group row keeps `remaining`, the members not finished; each member's finishing write
+    counts it out (`finishing`, module docstring), so the parent is woken once, by the write
+    that finishes the last member, and nothing polls.
+    """
+
+    async def start_group(
+        self, group: ChildGroup, runs: Sequence[NewRun]
+    ) -> Sequence[EnqueueResult]:
+        """Store the group and its members `runs` (children of `group.parent_run_id`, in input
+        order), atomically. The first `group.max_concurrency` members (all of them without a
+        limit) are `pending` as `enqueue` stores a run; the others are *held*: `waiting`, no
+        `available_at`, `wait_for` `HELD_WAIT`, until a finishing member lets them run.
+        First write wins: when the group exists, nothing is written and its stored members
+        are returned in order (`created=False`, with `task_version` and `input_hash`); the SDK
+        compares. Returns one result per member, in order."""
+        ...
+
+    async def join_group(self, group: ChildGroup, run_ids: Sequence[UUID]) -> int:
+        """Make the children `run_ids` of `group.parent_run_id` (started one by one) the
+        members of `group`, in that order, replacing a group of that name; `remaining` is how
+        many of them are not finished, counted atomically with the membership (a member
+        finishing concurrently is counted exactly once). At zero, the group's fact is stored
+        at once. A run may be a member of one group at a time. Returns `remaining`."""
+        ...
+
+    async def group_runs(self, *, parent_run_id: UUID, name: str) -> Sequence[RunRecord]:
+        """The group's members, in order, without steps and executions (one read)."""
 
 
 # -- streams --------------------------------------------------------------------------------------

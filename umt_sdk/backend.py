@@ -12,10 +12,13 @@ from umt_sdk._engine import new_run_id
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
 from umt_sdk._serde import encode_payload, unstorable_json_reason, unstorable_reason
 from umt_sdk._spi import (
+    HELD_WAIT,
     TERMINAL_STATUSES,
     Backend,
     Beat,
     CancelOutcome,
+    ChildGroup,
+    ChildGroupStore,
     ClaimedRun,
     Clock,
     ControllableClock,
@@ -61,6 +64,8 @@ __all__ = [
     "BackendHookspecs",
     "Beat",
     "CancelOutcome",
+    "ChildGroup",
+    "ChildGroupStore",
     "ClaimedRun",
     "Clock",
     "ControllableClock",
@@ -72,6 +77,7 @@ __all__ = [
     "ExecutionOutcome",
     "ExecutionRecord",
     "Fact",
+    "HELD_WAIT",
     "HeartbeatResult",
     "Lease",
     "Ledger",

@@ -24,6 +24,7 @@ UmtError
 │   └── ChildFailedError     a child run's result, in its parent: the child ended failed
 ├── RunCanceledError         engine.result(): the run ended canceled
 │   └── ChildCanceledError   a child run's result, in its parent: the child ended canceled
+├── ChildrenFailedError      a map or gather in a parent: some children failed or were canceled
 └── ResultTimeoutError       (also TimeoutError) engine.result() waited longer than asked
 ```
 
@@ -48,6 +49,7 @@ __all__ = [
     "CanceledError",
     "ChildCanceledError",
     "ChildFailedError",
+    "ChildrenFailedError",
     "FactTimeoutError",
     "FencingError",
     "IdempotencyConflictError",
@@ -345,6 +347,31 @@ class ChildCanceledError(RunCanceledError):
     ) -> None:
         super().__init__(message, run_id=run_id, reason=reason)
         self.step_name = step_name
+
+
+class ChildrenFailedError(UmtError):
+    """Some children of a fan-out (`ctx.step.map`, `ctx.step.gather`) failed or were canceled
+    (raised in the parent once all of them finished, on every replay too).
+
+    `results` holds every child's outcome in input order: its output, or the
+    `ChildFailedError` / `ChildCanceledError` it ended with; `errors` maps the index of each
+    child that did not complete to that error. `step_name` is the map's or gather's name.
+    """
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        step_name: str = "",
+        results: list[object] | None = None,
+        errors: dict[int, ChildFailedError | ChildCanceledError] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.results: list[object] = results if results is not None else []
+        self.errors: dict[int, ChildFailedError | ChildCanceledError] = (
+            errors if errors is not None else {}
+        )
 
 
 class ResultTimeoutError(UmtError, TimeoutError):

@@ -23,6 +23,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -69,6 +70,7 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     RunCanceledError: (UmtError, ()),
     ChildFailedError: (RunFailedError, ()),
     ChildCanceledError: (RunCanceledError, ()),
+    ChildrenFailedError: (UmtError, ()),
     ResultTimeoutError: (UmtError, (TimeoutError,)),
 }
 BUILTINS = (ValueError, TypeError, LookupError, TimeoutError)

@@ -483,7 +483,7 @@ WITH locked AS (
         lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
     FROM go g WHERE r.id = g.id
     RETURNING r.id, r.parent_run_id, r.parent_fact, r.task_name, r.task_version,
-              r.concurrency_key, r.count_waiting
+              r.concurrency_key, r.count_waiting, r.child_group
 ), key_slot AS (
     -- A run with a key held a slot while running: it gives it back unless it waits holding
     -- it (`count_waiting`), and wants one again when handed back or parked without it. Runs
@@ -528,6 +528,13 @@ WITH locked AS (
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
     FROM parent_woken w WHERE w.woken AND w.holds
+), group_ended AS (
+    -- A member of a child group counts itself out (see child_group_ended in schema.sql): it
+    -- ran, so it also lets the group's next held member run. Nothing for other runs.
+    SELECT {schema}.child_group_ended(x.parent_run_id, x.child_group, true, %(channel)s)
+    FROM ended_run x
+    WHERE x.child_group IS NOT NULL
+      AND %(status)s::text IN ('completed', 'failed', 'canceled')
 )
 SELECT (SELECT count(*) FROM owned) AS owned,
        (SELECT count(*) FROM ended_run) AS ended,
@@ -536,7 +543,8 @@ SELECT (SELECT count(*) FROM owned) AS owned,
         FROM parent_woken w WHERE w.woken HAVING count(*) > 0) AS notified,
        -- A slot freed with runs of the key waiting for it: workers look now.
        (SELECT pg_notify(%(channel)s, string_agg(s.task_name || '@' || s.task_version, ','))
-        FROM key_slot s WHERE s.opened HAVING count(*) > 0) AS slot_notified;
+        FROM key_slot s WHERE s.opened HAVING count(*) > 0) AS slot_notified,
+       (SELECT count(*) FROM group_ended) AS group_ended;
 
 -- name: insert_fact
 -- The fact, and (if it is new) the runs waiting for it woken: claimable now, queued in `ready`.
@@ -587,7 +595,9 @@ WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 WITH target AS (
     SELECT r.id, r.status, r.fencing_token, n.lapsed,
            r.status IN ('pending', 'waiting') OR n.lapsed AS ends,
-           r.task_name, r.task_version, r.concurrency_key, r.count_waiting
+           r.task_name, r.task_version, r.concurrency_key, r.count_waiting,
+           r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
+               AS held
     FROM {schema}.runs r
     CROSS JOIN LATERAL (
         SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
@@ -633,7 +643,8 @@ WITH target AS (
 SELECT c.status,
        -- A slot freed with runs of the key waiting for it: workers look now.
        (SELECT pg_notify(%(channel)s, s.task_name || '@' || s.task_version)
-        FROM key_slot s WHERE s.opened) AS slot_notified
+        FROM key_slot s WHERE s.opened) AS slot_notified,
+       t.held
 FROM target t LEFT JOIN changed c ON c.id = t.id;
 
 -- name: lock_run
@@ -673,6 +684,17 @@ WITH child AS MATERIALIZED (
 SELECT (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
         FROM woken w WHERE w.woken HAVING count(*) > 0) AS notified;
 
+-- name: group_member_canceled
+-- What a cancel that finished a member of a child group also does, in its transaction: it
+-- counts itself out of its group (child_group_ended), letting the next held member run unless
+-- it was held itself (%(held)s, as cancel_run found it).
+WITH member AS MATERIALIZED (
+    SELECT parent_run_id, child_group, status FROM {schema}.runs WHERE id = %(run_id)s
+)
+SELECT {schema}.child_group_ended(m.parent_run_id, m.child_group, NOT %(held)s, %(channel)s)
+FROM member m
+WHERE m.child_group IS NOT NULL AND m.status = 'canceled';
+
 -- name: cancel_children
 -- A run that finished failed or canceled requests the cancel of its unfinished children that
 -- asked for it (`cancel_with_parent`), as cancel_run does: a child nobody holds (pending,
@@ -710,7 +732,7 @@ WITH parents AS (
     FROM judged j
     WHERE r.id = j.id
     RETURNING r.id, j.ends, j.lapsed, j.fencing_token, r.parent_run_id, r.parent_fact,
-              r.cancel_reason
+              r.cancel_reason, r.child_group
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.ends
 ), key_slots AS (
@@ -743,11 +765,17 @@ WITH parents AS (
     SELECT c.parent_run_id::text, c.parent_fact, c.parent_run_id, 'null'::jsonb
     FROM changed c WHERE c.ends AND c.parent_fact IS NOT NULL
     ON CONFLICT (scope, name) DO NOTHING
+), grouped AS (
+    -- Members of a child group count themselves out; none lets another run (its parent
+    -- finished: the cascade cancels the held ones too, or they were abandoned).
+    SELECT {schema}.child_group_ended(c.parent_run_id, c.child_group, false, %(work_channel)s)
+    FROM changed c WHERE c.ends AND c.child_group IS NOT NULL
 )
 SELECT c.id, c.ends,
        CASE WHEN NOT c.ends
             THEN pg_notify(%(cancel_channel)s, left(c.id || ':' || c.cancel_reason, 7000)) END,
-       (SELECT count(*) FROM slot_notified) AS slot_notified
+       (SELECT count(*) FROM slot_notified) AS slot_notified,
+       (SELECT count(*) FROM grouped) AS grouped
 FROM changed c;
 
 -- name: get_run
@@ -974,10 +1002,10 @@ DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
 -- One retention batch, one pruner at a time: the statement takes the schema's pruning lock if
 -- it is free (`held`; else it does nothing and the caller reports `busy`), picks up to
 -- %(limit)s prunable runs, oldest finished first (runs_finished), leaves a tombstone for each
--- and deletes it; its steps, executions, facts and tags (and every table that references runs
--- ON DELETE CASCADE) go with it. Prunable: finished before now() - %(older_than)s, of the
--- tasks asked for, with no unfinished child (its finishing write stores a fact for its parent)
--- and no unfinished parent (which may still read its result).
+-- and deletes it; its steps, executions, facts, tags and streams (every table that references
+-- runs ON DELETE CASCADE) and its child groups go with it. Prunable: finished before
+-- now() - %(older_than)s, of the tasks asked for, with no unfinished child (its finishing write
+-- stores a fact for its parent) and no unfinished parent (which may still read its result).
 WITH lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
 ), batch AS MATERIALIZED (
@@ -1007,6 +1035,8 @@ WITH lock AS MATERIALIZED (
     SELECT r.id, r.task_name, r.task_version, r.status, r.idempotency_key, r.input_hash,
            r.created_at, r.finished_at
     FROM {schema}.runs r JOIN batch b ON b.id = r.id
+), groups AS (
+    DELETE FROM {schema}.child_groups g USING batch b WHERE g.parent_run_id = b.id
 ), deleted AS (
     DELETE FROM {schema}.runs r USING batch b WHERE r.id = b.id RETURNING r.id
 )
@@ -1136,3 +1166,99 @@ FROM resumed;
 -- name: list_paused_tasks
 SELECT task_name, task_version, paused_at FROM {schema}.paused_tasks
 ORDER BY task_name, task_version;
+
+-- name: start_group
+-- A map's children, in one statement: the group (first write wins: nothing else is written when
+-- it exists, and the caller reads its members with group_members), and each child as insert_run
+-- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready`, the
+-- rest held (waiting for their turn, outside every claim index).
+WITH grp AS (
+    INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining, max_concurrency)
+    VALUES (%(parent_run_id)s, %(name)s, cardinality(%(ids)s::uuid[]),
+            cardinality(%(ids)s::uuid[]), %(max_concurrency)s)
+    ON CONFLICT (parent_run_id, name) DO NOTHING
+    RETURNING 1
+), items AS (
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.idempotency_key, i.input_hash,
+           i.input, i.ord - 1 AS group_index,
+           %(max_concurrency)s::integer IS NOT NULL AND i.ord > %(max_concurrency)s AS held
+    FROM unnest(%(ids)s::uuid[], %(task_names)s::text[], %(task_versions)s::integer[],
+                %(priorities)s::smallint[], %(keys)s::text[], %(hashes)s::text[],
+                %(inputs)s::text[])
+         WITH ORDINALITY AS i (id, task_name, task_version, priority, idempotency_key,
+                               input_hash, input, ord)
+    WHERE EXISTS (SELECT 1 FROM grp)
+), inserted AS (
+    INSERT INTO {schema}.runs (
+        id, task_name, task_version, status, priority, available_at, idempotency_key,
+        input_hash, trace_context, input, queued, parent_run_id, parent_fact,
+        cancel_with_parent, wait_for, child_group, group_index
+    )
+    SELECT i.id, i.task_name, i.task_version,
+           CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
+           CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
+           %(trace_context)s, i.input::jsonb, NOT i.held, %(parent_run_id)s, NULL,
+           %(cancel_with_parent)s, CASE WHEN i.held THEN 'umt turn' END, %(name)s,
+           i.group_index
+    FROM items i
+    ORDER BY i.group_index
+    ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, task_name, task_version, priority, available_at, queued
+), queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
+    FROM inserted i WHERE i.queued
+)
+SELECT (SELECT count(*) FROM grp) AS created,
+       (SELECT count(*) FROM inserted) AS inserted,
+       (SELECT pg_notify(%(channel)s, string_agg(DISTINCT i.task_name || '@' || i.task_version,
+                                                 ','))
+        FROM inserted i WHERE i.queued HAVING count(*) > 0) AS notified;
+
+-- name: group_members
+-- A group's members in order (what a second start_group returns, and group_runs' ids).
+SELECT r.id, r.input_hash, r.task_version FROM {schema}.runs r
+WHERE r.parent_run_id = %(parent_run_id)s AND r.child_group = %(name)s
+ORDER BY r.group_index;
+
+-- name: join_group
+-- gather: the given children of the parent become the members of the group, in that order,
+-- their rows locked (a member finishing concurrently either committed first and is counted as
+-- finished, or waits for this write and then counts itself out); `remaining` is how many are
+-- not finished, replacing a group of that name; at zero the group's fact is stored at once.
+WITH wanted AS (
+    SELECT w.id, w.ord - 1 AS group_index
+    FROM unnest(%(ids)s::uuid[]) WITH ORDINALITY AS w (id, ord)
+), members AS (
+    UPDATE {schema}.runs r SET child_group = %(name)s, group_index = w.group_index
+    FROM wanted w
+    WHERE r.id = w.id AND r.parent_run_id = %(parent_run_id)s
+    RETURNING r.id, r.status
+), counted AS (
+    SELECT count(*) FILTER (WHERE m.status NOT IN ('completed', 'failed', 'canceled')) AS left_over,
+           count(*) AS found
+    FROM members m
+), grp AS (
+    INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining)
+    SELECT %(parent_run_id)s, %(name)s, c.found, c.left_over FROM counted c
+    ON CONFLICT (parent_run_id, name) DO UPDATE SET
+        total = EXCLUDED.total, remaining = EXCLUDED.remaining
+    RETURNING remaining
+), fact AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload)
+    SELECT %(parent_run_id)s::text, %(name)s, %(parent_run_id)s, 'null'::jsonb
+    FROM grp g WHERE g.remaining = 0
+    ON CONFLICT (scope, name) DO NOTHING
+)
+SELECT c.found, c.left_over FROM counted c, grp g;
+
+-- name: group_runs
+-- A group's members in order, as get_run_head reads a run.
+SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
+       input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
+       lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
+       now() AS db_now
+FROM {schema}.runs
+WHERE parent_run_id = %(parent_run_id)s AND child_group = %(name)s
+ORDER BY group_index;

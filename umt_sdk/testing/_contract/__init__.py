@@ -12,6 +12,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_replay`: replay by step name, non-determinism, plain tasks and steps
 - `_facts`: durable sleeps and facts
 - `_children`: child runs, their results, and the cancels a parent's end cascades
+- `_fanout`: `map` and `gather`: order, partial failure, `max_concurrency`, one wake-up
 - `_user_code`: handlers and steps as users write them
 - `_arguments`: argument checks
 - `_aborts`: the abort table (shutdown and cancel against each handler shape)
@@ -45,6 +46,7 @@ from umt_sdk.testing._contract import (
     _claims,
     _concurrency,
     _facts,
+    _fanout,
     _leases,
     _ledger,
     _lifecycle,
@@ -69,6 +71,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_replay.TASKS,
     *_facts.TASKS,
     *_children.TASKS,
+    *_fanout.TASKS,
     *_user_code.TASKS,
     *_arguments.TASKS,
     *_aborts.TASKS,
@@ -96,6 +99,7 @@ class BackendContract(
     _replay.ReplayContract,
     _facts.FactsContract,
     _children.ChildrenContract,
+    _fanout.FanOutContract,
     _user_code.UserCodeContract,
     _arguments.ArgumentsContract,
     _aborts.AbortsContract,
