@@ -10,6 +10,7 @@ import inspect
 
 from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
+    ChildError,
     ChildHandle,
     ParentClose,
     StepApi,
@@ -21,6 +22,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
 from umt_sdk._spi import (
@@ -41,6 +43,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -50,6 +53,7 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     ScheduleNotFoundError,
     StepFailedError,
     UmtError,
@@ -62,8 +66,10 @@ __all__ = [
     "BackendError",
     "CanceledError",
     "ChildCanceledError",
+    "ChildError",
     "ChildFailedError",
     "ChildHandle",
+    "ChildrenFailedError",
     "Concurrency",
     "ConcurrencyStrategy",
     "Engine",
@@ -79,6 +85,7 @@ __all__ = [
     "ParentClose",
     "PausedTask",
     "PayloadError",
+    "PruneReport",
     "Registry",
     "RetryPolicy",
     "RunCanceledError",
@@ -88,6 +95,7 @@ __all__ = [
     "RunInfo",
     "RunNotFoundError",
     "RunPage",
+    "RunPrunedError",
     "RunStatus",
     "Schedule",
     "ScheduleInfo",

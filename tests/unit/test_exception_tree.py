@@ -23,6 +23,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -34,6 +35,7 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     ScheduleNotFoundError,
     StepFailedError,
     TaskDefinitionError,
@@ -57,6 +59,7 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     FencingError: (UmtError, ()),
     IdempotencyConflictError: (UmtError, ()),
     RunNotFoundError: (UmtError, (LookupError,)),
+    RunPrunedError: (RunNotFoundError, (LookupError,)),
     ScheduleNotFoundError: (UmtError, (LookupError,)),
     NonDeterminismError: (UmtError, ()),
     LeaseLostTooOftenError: (UmtError, ()),
@@ -67,6 +70,7 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     RunCanceledError: (UmtError, ()),
     ChildFailedError: (RunFailedError, ()),
     ChildCanceledError: (RunCanceledError, ()),
+    ChildrenFailedError: (UmtError, ()),
     ResultTimeoutError: (UmtError, (TimeoutError,)),
 }
 BUILTINS = (ValueError, TypeError, LookupError, TimeoutError)
