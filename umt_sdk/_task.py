@@ -62,6 +62,7 @@ def task(
     version: int = 1,
     retry: RetryPolicy | None = None,
     max_lost_leases: int = DEFAULT_MAX_LOST_LEASES,
+    retention: timedelta | None = None,
     concurrency: Concurrency[Any] | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
@@ -79,6 +80,9 @@ def task(
             this many times since it last recorded a step (a worker crashed, was OOM-killed or
             froze past the lease while running it), instead of being started again: a fault
             that repeats must not loop forever. Default 10; must be >= 1.
+        retention: how long this task's finished runs are kept before the workers delete
+            them (a timedelta > 0); None (the default) uses `connect(retention=...)`. The
+            longest of a task's versions applies to all its runs. See docs/retention.md.
         concurrency: at most `limit` runs with the same key running at once, across all
             workers (`Concurrency(key=lambda inp: inp.tenant_id, limit=2)`); the others wait
             their turn. See docs/flow-control.md.
@@ -101,6 +105,17 @@ def task(
             f"task {name!r}: max_lost_leases must be an integer >= 1 (lost leases without "
             f"progress before a run fails), got {shown(max_lost_leases)}",
             argument="max_lost_leases",
+        )
+    if retention is not None and (
+        not isinstance(retention, timedelta)
+        or retention <= timedelta(0)
+        or retention > check.MAX_DURATION
+    ):
+        raise TaskDefinitionError(
+            f"task {name!r}: retention must be a timedelta > 0 such as timedelta(days=30) "
+            "(at most 36500 days: how long finished runs are kept), or None; got "
+            f"{shown(retention)}",
+            argument="retention",
         )
     concurrency = check_concurrency(concurrency, task_name=name)
 
@@ -142,6 +157,7 @@ def task(
             output_type=output_type,
             retry=policy,
             max_lost_leases=max_lost_leases,
+            retention=retention,
             concurrency=concurrency,
         )
 

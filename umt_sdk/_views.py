@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
-from attrs import evolve, frozen
+from attrs import evolve, field, frozen
 
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
@@ -102,6 +102,9 @@ class RunInfo:
     before `forked_at_step`, and its facts."""
     forked_at_step: str | None = None
     """The step this fork executed from."""
+    tags: Mapping[str, str] = field(factory=dict)
+    """The labels given at enqueue (`enqueue(..., tags=...)`); `engine.list(tags=...)` finds
+    runs by them."""
 
     @property
     def display_status(self) -> str:
@@ -267,6 +270,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
         rerun_of=record.rerun_of,
         forked_from=record.forked_from,
         forked_at_step=record.forked_at_step,
+        tags=dict(record.tags),
     )
 
 

@@ -13,6 +13,7 @@ UmtError
 ├── FencingError             this attempt no longer holds the run (lease lost): never retry
 ├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
+│   └── RunPrunedError       the run existed and retention deleted it (its tombstone says so)
 ├── ScheduleNotFoundError    (also LookupError) no schedule with that name
 ├── NonDeterminismError      the code no longer matches the run's recorded history
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
@@ -38,6 +39,7 @@ execution (umt does, for its own writes and for `with_attempt_token`).
 
 from __future__ import annotations
 
+from datetime import datetime
 from uuid import UUID
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "RunCanceledError",
     "RunFailedError",
     "RunNotFoundError",
+    "RunPrunedError",
     "ScheduleNotFoundError",
     "StepFailedError",
     "TaskDefinitionError",
@@ -169,6 +172,24 @@ class RunNotFoundError(UmtError, LookupError):
     def __init__(self, message: str | None = None, *, run_id: UUID | None = None) -> None:
         super().__init__(message)
         self.run_id = run_id
+
+
+class RunPrunedError(RunNotFoundError):
+    """The run finished and was deleted by retention; only its tombstone is left."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        status: str = "",
+        finished_at: datetime | None = None,
+        pruned_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message, run_id=run_id)
+        self.status = status
+        self.finished_at = finished_at
+        self.pruned_at = pruned_at
 
 
 class ScheduleNotFoundError(UmtError, LookupError):

@@ -45,6 +45,8 @@ CREATE TABLE {schema}.runs (
     rerun_of            uuid,
     forked_from         uuid,
     forked_at_step      text,
+    -- The labels given at enqueue; one row each in run_tags (migration 0012).
+    tags                jsonb NOT NULL DEFAULT '{{}}',
     -- A member of a child group of its parent (map, gather), and its place in it (0013).
     child_group         text,
     group_index         integer
@@ -338,6 +340,30 @@ CREATE TABLE {schema}.paused_tasks (
     paused_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (task_name, task_version)
 );
+-- Tags one a row, for listing by a tag in run-id order (see migrations/0012_retention_and_tags.sql).
+CREATE TABLE {schema}.run_tags (
+    run_id  uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    key     text NOT NULL,
+    value   text NOT NULL,
+    PRIMARY KEY (run_id, key)
+);
+CREATE INDEX run_tags_lookup ON {schema}.run_tags (key, value, run_id);
+
+-- The tombstones of runs deleted by retention: their idempotency keys stay taken.
+CREATE TABLE {schema}.pruned_runs (
+    run_id          uuid PRIMARY KEY,
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL,
+    status          text NOT NULL,
+    idempotency_key text,
+    input_hash      text NOT NULL,
+    created_at      timestamptz NOT NULL,
+    finished_at     timestamptz NOT NULL,
+    pruned_at       timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);
 
 -- Fan-out: groups of a parent's children awaited together (see
 -- migrations/0013_child_groups.sql).

@@ -25,6 +25,8 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_timeline`: the timeline of runs that did not end well
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
+- `_listing`: tags, and listing by key, tag, time range and cursor
+- `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
@@ -48,7 +50,9 @@ from umt_sdk.testing._contract import (
     _leases,
     _ledger,
     _lifecycle,
+    _listing,
     _payloads,
+    _pruning,
     _replay,
     _retries,
     _runs,
@@ -79,6 +83,8 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_payloads.TASKS,
     *_timeline.TASKS,
     *_schedules.TASKS,
+    *_listing.TASKS,
+    *_pruning.TASKS,
     *_streams.TASKS,
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
@@ -106,6 +112,8 @@ class BackendContract(
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
+    _listing.ListingContract,
+    _pruning.PruningContract,
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
