@@ -515,7 +515,11 @@ def _time_option(name: str, help: str) -> Callable[[Callable[..., Any]], Callabl
     metavar="KEY=VALUE",
     help="Only runs with this tag; repeat for runs with all of them.",
 )
-@click.option("--key", metavar="KEY", help="Only the run of this idempotency key (with --task).")
+@click.option(
+    "--idempotency-key",
+    metavar="KEY",
+    help="Only the run enqueued under this idempotency key (with --task: keys are per task).",
+)
 @click.option("--parent", callback=_run_id, metavar="RUN", help="Only the children of RUN.")
 @_time_option("--created-after", "Only runs created at or after TIME")
 @_time_option("--created-before", "Only runs created before TIME")
@@ -524,6 +528,12 @@ def _time_option(name: str, help: str) -> Callable[[Callable[..., Any]], Callabl
 @_limit_option(50)
 @click.option(
     "--before", callback=_run_id, metavar="RUN", help="Runs older than this one (paging)."
+)
+@click.option(
+    "--key",
+    "concurrency_key",
+    metavar="KEY",
+    help="Only runs of this concurrency key (with --task: keys are per task).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one array).")
 @click.pass_context
@@ -534,7 +544,7 @@ def runs_list(
     task: str | None,
     status: Any,
     tags: dict[str, str],
-    key: str | None,
+    idempotency_key: str | None,
     parent: UUID | None,
     created_after: datetime | None,
     created_before: datetime | None,
@@ -542,12 +552,15 @@ def runs_list(
     finished_before: datetime | None,
     limit: int,
     before: UUID | None,
+    concurrency_key: str | None,
     as_json: bool,
 ) -> None:
     """List runs, newest first, matching every filter given."""
     name, version = _task_filter(task)
-    if key is not None and name is None:
-        raise InputError("--key needs --task: an idempotency key names one run of one task")
+    if idempotency_key is not None and name is None:
+        raise InputError(
+            "--idempotency-key needs --task: an idempotency key names one run of one task"
+        )
 
     async def go() -> None:
         async with open_engine(cfg) as engine:
@@ -556,7 +569,7 @@ def runs_list(
                 version=version,
                 status=status,
                 tags=tags,
-                idempotency_key=key,
+                idempotency_key=idempotency_key,
                 parent=parent,
                 created_after=created_after,
                 created_before=created_before,
@@ -564,6 +577,7 @@ def runs_list(
                 finished_before=finished_before,
                 limit=limit,
                 before=before,
+                concurrency_key=concurrency_key,
             )
         if as_json:
             click.echo(_dump([_run_json(r, detail=False) for r in page.runs]))
@@ -578,27 +592,28 @@ def runs_list(
     run(go(), cfg)
 
 
-_LIST_FILTERS = (
-    "task",
-    "status",
-    "key",
-    "parent",
-    "created_after",
-    "created_before",
-    "finished_after",
-    "finished_before",
-)
+_LIST_FILTERS = {
+    "task": "--task",
+    "status": "--status",
+    "concurrency_key": "--key",
+    "idempotency_key": "--idempotency-key",
+    "parent": "--parent",
+    "created_after": "--created-after",
+    "created_before": "--created-before",
+    "finished_after": "--finished-after",
+    "finished_before": "--finished-before",
+}
 
 
 def _next_page(ctx: click.Context, limit: int, cursor: UUID) -> str:
     """The command that lists the next page: every filter of this one repeated (times as the
     moments they stood for, so the next page is of the same window)."""
     words = ["runs", "list"]
-    for param in _LIST_FILTERS:
+    for param, flag in _LIST_FILTERS.items():
         value = ctx.params.get(param)
         if value is not None:
             text = value.isoformat() if isinstance(value, datetime) else str(value)
-            words += ["--" + param.replace("_", "-"), text]
+            words += [flag, text]
     for tag_key, tag_value in (ctx.params.get("tags") or {}).items():
         words += ["--tag", f"{tag_key}={tag_value}"]
     command, left_out = typed_command(ctx, *words, "--limit", str(limit), "--before", str(cursor))

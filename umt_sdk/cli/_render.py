@@ -195,6 +195,8 @@ def _show_text(
         fields.append(("idempotency key", info.idempotency_key))
     if info.tags:
         fields.append(("tags", ", ".join(f"{k}={v}" for k, v in sorted(info.tags.items()))))
+    if info.concurrency_key is not None:
+        fields.append(("concurrency key", info.concurrency_key))
     if info.status == "waiting" and info.waiting_for:
         fields.append(("waiting for", f"fact {info.waiting_for!r}"))
     if info.status in ("pending", "waiting") and info.available_at is not None:
@@ -309,6 +311,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "output": info.output,
         "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
         "tags": dict(info.tags),
+        "concurrency_key": info.concurrency_key,
     }
     if detail:
         data["interrupted_attempts"] = info.interrupted_attempts

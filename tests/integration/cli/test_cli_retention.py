@@ -20,7 +20,7 @@ def test_tags_are_given_shown_and_listed(umt: Umt) -> None:
     assert "tags               region=eu, tenant=t7" in umt.ok("runs", "show", t7).stdout
     assert _ids(umt, "--tag", "tenant=t7") == [t7]
     assert _ids(umt, "--tag", "region=eu", "--tag", "tenant=t8") == []
-    assert _ids(umt, "--task", "approval", "--key", "order-o1") == [plain]
+    assert _ids(umt, "--task", "approval", "--idempotency-key", "order-o1") == [plain]
     assert _ids(umt, "--created-after", "1h") == [plain, t8, t7]
     assert _ids(umt, "--created-before", "1h") == []
     future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
@@ -43,9 +43,9 @@ def test_tags_are_given_shown_and_listed(umt: Umt) -> None:
     )
     assert refused.exit_code == 2, refused.output
     assert "tag keys of 1 to 64 letters" in one_error_line(refused)
-    no_task = umt("runs", "list", "--key", "order-o1")
+    no_task = umt("runs", "list", "--idempotency-key", "order-o1")
     assert no_task.exit_code == 2
-    assert "--key needs --task" in one_error_line(no_task)
+    assert "--idempotency-key needs --task" in one_error_line(no_task)
 
 
 def test_paging_repeats_every_filter(umt: Umt) -> None:
