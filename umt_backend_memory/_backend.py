@@ -103,6 +103,10 @@ def _tells_time(clock: object) -> bool:
     return isinstance(sample, datetime) and sample.utcoffset() is not None
 
 
+def _after(when: datetime, duration: timedelta | None) -> datetime | None:
+    return None if duration is None else when + duration
+
+
 @define(eq=False)
 class _Execution:
     fencing_token: int
@@ -145,6 +149,8 @@ class _Run:
     parent_run_id: UUID | None = None
     parent_fact: str | None = None
     cancel_with_parent: bool = False
+    deadline_at: datetime | None = None
+    start_by: datetime | None = None
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
 
@@ -512,6 +518,8 @@ class MemoryBackend:
             wait_for=run.wait_for,
             trace_context=dict(run.trace_context),
             parent_run_id=run.parent_run_id,
+            deadline_at=run.deadline_at,
+            start_by=run.start_by,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,
@@ -539,6 +547,11 @@ class MemoryBackend:
                         input_hash=existing.input_hash,
                     )
             now = self.clock.now()
+            available_at = now + (new.delay or timedelta(0))
+            deadlines = [d for d in (new.deadline_at, _after(now, new.timeout)) if d is not None]
+            deadline_at = min(deadlines) if deadlines else None
+            if deadline_at is not None:  # past its deadline it is claimable, to be ended then
+                available_at = min(available_at, deadline_at)
             run = _Run(
                 run_id=new.run_id,
                 seq=next(self._seq),
@@ -552,10 +565,12 @@ class MemoryBackend:
                 status="pending",
                 created_at=now,
                 updated_at=now,
-                available_at=now + (new.delay or timedelta(0)),
+                available_at=available_at,
                 parent_run_id=new.parent_run_id,
                 parent_fact=new.parent_fact,
                 cancel_with_parent=new.cancel_with_parent,
+                deadline_at=deadline_at,
+                start_by=_after(now + (new.delay or timedelta(0)), new.start_within),
             )
             self._runs[run.run_id] = run
             if new.parent_run_id is not None:
@@ -630,6 +645,8 @@ class MemoryBackend:
             lost_leases=lost_leases,
             cancel_reason=(None if run.cancel_requested_at is None else (run.cancel_reason or "")),
             idempotency_key=run.idempotency_key,
+            deadline_at=run.deadline_at,
+            start_by=run.start_by,
         )
 
     @staticmethod

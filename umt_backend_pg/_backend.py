@@ -245,6 +245,9 @@ class PostgresBackend:
             "parent_run_id": new.parent_run_id,
             "parent_fact": new.parent_fact,
             "cancel_with_parent": new.cancel_with_parent,
+            "deadline_at": new.deadline_at,
+            "timeout": new.timeout,
+            "start_within": new.start_within,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -342,6 +345,8 @@ class PostgresBackend:
                     lost_leases=row["lost_leases"],
                     cancel_reason=row["cancel_reason"],
                     idempotency_key=row["idempotency_key"],
+                    deadline_at=row["deadline_at"],
+                    start_by=row["start_by"],
                 )
             )
         return claimed

@@ -104,6 +104,8 @@ def _record(
         wait_for=row["wait_for"],
         trace_context=row["trace_context"] or {},
         parent_run_id=row.get("parent_run_id"),
+        deadline_at=row.get("deadline_at"),
+        start_by=row.get("start_by"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,

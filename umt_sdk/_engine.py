@@ -7,7 +7,7 @@ import builtins
 import contextlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar, get_args, overload
 from uuid import UUID
 
@@ -136,6 +136,8 @@ class Engine:
         delay: timedelta | None = None,
         version: int | None = None,
         conn: Any = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -148,6 +150,8 @@ class Engine:
         delay: timedelta | None = None,
         version: int | None = None,
         conn: Any = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -159,6 +163,8 @@ class Engine:
         delay: timedelta | None = None,
         version: int | None = None,
         conn: Any = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -172,6 +178,13 @@ class Engine:
                 and output type). Keys are per task name and never expire silently.
             priority: higher runs first (-32768..32767); FIFO among equals.
             delay: do not start before this much time has passed.
+            deadline: when the run must be finished by: a timezone-aware datetime, or a
+                timedelta from now (the backend's clock). Past it the run ends `failed` with
+                `DeadlineExceededError`, whatever it is doing; the task's own `timeout`, if
+                earlier, wins. None: only the task's timeout.
+            start_within: how long after it becomes claimable (now, plus `delay`) the run may
+                still start: a run not claimed by then ends `failed` with
+                `StartDeadlineExceededError` without running. None: no limit.
             conn: the caller's open database transaction: the run exists if and only if it
                 commits (backends that support it).
 
@@ -198,6 +211,14 @@ class Engine:
                 )
         if delay is not None:
             check.duration(delay, "delay")
+        deadline_at, timeout = _deadline(deadline, definition.timeout)
+        if start_within is not None:
+            check.duration(
+                start_within,
+                "start_within",
+                positive=True,
+                expected="a timedelta > 0 such as timedelta(minutes=5), or None",
+            )
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
         run_id = new_run_id()
         attributes = {
@@ -217,6 +238,9 @@ class Engine:
                 idempotency_key=idempotency_key,
                 delay=delay,
                 trace_context=self.telemetry.inject(),
+                deadline_at=deadline_at,
+                timeout=timeout,
+                start_within=start_within,
             )
             result = await self.backend.enqueue(new, conn=conn)
             # On the caller's transaction the run exists only if that commits, which the SDK
@@ -565,3 +589,23 @@ async def connect(
     backend = await host.open_backend(url, clock=clock, options=options)
     telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
     return Engine(backend, registry if registry is not None else Registry(), telemetry=telemetry)
+
+
+def _deadline(
+    deadline: object, task_timeout: timedelta | None
+) -> tuple[datetime | None, timedelta | None]:
+    """`enqueue(deadline=...)` and the task's timeout as `NewRun.deadline_at` / `timeout`: a
+    relative deadline counts, like the timeout, from the enqueue on the backend's clock."""
+    if deadline is None:
+        return None, task_timeout
+    if isinstance(deadline, datetime):
+        check.aware_datetime(deadline, "deadline")
+        return deadline, task_timeout
+    relative = check.duration(
+        deadline,
+        "deadline",
+        positive=True,
+        expected="a timezone-aware datetime, or a timedelta > 0 such as timedelta(hours=1), "
+        "or None",
+    )
+    return None, relative if task_timeout is None else min(relative, task_timeout)

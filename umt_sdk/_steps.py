@@ -42,14 +42,17 @@ from umt_sdk._spi import (
     StepRecord,
 )
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
+from umt_sdk._timers import wait_until
 from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    DeadlineExceededError,
     FactTimeoutError,
     IdempotencyConflictError,
     PayloadError,
     StepFailedError,
+    StepTimeoutError,
     UsageError,
 )
 
@@ -72,6 +75,8 @@ class StepCall:
     """The step's own retry policy; None: the task's."""
     output_type: Any = Any
     """What the output decodes to, on the first execution and on every replay."""
+    timeout: timedelta | None = None
+    """How long one attempt may run before it fails with `StepTimeoutError`; None: no limit."""
 
     @classmethod
     def inline(
@@ -83,12 +88,14 @@ class StepCall:
         *,
         retry: RetryPolicy | None,
         output_type: Any,
+        timeout: timedelta | None = None,
     ) -> StepCall:
-        """`ctx.step.run(name, fn, *args, retry=..., output_type=..., **kwargs)`: the name
-        checked, and a decorated `fn` replaced by its plain function, its output type and
-        (unless `retry` overrides it) its retry policy (`_names.inline_target`)."""
+        """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
+        the name checked, and a decorated `fn` replaced by its plain function, its output type
+        and (unless `retry` / `timeout` override them) its retry policy and timeout
+        (`_names.inline_target`)."""
         check_name("step", name)
-        fn, declared, retry = inline_target(fn, retry)
+        fn, declared, retry, timeout = inline_target(fn, retry, timeout)
         return cls(
             name=name,
             fn=fn,
@@ -96,6 +103,7 @@ class StepCall:
             kwargs=kwargs,
             retry=retry,
             output_type=declared if output_type is None else output_type,
+            timeout=timeout,
         )
 
 
@@ -146,6 +154,7 @@ class StepHost(Protocol):
 
     def now(self) -> datetime: ...
     def check_before_step(self) -> None: ...
+    def deadline_came(self) -> None: ...
     def go_live(self) -> None: ...
     def fenced(self) -> None: ...
     def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
@@ -267,23 +276,28 @@ class Steps:
     async def _execute_step(
         self, call: StepCall, full: str, attempt: int, step_trace: StepTrace
     ) -> Any:
-        fn = call.fn
         _probe.reach(self._host.aborts, "step.before", full, attempt=attempt)
         started = self._host.now()
         self.current_step, self.current_step_started_at = full, started
         if self._on_step_start is not None:
             self._on_step_start()
         try:
-            if inspect.iscoroutinefunction(fn):
-                value = await fn(*call.args, **call.kwargs)
+            if call.timeout is None and self._host.claimed.deadline_at is None:
+                value = await self._body(call)
             else:
-                # Plain bodies run in a thread (the handler's own thread already, for plain
-                # tasks: the loop never blocks on user code).
-                value = await self._host.in_thread(fn, *call.args, **call.kwargs)
-                if inspect.isawaitable(value):
-                    value = await value
+                value = await self._bounded(call, full, started)
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
             verdict = self._host.aborts.classify(exc, cancelled_by_worker=_cancelled_by_worker())
+            if verdict is Verdict.EXPIRE:
+                # The run's deadline came: the step is cut off, not recorded; the run fails.
+                step_trace.ended("deadline")
+                if isinstance(exc, DeadlineExceededError):
+                    raise
+                raise DeadlineExceededError(
+                    f"step {full!r} was cut off by the run's deadline",
+                    run_id=self._host.claimed.run_id,
+                    deadline_at=self._host.claimed.deadline_at,
+                ) from None
             if verdict in (Verdict.SUSPEND, Verdict.STOP):
                 if verdict is Verdict.STOP:
                     step_trace.ended(self._stop_outcome())
@@ -379,6 +393,59 @@ class Steps:
         _probe.report("step.recorded", full, attempt=attempt)
         return value
 
+    async def _body(self, call: StepCall) -> Any:
+        fn = call.fn
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*call.args, **call.kwargs)
+        # Plain bodies run in a thread (the handler's own thread already, for plain tasks:
+        # the loop never blocks on user code).
+        value = await self._host.in_thread(fn, *call.args, **call.kwargs)
+        if inspect.isawaitable(value):
+            value = await value
+        return value
+
+    async def _bounded(self, call: StepCall, full: str, started: datetime) -> Any:
+        """The step's body, cut off at its timeout (`StepTimeoutError`) or at the run's
+        deadline (`DeadlineExceededError`), on the backend's clock. An async body is
+        cancelled; a plain one's thread cannot be: it finishes on its own, its result unread.
+        """
+        host = self._host
+        body = asyncio.ensure_future(self._body(call))
+        body.add_done_callback(_consume)
+        clock = host.backend.clock
+        limits: dict[asyncio.Future[Any], str] = {}
+        if call.timeout is not None:
+            limits[asyncio.ensure_future(wait_until(host.now, started + call.timeout, clock))] = (
+                "timeout"
+            )
+        deadline = host.claimed.deadline_at
+        if deadline is not None:
+            limits[asyncio.ensure_future(wait_until(host.now, deadline, clock))] = "deadline"
+        try:
+            done, _ = await asyncio.wait({body, *limits}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for limit in limits:
+                limit.cancel()
+            if not body.done():
+                body.cancel()
+        if body in done:
+            return body.result()
+        if any(limits[limit] == "deadline" for limit in done):
+            host.deadline_came()
+            host.check_before_step()  # raises what the run's abort state says
+        assert call.timeout is not None
+        seconds = call.timeout.total_seconds()
+        cut = (
+            "its body was cancelled"
+            if inspect.iscoroutinefunction(call.fn)
+            else "its thread cannot be killed: it finishes on its own, its result ignored"
+        )
+        raise StepTimeoutError(
+            f"step {full!r} ran past its timeout of {seconds:g} s ({cut})",
+            step_name=full,
+            timeout_seconds=seconds,
+        )
+
     async def start_child(
         self,
         name: str,
@@ -414,6 +481,7 @@ class Steps:
                         parent_run_id=parent.run_id,
                         parent_fact=child_fact(child_id),
                         cancel_with_parent=cancel_with_parent,
+                        timeout=definition.timeout,
                     )
                 )
             )
@@ -700,6 +768,12 @@ def _child_outcome(
         error_type=error_type,
         error_message=message,
     )
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Read a cut-off body's ending so asyncio never reports it as unread."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:

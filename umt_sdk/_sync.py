@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -57,6 +57,8 @@ class SyncEngine:
         priority: int = 0,
         delay: timedelta | None = None,
         version: int | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> UUID:
         """Enqueue (see `Engine.enqueue`) and return the run id."""
         handle = self._call(
@@ -67,6 +69,8 @@ class SyncEngine:
                 priority=priority,
                 delay=delay,
                 version=version,
+                deadline=deadline,
+                start_within=start_within,
             )
         )
         return handle.run_id

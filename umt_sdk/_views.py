@@ -25,6 +25,7 @@ __all__ = [
     "RunPage",
     "StepView",
     "build_run_info",
+    "deadline_passed",
     "execution_outcome",
     "lease_expired",
     "with_execution_outcomes",
@@ -95,6 +96,14 @@ class RunInfo:
     parent_run_id: UUID | None = None
     """The run whose step started this one (`ctx.step.start_child`); its children are
     `engine.list(parent=run_id)`."""
+    deadline_at: datetime | None = None
+    """When the run must be finished by (`@task(timeout=...)`, `enqueue(deadline=...)`);
+    None: no deadline."""
+    start_by: datetime | None = None
+    """When the run must have started by (`enqueue(start_within=...)`); None: no limit."""
+    deadline_passed: bool = False
+    """Unfinished, but past its deadline (or, never claimed, past its start deadline) when
+    the backend read it: the next worker to claim it ends it failed."""
 
     @property
     def display_status(self) -> str:
@@ -257,7 +266,21 @@ def build_run_info(record: RunRecord) -> RunInfo:
         lease_expires_at=record.lease_expires_at if record.status == "running" else None,
         lease_expired=lease_expired(record),
         parent_run_id=record.parent_run_id,
+        deadline_at=record.deadline_at,
+        start_by=record.start_by,
+        deadline_passed=deadline_passed(record),
     )
+
+
+def deadline_passed(record: RunRecord) -> bool:
+    """Unfinished and past its deadline, or never claimed and past its start deadline, at the
+    backend's read (`observed_at`)."""
+    now = record.observed_at
+    if now is None or record.status in TERMINAL_STATUSES:
+        return False
+    if record.deadline_at is not None and now >= record.deadline_at:
+        return True
+    return record.start_by is not None and record.claims == 0 and now > record.start_by
 
 
 def _next_live_step(record: RunRecord, token: int) -> str | None:

@@ -12,18 +12,24 @@
 -- wakes idle workers, delivered at commit. Only an enqueue in the caller's transaction notifies
 -- here; the others are notified after their commit, coalesced (see _notifier.py).
 -- A run claimable at once (no delay) is also queued in `ready`, in the same statement.
+-- Its deadline is the earlier of %(deadline_at)s and now() + %(timeout)s (NULL: none given),
+-- and it is claimable from its deadline if that comes before its delay ends (the SDK ends it
+-- then); its start deadline is when it becomes claimable plus %(start_within)s.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent
+        cancel_with_parent, deadline_at, start_by
     )
-    VALUES (
+    SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
-        now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
-        %(input)s::jsonb, %(delay)s::interval <= interval '0', %(parent_run_id)s,
-        %(parent_fact)s, %(cancel_with_parent)s
-    )
+        least(now() + %(delay)s::interval, d.deadline_at), %(idempotency_key)s,
+        %(input_hash)s, %(trace_context)s, %(input)s::jsonb,
+        %(delay)s::interval <= interval '0', %(parent_run_id)s, %(parent_fact)s,
+        %(cancel_with_parent)s, d.deadline_at,
+        now() + %(delay)s::interval + %(start_within)s::interval
+    FROM (SELECT least(%(deadline_at)s::timestamptz, now() + %(timeout)s::interval)
+              AS deadline_at) AS d
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, task_name, task_version, priority, available_at, queued
 ), queued AS (
@@ -143,7 +149,8 @@ WITH pairs AS (
               r.claims, r.failures, r.trace_context, r.idempotency_key, l.previous_status,
               l.previous_token, l.ready_at,
               CASE WHEN r.cancel_requested_at IS NOT NULL
-                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
+                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason,
+              r.deadline_at, r.start_by
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING claimed c WHERE q.run_id = c.id
 ), interrupted AS (
@@ -170,7 +177,8 @@ WITH pairs AS (
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left,
+       c.cancel_reason, c.idempotency_key, c.deadline_at, c.start_by, t.timers_from,
+       t.timers_left,
        CASE WHEN c.claims > 1 THEN (
            SELECT json_agg(json_build_object(
                'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
@@ -562,7 +570,7 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
-       now() AS db_now
+       deadline_at, start_by, now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -579,7 +587,7 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
-       now() AS db_now
+       deadline_at, start_by, now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)

@@ -37,7 +37,11 @@ CREATE TABLE {schema}.runs (
     -- its cancel is requested when the parent finishes failed or canceled (migration 0006).
     parent_run_id       uuid,
     parent_fact         text,
-    cancel_with_parent  boolean NOT NULL DEFAULT false
+    cancel_with_parent  boolean NOT NULL DEFAULT false,
+    -- When the run must be finished by, and started by (migration 0010): the SDK ends it
+    -- failed past either; `available_at` is never later than `deadline_at`.
+    deadline_at         timestamptz,
+    start_by            timestamptz
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000

@@ -16,6 +16,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_arguments`: argument checks
 - `_aborts`: the abort table (shutdown and cancel against each handler shape)
 - `_cancel`: cancel
+- `_deadlines`: step timeouts, run deadlines and start deadlines
 - `_claims`: claim order, priority, the pairs a worker serves
 - `_retries`: step and handler retries
 - `_leases`: leases, takeover and fencing, lost leases
@@ -38,6 +39,7 @@ from umt_sdk.testing._contract import (
     _cancel,
     _children,
     _claims,
+    _deadlines,
     _facts,
     _leases,
     _ledger,
@@ -70,6 +72,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_payloads.TASKS,
     *_timeline.TASKS,
     *_schedules.TASKS,
+    *_deadlines.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -93,6 +96,7 @@ class BackendContract(
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
+    _deadlines.DeadlinesContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
