@@ -577,7 +577,10 @@ class Execution:
             else:
                 await self._finish_failed(exc)
             return
-        if self.aborts.expiring:  # returned after its deadline came: not finished by it
+        deadline = self.claimed.deadline_at
+        if self.aborts.expiring or (deadline is not None and self.now() >= deadline):
+            # It returned once its deadline had come: it was not finished by then.
+            self.deadline_came()
             await self._finish_expired(self._deadline_error())
             return
         await self._end(Ending(status="completed", outcome="completed", output_json=output_json))
