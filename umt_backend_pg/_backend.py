@@ -53,13 +53,21 @@ from umt_backend_pg._ready import (
     TIMERS_MARGIN,
     ClaimClocks,
 )
-from umt_backend_pg._rows import _error_json, _record, _schedule_record, _step
+from umt_backend_pg._rows import (
+    _error_json,
+    _pruned_run,
+    _record,
+    _schedule_record,
+    _step,
+    _stream_entry,
+)
 from umt_backend_pg._sql import queries, render, validate_schema
 from umt_backend_pg._wakeups import Wakeups
 from umt_sdk.backend import (
     TERMINAL_STATUSES,
     Beat,
     CancelOutcome,
+    ChildGroup,
     ClaimedRun,
     Clock,
     Ending,
@@ -69,15 +77,22 @@ from umt_sdk.backend import (
     HeartbeatResult,
     Lease,
     NewRun,
+    PausedTask,
+    PruneBatch,
+    PrunedRun,
+    PruneQuery,
     RunQuery,
     RunRecord,
     ScheduleQuery,
     ScheduleRecord,
     ScheduleState,
     StepRecord,
+    StreamAppend,
+    StreamEntry,
     TaskPair,
 )
 from umt_sdk.exceptions import (
+    BackendError,
     FencingError,
     IdempotencyConflictError,
     RunNotFoundError,
@@ -136,11 +151,13 @@ class PostgresBackend:
         self.work_channel = f"{schema}.work"
         self.cancel_channel = f"{schema}.cancel"
         self.ended_channel = f"{schema}.ended"
+        self.stream_channel = f"{schema}.stream"
         self._wakeups = Wakeups(
             url,
             work_channel=self.work_channel,
             cancel_channel=self.cancel_channel,
             ended_channel=self.ended_channel,
+            stream_channel=self.stream_channel,
             queries=self._q,
             listen=listen,
         )
@@ -148,6 +165,9 @@ class PostgresBackend:
         self._notifier = Notifier(pool, self._q, self.work_channel)
         self._endings = Notifier(
             pool, self._q, self.ended_channel, what="result() callers of ended runs"
+        )
+        self._streams = Notifier(
+            pool, self._q, self.stream_channel, what="followers of the streams of runs"
         )
         self._clocks = ClaimClocks()
         self._database = EngineDatabase(pool, schema=schema, queries=self._q)
@@ -245,6 +265,13 @@ class PostgresBackend:
             "parent_run_id": new.parent_run_id,
             "parent_fact": new.parent_fact,
             "cancel_with_parent": new.cancel_with_parent,
+            "rerun_of": new.rerun_of,
+            "forked_from": new.forked_from,
+            "forked_at_step": new.forked_at_step,
+            "tags": Jsonb(dict(new.tags)),
+            "concurrency_key": new.concurrency_key,
+            "concurrency_limit": new.concurrency_limit,
+            "count_waiting": new.count_waiting,
             "deadline_at": new.deadline_at,
             "timeout": new.timeout,
             "start_within": new.start_within,
@@ -260,7 +287,11 @@ class PostgresBackend:
                 return await self._enqueue_on(conn, new, {**params, "notify": True})
         with wrap_exceptions():
             async with self._pool.connection() as own:  # autocommit: one statement, one commit
-                result = await self._enqueue_on(own, new, {**params, "notify": False})
+                if new.forked_from is None:
+                    result = await self._enqueue_on(own, new, {**params, "notify": False})
+                else:  # a fork: the run and its copied history in one transaction
+                    async with own.transaction():
+                        result = await self._enqueue_on(own, new, {**params, "notify": False})
         if result.created:
             self._notifier.notify(f"{new.task_name}@{new.task_version}")
         return result
@@ -270,6 +301,8 @@ class PostgresBackend:
     ) -> EnqueueResult:
         cur = await conn.execute(self._q["insert_run"], params)
         if await cur.fetchone() is not None:
+            if new.forked_from is not None:
+                await self._copy_fork(conn, new)
             return EnqueueResult(run_id=new.run_id, created=True, task_version=new.task_version)
         cur = await conn.execute(self._q["find_idempotent_run"], params)
         row = await cur.fetchone()
@@ -278,13 +311,36 @@ class PostgresBackend:
                 f"idempotency key {new.idempotency_key!r} is being used concurrently; retry",
                 idempotency_key=new.idempotency_key or "",
             )
-        existing_id, existing_hash, existing_version = row
+        existing_id, existing_hash, existing_version, pruned = row
         return EnqueueResult(
             run_id=existing_id,
             created=False,
             task_version=existing_version,
             input_hash=existing_hash,
+            pruned=pruned,
         )
+
+    async def _copy_fork(self, conn: psycopg.AsyncConnection[Any], new: NewRun) -> None:
+        """Copy the kept step records and the facts of the run `new` forks (`NewRun`)."""
+        source = new.forked_from
+        cur = await conn.execute(
+            self._q["copy_fork"],
+            {
+                "id": new.run_id,
+                "source": source,
+                "names": [name for name, _ in new.kept_steps],
+                "attempts": [attempt for _, attempt in new.kept_steps],
+            },
+        )
+        row = await cur.fetchone()
+        copied, _, found = row if row else (0, 0, False)
+        if not found:
+            raise RunNotFoundError(f"no run {source}", run_id=source)
+        if copied != len(new.kept_steps):
+            raise BackendError(
+                f"run {source} has {copied} of the {len(new.kept_steps)} step records its fork "
+                "keeps; read it again and fork it anew"
+            )
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
@@ -320,6 +376,7 @@ class PostgresBackend:
                 started=started,
                 timers_from=rows[0]["timers_from"],
                 left=rows[0]["timers_left"],
+                paused=frozenset(rows[0]["paused"] or ()),
             )
         claimed = []
         for row in rows:
@@ -464,7 +521,7 @@ class PostgresBackend:
                         await conn.execute(self._q["lock_run"], params)
                         cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
-        owned, ended, fact_present, _ = row if row else (0, 0, False, None)
+        owned, ended, fact_present = row[:3] if row else (0, 0, False)
         if not owned:
             raise self._fenced(lease, f"ending as {ending.outcome}")
         if ended:
@@ -512,18 +569,19 @@ class PostgresBackend:
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
                 cur = await conn.execute(
-                    self._q["cancel_run"], {"run_id": run_id, "reason": reason}
+                    self._q["cancel_run"],
+                    {"run_id": run_id, "reason": reason, "channel": self.work_channel},
                 )
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                (status,) = row
+                status, held = row[0], row[-1]
                 if status is None:
                     return "already_finished"
                 if status == "canceled":  # it finished: what a finishing write also does
-                    await conn.execute(
-                        self._q["finish_child"], {"run_id": run_id, "channel": self.work_channel}
-                    )
+                    finished = {"run_id": run_id, "channel": self.work_channel, "held": held}
+                    await conn.execute(self._q["finish_child"], finished)
+                    await conn.execute(self._q["group_member_canceled"], finished)
                     canceled = await self._cancel_children(conn, run_id)
                 else:
                     await conn.execute(
@@ -546,9 +604,13 @@ class PostgresBackend:
         while level:
             cur = await conn.execute(
                 self._q["cancel_children"],
-                {"run_ids": level, "cancel_channel": self.cancel_channel},
+                {
+                    "run_ids": level,
+                    "cancel_channel": self.cancel_channel,
+                    "work_channel": self.work_channel,
+                },
             )
-            level = [child for child, ends, _ in await cur.fetchall() if ends]
+            level = [child for child, ends, *_ in await cur.fetchall() if ends]
             ended += level
         return ended
 
@@ -571,17 +633,27 @@ class PostgresBackend:
         return None if row is None else _record(row)
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
-        rows = await self._all(
-            "list_runs",
-            {
-                "task_name": query.task_name,
-                "task_version": query.task_version,
-                "status": query.status,
-                "parent_run_id": query.parent_run_id,
-                "before": query.before,
-                "limit": query.limit,
-            },
-        )
+        params: dict[str, Any] = {
+            "task_name": query.task_name,
+            "task_version": query.task_version,
+            "status": query.status,
+            "parent_run_id": query.parent_run_id,
+            "concurrency_key": query.concurrency_key,
+            "idempotency_key": query.idempotency_key,
+            "created_after": query.created_after,
+            "created_before": query.created_before,
+            "finished_after": query.finished_after,
+            "finished_before": query.finished_before,
+            "before": query.before,
+            "limit": query.limit,
+        }
+        if query.tags:
+            # Driven by the tag index (run_tags_lookup) of the first tag, in run-id order.
+            tag_key, tag_value = min(query.tags.items())
+            params |= {"tag_key": tag_key, "tag_value": tag_value, "tags": Jsonb(dict(query.tags))}
+            rows = await self._all("list_runs_tagged", params)
+        else:
+            rows = await self._all("list_runs", params)
         return [_record(r) for r in rows]
 
     async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
@@ -602,6 +674,132 @@ class PostgresBackend:
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
         return self._wakeups.add_cancel_listener(listener)
+
+    # -- child groups (ChildGroupStore) --------------------------------------------------------
+
+    async def start_group(
+        self, group: ChildGroup, runs: Sequence[NewRun]
+    ) -> Sequence[EnqueueResult]:
+        """One statement for the whole group, however many children (arrays, unnested)."""
+        params = {
+            "parent_run_id": group.parent_run_id,
+            "name": group.name,
+            "max_concurrency": group.max_concurrency,
+            "ids": [new.run_id for new in runs],
+            "task_names": [new.task_name for new in runs],
+            "task_versions": [new.task_version for new in runs],
+            "priorities": [new.priority for new in runs],
+            "keys": [new.idempotency_key for new in runs],
+            "hashes": [new.input_hash for new in runs],
+            "inputs": [new.input_json for new in runs],
+            "trace_context": Jsonb(dict(runs[0].trace_context) if runs else {}),
+            "cancel_with_parent": bool(runs) and runs[0].cancel_with_parent,
+            "channel": self.work_channel,
+        }
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(self._q["start_group"], params)
+                row = await cur.fetchone()
+                if row is not None and row[0] and row[1] != len(runs):
+                    raise IdempotencyConflictError(  # rolls the group back
+                        f"start_group {group.name!r}: {len(runs) - row[1]} of its children's "
+                        "idempotency keys name runs that already exist",
+                        idempotency_key=runs[0].idempotency_key or "",
+                    )
+                if row is not None and row[0]:
+                    return [
+                        EnqueueResult(
+                            run_id=new.run_id, created=True, task_version=new.task_version
+                        )
+                        for new in runs
+                    ]
+                cur = await conn.execute(self._q["group_members"], params)
+                members = await cur.fetchall()
+        return [
+            EnqueueResult(run_id=run_id, created=False, task_version=version, input_hash=hashed)
+            for run_id, hashed, version in members
+        ]
+
+    async def join_group(self, group: ChildGroup, run_ids: Sequence[UUID]) -> int:
+        row = await self._one(
+            "join_group",
+            {"parent_run_id": group.parent_run_id, "name": group.name, "ids": list(run_ids)},
+        )
+        found, left_over = (row["found"], row["left_over"]) if row else (0, 0)
+        if found != len(run_ids):
+            raise RunNotFoundError(
+                f"join_group {group.name!r}: only {found} of the {len(run_ids)} runs are "
+                f"children of run {group.parent_run_id}",
+                run_id=group.parent_run_id,
+            )
+        return int(left_over)
+
+    async def group_runs(self, *, parent_run_id: UUID, name: str) -> Sequence[RunRecord]:
+        rows = await self._all("group_runs", {"parent_run_id": parent_run_id, "name": name})
+        return [_record(r) for r in rows]
+
+    # -- streams (StreamStore) -----------------------------------------------------------------
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        """One statement per value (one for a single value, the SDK's case; several in one
+        transaction for a batch); the followers' NOTIFY follows in the background
+        (`_notifier`), so the write never waits on the server-wide NOTIFY lock."""
+        params = [
+            {
+                "run_id": lease.run_id,
+                "token": lease.fencing_token,
+                "name": append.stream,
+                "key": append.key,
+                "value": append.value_json,
+            }
+            for append in appends
+        ]
+        rows: list[dict[str, Any] | None] = []
+        if len(params) == 1:
+            rows.append(await self._one("append_stream", params[0]))
+        elif params:
+            with wrap_exceptions():
+                async with self._pool.connection() as conn, conn.transaction():
+                    cur = conn.cursor(row_factory=dict_row)
+                    for one in params:
+                        await cur.execute(self._q["append_stream"], one)
+                        rows.append(await cur.fetchone())
+        entries = []
+        new = False
+        for append, row in zip(appends, rows, strict=True):
+            if row is None or not row["held"] or row["seq"] is None:
+                raise self._fenced(lease, f"writing to stream {append.stream!r}")
+            new = new or row["new"]
+            entries.append(
+                _stream_entry(
+                    {**row, "run_id": lease.run_id, "name": append.stream, "key": append.key}
+                )
+            )
+        if new:
+            self._streams.notify(str(lease.run_id))
+        return entries
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        rows = await self._all(
+            "read_stream", {"run_id": run_id, "name": stream, "after": after, "limit": limit}
+        )
+        return [_stream_entry(row) for row in rows]
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        rows = await self._all("last_stream_entries", {"run_ids": list(run_ids), "name": stream})
+        return [_stream_entry(row) for row in rows]
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        del stream, after  # hints name the run: a follower reads again after any of them
+        await self._wakeups.wait_for_stream(run_id, timeout=timeout)
 
     # -- schedules (ScheduleStore) -------------------------------------------------------------
 
@@ -641,6 +839,63 @@ class PostgresBackend:
     async def delete_schedule(self, name: str) -> bool:
         return await self._one("delete_schedule", {"name": name}) is not None
 
+    # -- pause (LifecycleStore) ----------------------------------------------------------------
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "pause_task", {"task_name": task_name, "task_version": task_version or 0}
+        )
+        return bool(row and row["stored"])
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "resume_task",
+            {"task_name": task_name, "task_version": task_version, "channel": self.work_channel},
+        )
+        return bool(row and row["deleted"])
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        rows = await self._all("list_paused_tasks", {})
+        return [
+            PausedTask(
+                task_name=r["task_name"],
+                task_version=r["task_version"] or None,
+                paused_at=r["paused_at"],
+            )
+            for r in rows
+        ]
+
+    # -- retention (RetentionStore) --------------------------------------------------------------
+
+    def _prune_params(self, query: PruneQuery) -> dict[str, Any]:
+        return {
+            "older_than": query.older_than,
+            "task_names": None if query.task_names is None else list(query.task_names),
+            "exclude_task_names": list(query.exclude_task_names),
+            "limit": query.limit,
+            "lock_name": f"{self.schema}.prune",
+        }
+
+    async def prune_runs(self, query: PruneQuery) -> PruneBatch:
+        row = await self._one("prune_runs", self._prune_params(query))
+        assert row is not None  # one row, always
+        return PruneBatch(pruned=row["pruned"], busy=not row["held"])
+
+    async def count_prunable(self, query: PruneQuery) -> int:
+        row = await self._one("count_prunable", self._prune_params(query))
+        assert row is not None
+        return int(row["prunable"])
+
+    async def get_pruned(self, run_id: UUID) -> PrunedRun | None:
+        row = await self._one("get_pruned", {"run_id": run_id})
+        return None if row is None else _pruned_run(row)
+
+    async def forget_pruned(self, *, older_than: timedelta, limit: int) -> PruneBatch:
+        params = {"older_than": older_than, "limit": limit, "lock_name": f"{self.schema}.prune"}
+        row = await self._one("forget_pruned", params)
+        assert row is not None
+        return PruneBatch(pruned=row["pruned"], busy=not row["held"])
+
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):
             raise UsageError(
@@ -667,4 +922,5 @@ class PostgresBackend:
         await self._checkpoints.close()
         await self._notifier.close()
         await self._endings.close()
+        await self._streams.close()
         await self._pool.close()

@@ -8,7 +8,9 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
+    ChildError,
     ChildHandle,
     ParentClose,
     StepApi,
@@ -20,9 +22,18 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
-from umt_sdk._spi import ErrorInfo, ExecutionRecord, OverlapPolicy, RunStatus, TaskPair
+from umt_sdk._spi import (
+    ErrorInfo,
+    ExecutionRecord,
+    OverlapPolicy,
+    PausedTask,
+    RunStatus,
+    TaskPair,
+)
+from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
 from umt_sdk._sync import SyncEngine, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
 from umt_sdk._views import RunInfo, RunPage, StepView
@@ -32,6 +43,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     DeadlineExceededError,
     FactTimeoutError,
     FencingError,
@@ -42,6 +54,7 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     ScheduleNotFoundError,
     StartDeadlineExceededError,
     StepFailedError,
@@ -56,8 +69,12 @@ __all__ = [
     "BackendError",
     "CanceledError",
     "ChildCanceledError",
+    "ChildError",
     "ChildFailedError",
     "ChildHandle",
+    "ChildrenFailedError",
+    "Concurrency",
+    "ConcurrencyStrategy",
     "DeadlineExceededError",
     "Engine",
     "ErrorInfo",
@@ -70,7 +87,9 @@ __all__ = [
     "NonDeterminismError",
     "OverlapPolicy",
     "ParentClose",
+    "PausedTask",
     "PayloadError",
+    "PruneReport",
     "Registry",
     "RetryPolicy",
     "RunCanceledError",
@@ -80,6 +99,7 @@ __all__ = [
     "RunInfo",
     "RunNotFoundError",
     "RunPage",
+    "RunPrunedError",
     "RunStatus",
     "Schedule",
     "ScheduleInfo",
@@ -90,10 +110,13 @@ __all__ = [
     "StepFailedError",
     "StepTimeoutError",
     "StepView",
+    "StreamApi",
+    "StreamItem",
     "SyncChildHandle",
     "SyncEngine",
     "SyncStep",
     "SyncStepApi",
+    "SyncStreamApi",
     "SyncTaskContext",
     "TaskContext",
     "TaskDefinition",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
@@ -24,9 +24,16 @@ from umt_sdk._names import (
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
-from umt_sdk.exceptions import CanceledError, DeadlineExceededError
+from umt_sdk._streams import StreamApi, StreamWriter, SyncStreamApi
+from umt_sdk.exceptions import (
+    CanceledError,
+    ChildCanceledError,
+    ChildFailedError,
+    DeadlineExceededError,
+)
 
 __all__ = [
+    "ChildError",
     "ChildHandle",
     "ParentClose",
     "Runner",
@@ -60,6 +67,8 @@ class Runner(Protocol):
     def aborts(self) -> Aborts: ...
     @property
     def steps(self) -> Steps: ...
+    @property
+    def streams(self) -> StreamWriter: ...
 
     def in_handler_thread(self) -> bool: ...
 
@@ -186,6 +195,90 @@ class StepApi:
         )
         return ChildHandle(self._steps, name, child_id, definition.output_type)
 
+    @overload
+    async def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    async def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[True],
+    ) -> list[O | ChildError]: ...
+    async def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Run `task` once per input as children of this run and return their outputs in
+        input order.
+
+        The step `name` starts every child exactly once (a crash before it was recorded finds
+        the same children); then this run parks, its worker slot freed, and is woken **once**,
+        by the write that finishes the last child. `max_concurrency`: at most that many
+        children running or claimable at once; the others wait their turn, in input order,
+        and the store lets the next one run in the write that finishes one (nothing in this
+        run polls or wakes for it). When some children fail or are canceled,
+        `ChildrenFailedError` carries every child's outcome (`results`, `errors`); with
+        `return_exceptions=True` the list holds the `ChildFailedError` or `ChildCanceledError`
+        of those children instead. `priority` and `parent_close` as for `start_child`.
+        """
+        definition, items, cancel_with_parent = _check_map_arguments(
+            name, task, inputs, max_concurrency, priority, parent_close, return_exceptions
+        )
+        return await self._steps.map(
+            name,
+            definition,
+            items,
+            max_concurrency=max_concurrency,
+            priority=priority,
+            cancel_with_parent=cancel_with_parent,
+            return_exceptions=return_exceptions,
+        )
+
+    @overload
+    async def gather(
+        self,
+        name: str,
+        handles: Iterable[ChildHandle[O]],
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    async def gather(
+        self, name: str, handles: Iterable[ChildHandle[O]], *, return_exceptions: Literal[True]
+    ) -> list[O | ChildError]: ...
+    async def gather(
+        self, name: str, handles: Iterable[ChildHandle[O]], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Wait for every child of `handles` (from `start_child`) and return their outputs in
+        the order of `handles`: this run parks once and is woken once, by the write that
+        finishes the last of them (not once per child). Failures as for `map`. The wait is
+        the step `name` (replays return or raise from its record). A child may be in one
+        gather at a time."""
+        members = _check_gather_arguments(name, handles, return_exceptions)
+        return await self._steps.gather(name, members, return_exceptions=return_exceptions)
+
 
 class ChildHandle(Generic[O]):
     """A child run started by `ctx.step.start_child`: `await handle.result()` parks this run
@@ -241,6 +334,59 @@ def _check_child_arguments(
         check.integer(priority, "priority", at_least=-32768, at_most=32767)
     check.choice(parent_close, "parent_close", ("cancel", "abandon"))
     return task, parent_close == "cancel"
+
+
+ChildError = ChildFailedError | ChildCanceledError
+"""How a child that did not complete ends up in the results of `map` or `gather` with
+`return_exceptions=True`."""
+
+
+def _check_map_arguments(
+    name: str,
+    task: object,
+    inputs: object,
+    max_concurrency: object,
+    priority: object,
+    parent_close: object,
+    return_exceptions: object,
+) -> tuple[TaskDefinition[Any, Any], list[Any], bool]:
+    definition, cancel_with_parent = _check_child_arguments(name, task, priority, parent_close)
+    where = f"map({name!r})"
+    if isinstance(inputs, (str, bytes, dict)) or not isinstance(inputs, Iterable):
+        check.refuse(
+            "inputs", "a list (or another iterable) of the children's inputs", inputs, where=where
+        )
+    if max_concurrency is not None:
+        check.integer(max_concurrency, "max_concurrency", at_least=1, where=where)
+    check.flag(return_exceptions, "return_exceptions", where=where)
+    return definition, list(inputs), cancel_with_parent
+
+
+def _check_gather_arguments(
+    name: str, handles: object, return_exceptions: object
+) -> list[tuple[str, UUID, Any]]:
+    check_name("step", name)
+    where = f"gather({name!r})"
+    if isinstance(handles, (str, bytes, dict)) or not isinstance(handles, Iterable):
+        check.refuse("handles", "a list of child handles from start_child", handles, where=where)
+    members: list[tuple[str, UUID, Any]] = []
+    seen: set[UUID] = set()
+    for handle in handles:
+        inner = handle._handle if isinstance(handle, SyncChildHandle) else handle
+        if not isinstance(inner, ChildHandle):
+            check.refuse("handles", "child handles from start_child", handle, where=where)
+        if inner.run_id in seen:
+            check.refuse(
+                "handles",
+                "distinct child handles",
+                handle,
+                where=where,
+                hint="each child may appear once",
+            )
+        seen.add(inner.run_id)
+        members.append((inner._name, inner.run_id, inner._output_type))
+    check.flag(return_exceptions, "return_exceptions", where=where)
+    return members
 
 
 class SyncStepApi:
@@ -317,6 +463,88 @@ class SyncStepApi:
             )
         )
         return SyncChildHandle(ChildHandle(self._steps, name, child_id, definition.output_type))
+
+    @overload
+    def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[True],
+    ) -> list[O | ChildError]: ...
+    def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Fan out one child per input and wait for all of them (see `StepApi.map`)."""
+        definition, items, cancel_with_parent = _check_map_arguments(
+            name, task, inputs, max_concurrency, priority, parent_close, return_exceptions
+        )
+        value: list[Any] = self._steps.from_thread(
+            self._steps.map(
+                name,
+                definition,
+                items,
+                max_concurrency=max_concurrency,
+                priority=priority,
+                cancel_with_parent=cancel_with_parent,
+                return_exceptions=return_exceptions,
+            )
+        )
+        return value
+
+    @overload
+    def gather(
+        self,
+        name: str,
+        handles: Iterable[SyncChildHandle[O]],
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    def gather(
+        self,
+        name: str,
+        handles: Iterable[SyncChildHandle[O]],
+        *,
+        return_exceptions: Literal[True],
+    ) -> list[O | ChildError]: ...
+    def gather(
+        self,
+        name: str,
+        handles: Iterable[SyncChildHandle[O]],
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Wait for every child of `handles`, woken once (see `StepApi.gather`)."""
+        members = _check_gather_arguments(name, handles, return_exceptions)
+        value: list[Any] = self._steps.from_thread(
+            self._steps.gather(name, members, return_exceptions=return_exceptions)
+        )
+        return value
 
 
 class _BaseContext(Generic[I]):
@@ -422,23 +650,28 @@ class _BaseContext(Generic[I]):
 
 
 class TaskContext(_BaseContext[I]):
-    """The context of an async task: `ctx.input`, `ctx.step.run / sleep / wait_for_fact`, ...
+    """The context of an async task: `ctx.input`, `ctx.step.run / sleep / wait_for_fact`,
+    `ctx.stream.write`, ...
 
     It has no public constructor; umt builds one for each execution.
     """
 
-    __slots__ = ("step",)
+    __slots__ = ("step", "stream")
 
     def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
         self.step = StepApi(execution.steps)
+        self.stream = StreamApi(execution.streams)
+        """Write to the run's streams: `await ctx.stream.write("progress", {...})`."""
 
 
 class SyncTaskContext(_BaseContext[I]):
     """The context of a plain (sync) task; its `step` API blocks the handler's thread."""
 
-    __slots__ = ("step",)
+    __slots__ = ("step", "stream")
 
     def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
         self.step = SyncStepApi(execution.steps)
+        self.stream = SyncStreamApi(execution.streams, execution.steps.from_thread)
+        """Write to the run's streams: `ctx.stream.write("progress", {...})`."""

@@ -14,6 +14,7 @@ from attrs import field, frozen
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
 from umt_sdk._cron import CronSpec
 from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, TaskDefinition
@@ -61,6 +62,8 @@ def task(
     version: int = 1,
     retry: RetryPolicy | None = None,
     max_lost_leases: int = DEFAULT_MAX_LOST_LEASES,
+    retention: timedelta | None = None,
+    concurrency: Concurrency[Any] | None = None,
     timeout: timedelta | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
@@ -78,6 +81,12 @@ def task(
             this many times since it last recorded a step (a worker crashed, was OOM-killed or
             froze past the lease while running it), instead of being started again: a fault
             that repeats must not loop forever. Default 10; must be >= 1.
+        retention: how long this task's finished runs are kept before the workers delete
+            them (a timedelta > 0); None (the default) uses `connect(retention=...)`. The
+            longest of a task's versions applies to all its runs. See docs/retention.md.
+        concurrency: at most `limit` runs with the same key running at once, across all
+            workers (`Concurrency(key=lambda inp: inp.tenant_id, limit=2)`); the others wait
+            their turn. See docs/flow-control.md.
         timeout: a run still not finished this long after its enqueue ends `failed` with
             `DeadlineExceededError`, whether it is running (its handler gets the abort
             signal, its step in progress is cut off), sleeping, waiting for a fact or still
@@ -103,6 +112,18 @@ def task(
             f"progress before a run fails), got {shown(max_lost_leases)}",
             argument="max_lost_leases",
         )
+    if retention is not None and (
+        not isinstance(retention, timedelta)
+        or retention <= timedelta(0)
+        or retention > check.MAX_DURATION
+    ):
+        raise TaskDefinitionError(
+            f"task {name!r}: retention must be a timedelta > 0 such as timedelta(days=30) "
+            "(at most 36500 days: how long finished runs are kept), or None; got "
+            f"{shown(retention)}",
+            argument="retention",
+        )
+    concurrency = check_concurrency(concurrency, task_name=name)
 
     if timeout is not None:
         _check_timeout(timeout, where=f"task {name!r}")
@@ -145,6 +166,8 @@ def task(
             output_type=output_type,
             retry=policy,
             max_lost_leases=max_lost_leases,
+            retention=retention,
+            concurrency=concurrency,
             timeout=timeout,
         )
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
-from attrs import evolve, frozen
+from attrs import evolve, field, frozen
 
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
@@ -96,6 +96,16 @@ class RunInfo:
     parent_run_id: UUID | None = None
     """The run whose step started this one (`ctx.step.start_child`); its children are
     `engine.list(parent=run_id)`."""
+    rerun_of: UUID | None = None
+    """The run this one runs again (`engine.rerun`)."""
+    forked_from: UUID | None = None
+    """The run this one is a fork of (`engine.fork`): it kept that run's steps recorded
+    before `forked_at_step`, and its facts."""
+    forked_at_step: str | None = None
+    """The step this fork executed from."""
+    tags: Mapping[str, str] = field(factory=dict)
+    """The labels given at enqueue (`enqueue(..., tags=...)`); `engine.list(tags=...)` finds
+    runs by them."""
     deadline_at: datetime | None = None
     """When the run must be finished by (`@task(timeout=...)`, `enqueue(deadline=...)`);
     None: no deadline."""
@@ -266,6 +276,10 @@ def build_run_info(record: RunRecord) -> RunInfo:
         lease_expires_at=record.lease_expires_at if record.status == "running" else None,
         lease_expired=lease_expired(record),
         parent_run_id=record.parent_run_id,
+        rerun_of=record.rerun_of,
+        forked_from=record.forked_from,
+        forked_at_step=record.forked_at_step,
+        tags=dict(record.tags),
         deadline_at=record.deadline_at,
         start_by=record.start_by,
         deadline_passed=deadline_passed(record),

@@ -13,6 +13,7 @@ UmtError
 ├── FencingError             this attempt no longer holds the run (lease lost): never retry
 ├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
+│   └── RunPrunedError       the run existed and retention deleted it (its tombstone says so)
 ├── ScheduleNotFoundError    (also LookupError) no schedule with that name
 ├── NonDeterminismError      the code no longer matches the run's recorded history
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
@@ -26,6 +27,7 @@ UmtError
 │   └── ChildFailedError     a child run's result, in its parent: the child ended failed
 ├── RunCanceledError         engine.result(): the run ended canceled
 │   └── ChildCanceledError   a child run's result, in its parent: the child ended canceled
+├── ChildrenFailedError      a map or gather in a parent: some children failed or were canceled
 └── ResultTimeoutError       (also TimeoutError) engine.result() waited longer than asked
 ```
 
@@ -50,6 +52,7 @@ __all__ = [
     "CanceledError",
     "ChildCanceledError",
     "ChildFailedError",
+    "ChildrenFailedError",
     "DeadlineExceededError",
     "FactTimeoutError",
     "FencingError",
@@ -62,6 +65,7 @@ __all__ = [
     "RunCanceledError",
     "RunFailedError",
     "RunNotFoundError",
+    "RunPrunedError",
     "ScheduleNotFoundError",
     "StartDeadlineExceededError",
     "StepFailedError",
@@ -174,6 +178,24 @@ class RunNotFoundError(UmtError, LookupError):
     def __init__(self, message: str | None = None, *, run_id: UUID | None = None) -> None:
         super().__init__(message)
         self.run_id = run_id
+
+
+class RunPrunedError(RunNotFoundError):
+    """The run finished and was deleted by retention; only its tombstone is left."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        status: str = "",
+        finished_at: datetime | None = None,
+        pruned_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message, run_id=run_id)
+        self.status = status
+        self.finished_at = finished_at
+        self.pruned_at = pruned_at
 
 
 class ScheduleNotFoundError(UmtError, LookupError):
@@ -365,6 +387,31 @@ class ChildCanceledError(RunCanceledError):
     ) -> None:
         super().__init__(message, run_id=run_id, reason=reason)
         self.step_name = step_name
+
+
+class ChildrenFailedError(UmtError):
+    """Some children of a fan-out (`ctx.step.map`, `ctx.step.gather`) failed or were canceled
+    (raised in the parent once all of them finished, on every replay too).
+
+    `results` holds every child's outcome in input order: its output, or the
+    `ChildFailedError` / `ChildCanceledError` it ended with; `errors` maps the index of each
+    child that did not complete to that error. `step_name` is the map's or gather's name.
+    """
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        step_name: str = "",
+        results: list[object] | None = None,
+        errors: dict[int, ChildFailedError | ChildCanceledError] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.results: list[object] = results if results is not None else []
+        self.errors: dict[int, ChildFailedError | ChildCanceledError] = (
+            errors if errors is not None else {}
+        )
 
 
 class ResultTimeoutError(UmtError, TimeoutError):

@@ -23,6 +23,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     DeadlineExceededError,
     FactTimeoutError,
     FencingError,
@@ -35,6 +36,7 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     ScheduleNotFoundError,
     StartDeadlineExceededError,
     StepFailedError,
@@ -60,6 +62,7 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     FencingError: (UmtError, ()),
     IdempotencyConflictError: (UmtError, ()),
     RunNotFoundError: (UmtError, (LookupError,)),
+    RunPrunedError: (RunNotFoundError, (LookupError,)),
     ScheduleNotFoundError: (UmtError, (LookupError,)),
     NonDeterminismError: (UmtError, ()),
     LeaseLostTooOftenError: (UmtError, ()),
@@ -73,6 +76,7 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     RunCanceledError: (UmtError, ()),
     ChildFailedError: (RunFailedError, ()),
     ChildCanceledError: (RunCanceledError, ()),
+    ChildrenFailedError: (UmtError, ()),
     ResultTimeoutError: (UmtError, (TimeoutError,)),
 }
 BUILTINS = (ValueError, TypeError, LookupError, TimeoutError)

@@ -12,6 +12,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_replay`: replay by step name, non-determinism, plain tasks and steps
 - `_facts`: durable sleeps and facts
 - `_children`: child runs, their results, and the cancels a parent's end cascades
+- `_fanout`: `map` and `gather`: order, partial failure, `max_concurrency`, one wake-up
 - `_user_code`: handlers and steps as users write them
 - `_arguments`: argument checks
 - `_aborts`: the abort table (shutdown and cancel against each handler shape)
@@ -25,6 +26,11 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_timeline`: the timeline of runs that did not end well
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
+- `_listing`: tags, and listing by key, tag, time range and cursor
+- `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
+- `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
+- `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
+- `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
 """
 
 from __future__ import annotations
@@ -39,16 +45,22 @@ from umt_sdk.testing._contract import (
     _cancel,
     _children,
     _claims,
+    _concurrency,
     _deadlines,
     _facts,
+    _fanout,
     _leases,
     _ledger,
+    _lifecycle,
+    _listing,
     _payloads,
+    _pruning,
     _replay,
     _retries,
     _runs,
     _schedules,
     _spi_meanings,
+    _streams,
     _timeline,
     _user_code,
 )
@@ -61,6 +73,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_replay.TASKS,
     *_facts.TASKS,
     *_children.TASKS,
+    *_fanout.TASKS,
     *_user_code.TASKS,
     *_arguments.TASKS,
     *_aborts.TASKS,
@@ -72,6 +85,11 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_payloads.TASKS,
     *_timeline.TASKS,
     *_schedules.TASKS,
+    *_listing.TASKS,
+    *_pruning.TASKS,
+    *_streams.TASKS,
+    *_lifecycle.TASKS,
+    *_concurrency.TASKS,
     *_deadlines.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
@@ -84,6 +102,7 @@ class BackendContract(
     _replay.ReplayContract,
     _facts.FactsContract,
     _children.ChildrenContract,
+    _fanout.FanOutContract,
     _user_code.UserCodeContract,
     _arguments.ArgumentsContract,
     _aborts.AbortsContract,
@@ -96,6 +115,11 @@ class BackendContract(
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
+    _listing.ListingContract,
+    _pruning.PruningContract,
+    _streams.StreamsContract,
+    _lifecycle.LifecycleContract,
+    _concurrency.ConcurrencyContract,
     _deadlines.DeadlinesContract,
     _base.ContractBase,
 ):
