@@ -734,6 +734,15 @@ class EngineMachine(RuleBasedStateMachine):
             steps_before = {(s.name, s.attempt): s for s in record.steps}
             self.obs.gates[(run_id, token, where)].set()
             await self._settle()
+            # Released from a gate in the handler, it may run the next step's body before it
+            # writes anything (its heartbeats are frozen): let it through its later gates too.
+            for _ in range(4):  # at most one gate of each kind
+                later = [k for k in self.obs.blocked if k[:2] == (run_id, token)]
+                if not later:
+                    break
+                for key in later:
+                    self.obs.gates[key].set()
+                await self._settle()
             assert not [k for k in self.obs.blocked if k[:2] == (run_id, token)], (
                 "the superseded execution stops at its first write"
             )
