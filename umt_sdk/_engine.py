@@ -663,6 +663,7 @@ class Engine:
         created_before: datetime | None = None,
         finished_after: datetime | None = None,
         finished_before: datetime | None = None,
+        concurrency_key: str | None = None,
     ) -> RunPage:
         """Runs, newest first (by run id, which grows with time), matching every filter given;
         page with `before=page.next_cursor`.
@@ -673,6 +674,8 @@ class Engine:
             parent: only the children of this run.
             idempotency_key: only the run enqueued under this key (one per task).
             tags: only runs carrying all of these tags (`enqueue(..., tags=...)`).
+            concurrency_key: only runs of this concurrency key (`@task(concurrency=...)`);
+                keys are per task, so give `task_name` too.
             created_after: only runs created at or after this time (timezone-aware);
                 `created_before`: strictly before it.
             finished_after: only finished runs, finished at or after this time;
@@ -698,6 +701,8 @@ class Engine:
             check.text(idempotency_key, "idempotency_key", empty=False, max_length=512)
             _serde.check_text(idempotency_key, what="idempotency_key")
         wanted_tags = check_tags(tags, where="list()")
+        if concurrency_key is not None:
+            check.text(concurrency_key, "concurrency_key", empty=False, max_length=255)
         times = {
             "created_after": created_after,
             "created_before": created_before,
@@ -721,6 +726,7 @@ class Engine:
                 created_before=created_before,
                 finished_after=finished_after,
                 finished_before=finished_before,
+                concurrency_key=concurrency_key,
             )
         )
         page = [build_run_info(r) for r in records[:limit]]

@@ -106,6 +106,9 @@ class RunInfo:
     tags: Mapping[str, str] = field(factory=dict)
     """The labels given at enqueue (`enqueue(..., tags=...)`); `engine.list(tags=...)` finds
     runs by them."""
+    concurrency_key: str | None = None
+    """The run's concurrency key (`@task(concurrency=...)`), computed at enqueue; a `pending`
+    run of a full key waits for a slot. `engine.list(concurrency_key=...)` finds its runs."""
     deadline_at: datetime | None = None
     """When the run must be finished by (`@task(timeout=...)`, `enqueue(deadline=...)`);
     None: no deadline."""
@@ -280,6 +283,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
         forked_from=record.forked_from,
         forked_at_step=record.forked_at_step,
         tags=dict(record.tags),
+        concurrency_key=record.concurrency_key,
         deadline_at=record.deadline_at,
         start_by=record.start_by,
         deadline_passed=deadline_passed(record),

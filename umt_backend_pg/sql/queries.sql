@@ -167,7 +167,8 @@ WITH served AS (
             AND r.available_at <= now()
             AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name))
     ORDER BY k.claimed_at
-    LIMIT %(scan)s
+    -- Each key offers at least one due run: %(limit)s keys can fill the batch.
+    LIMIT %(limit)s
     FOR NO KEY UPDATE OF k SKIP LOCKED
 ), keyed_runs AS (
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
