@@ -888,7 +888,9 @@ class Engine:
         """The newest value of each stream of these runs (only the stream `name` when given),
         by run id then stream name, in one read: what `umt runs watch` shows. A run with no
         stream (or no such run) is left out."""
-        ids = list(run_ids) if not isinstance(run_ids, (str, bytes)) else [run_ids]
+        if isinstance(run_ids, UUID):
+            check.refuse("run_ids", "a list of run ids (uuid.UUID)", run_ids, hint="use [run_id]")
+        ids = check.collection(run_ids, "run_ids", expected="a list of run ids (uuid.UUID)")
         checked = [_check_run_id(run_id, "stream_heads") for run_id in ids]
         if name is not None:
             check_name("stream", name, argument="name")
