@@ -272,6 +272,9 @@ class PostgresBackend:
             "concurrency_key": new.concurrency_key,
             "concurrency_limit": new.concurrency_limit,
             "count_waiting": new.count_waiting,
+            "deadline_at": new.deadline_at,
+            "timeout": new.timeout,
+            "start_within": new.start_within,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -399,6 +402,8 @@ class PostgresBackend:
                     lost_leases=row["lost_leases"],
                     cancel_reason=row["cancel_reason"],
                     idempotency_key=row["idempotency_key"],
+                    deadline_at=row["deadline_at"],
+                    start_by=row["start_by"],
                 )
             )
         return claimed

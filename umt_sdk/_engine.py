@@ -175,6 +175,8 @@ class Engine:
         version: int | None = None,
         conn: Any = None,
         tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -188,6 +190,8 @@ class Engine:
         version: int | None = None,
         conn: Any = None,
         tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -200,6 +204,8 @@ class Engine:
         version: int | None = None,
         conn: Any = None,
         tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -215,6 +221,13 @@ class Engine:
                 result) until its tombstone is dropped (`connect(idempotency_retention=)`).
             priority: higher runs first (-32768..32767); FIFO among equals.
             delay: do not start before this much time has passed.
+            deadline: when the run must be finished by: a timezone-aware datetime, or a
+                timedelta from now (the backend's clock). Past it the run ends `failed` with
+                `DeadlineExceededError`, whatever it is doing; the task's own `timeout`, if
+                earlier, wins. None: only the task's timeout.
+            start_within: how long after it becomes claimable (now, plus `delay`) the run may
+                still start: a run not claimed by then ends `failed` with
+                `StartDeadlineExceededError` without running. None: no limit.
             conn: the caller's open database transaction: the run exists if and only if it
                 commits (backends that support it).
             tags: labels to find the run by (`list(tags={"tenant": "t7"})`): at most 16 keys
@@ -244,6 +257,14 @@ class Engine:
         if delay is not None:
             check.duration(delay, "delay")
         run_tags = check_tags(tags)
+        deadline_at, timeout = _deadline(deadline, definition.timeout)
+        if start_within is not None:
+            check.duration(
+                start_within,
+                "start_within",
+                positive=True,
+                expected="a timedelta > 0 such as timedelta(minutes=5), or None",
+            )
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
         keyed = key_fields(
             definition.concurrency,
@@ -279,6 +300,9 @@ class Engine:
                 trace_context=self.telemetry.inject(),
                 tags=run_tags,
                 **keyed,
+                deadline_at=deadline_at,
+                timeout=timeout,
+                start_within=start_within,
             )
             result = await self.backend.enqueue(new, conn=conn)
             # On the caller's transaction the run exists only if that commits, which the SDK
@@ -570,6 +594,9 @@ class Engine:
                 kept_steps=() if plan is None else plan.kept_steps,
                 tags=dict(record.tags),  # found by the same tags as the run it starts again
                 **keyed,
+                # A new run: the task's timeout counts from now (a definition this process
+                # does not register sets none).
+                timeout=definition.timeout if definition is not None else None,
             )
             result = await self.backend.enqueue(new)
             span.set_attribute("umt.run.id", str(result.run_id))
@@ -868,7 +895,9 @@ class Engine:
         """The newest value of each stream of these runs (only the stream `name` when given),
         by run id then stream name, in one read: what `umt runs watch` shows. A run with no
         stream (or no such run) is left out."""
-        ids = list(run_ids) if not isinstance(run_ids, (str, bytes)) else [run_ids]
+        if isinstance(run_ids, UUID):
+            check.refuse("run_ids", "a list of run ids (uuid.UUID)", run_ids, hint="use [run_id]")
+        ids = check.collection(run_ids, "run_ids", expected="a list of run ids (uuid.UUID)")
         checked = [_check_run_id(run_id, "stream_heads") for run_id in ids]
         if name is not None:
             check_name("stream", name, argument="name")
@@ -1010,3 +1039,23 @@ async def connect(
     except BaseException:
         await backend.close()
         raise
+
+
+def _deadline(
+    deadline: object, task_timeout: timedelta | None
+) -> tuple[datetime | None, timedelta | None]:
+    """`enqueue(deadline=...)` and the task's timeout as `NewRun.deadline_at` / `timeout`: a
+    relative deadline counts, like the timeout, from the enqueue on the backend's clock."""
+    if deadline is None:
+        return None, task_timeout
+    if isinstance(deadline, datetime):
+        check.aware_datetime(deadline, "deadline")
+        return deadline, task_timeout
+    relative = check.duration(
+        deadline,
+        "deadline",
+        positive=True,
+        expected="a timezone-aware datetime, or a timedelta > 0 such as timedelta(hours=1), "
+        "or None",
+    )
+    return None, relative if task_timeout is None else min(relative, task_timeout)

@@ -275,6 +275,15 @@ class NewRun:
     count_waiting: bool = False
     """With `concurrency_key`: whether the run keeps its slot while `waiting` (a sleep, a
     wait for a fact); by default a waiting run gives its slot back and needs one again to run."""
+    deadline_at: datetime | None = field(default=None, validator=_tz_aware)
+    """When the run must be finished by (`enqueue(deadline=...)`), as given."""
+    timeout: timedelta | None = None
+    """How long the run may take from its enqueue (`@task(timeout=...)`, a relative
+    `enqueue(deadline=...)`): the backend's clock at the enqueue plus this. The stored
+    deadline (`RunRecord.deadline_at`) is the earlier of the two; None and None: no deadline."""
+    start_within: timedelta | None = None
+    """How long after it becomes claimable (the enqueue plus `delay`) the run may still be
+    started: stored as `RunRecord.start_by`. None: no start deadline."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -366,6 +375,12 @@ class ClaimedRun:
     idempotency_key: str | None = None
     """The run's idempotency key as stored (None without one): a scheduled run's key names
     its tick, which the SDK reads back as `ctx.scheduled_at`."""
+    deadline_at: datetime | None = field(default=None, validator=_tz_aware)
+    """The run's deadline as stored (`RunRecord.deadline_at`): the SDK ends the run failed
+    when it comes (at once, without running the handler, when the claim is past it)."""
+    start_by: datetime | None = field(default=None, validator=_tz_aware)
+    """The run's start deadline as stored (`RunRecord.start_by`): a first claim past it ends
+    the run failed without running the handler."""
 
 
 EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
@@ -513,6 +528,10 @@ class RunRecord:
     """The labels given at enqueue (`NewRun.tags`)."""
     concurrency_key: str | None = None
     """The run's concurrency key as stored (None without one)."""
+    deadline_at: datetime | None = None
+    """When the run must be finished by (`NewRun.deadline_at` / `timeout`), None: never."""
+    start_by: datetime | None = None
+    """When the run must have been claimed by (`NewRun.start_within`), None: no limit."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)
@@ -609,7 +628,12 @@ class Backend(Protocol):
         backend cannot join is refused with `UsageError`).
 
         The run is `pending`, claimable from the backend's clock plus `new.delay`
-        (`available_at`). Same idempotency key: same input hash returns the existing run
+        (`available_at`), or from its deadline if that is earlier. It keeps its deadline:
+        `deadline_at`, the earlier of `new.deadline_at` and the clock plus `new.timeout`
+        (None if neither is given), and `start_by`, the clock plus `new.delay` plus
+        `new.start_within` (None without it); the claim hands both out
+        (`ClaimedRun.deadline_at`, `start_by`) and the SDK decides what they mean.
+        Same idempotency key: same input hash returns the existing run
         (`created=False`, with its `task_version`), a different hash raises
         `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
         names another version. A child run keeps `parent_run_id`, `parent_fact` and

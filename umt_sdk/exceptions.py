@@ -19,6 +19,9 @@ UmtError
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
+├── StepTimeoutError         (also TimeoutError) a step attempt ran past its timeout
+├── DeadlineExceededError    (also TimeoutError) the run was not finished at its deadline
+│   └── StartDeadlineExceededError  the run was not started before its start deadline
 ├── CanceledError            the run was canceled (raised inside the handler)
 ├── RunFailedError           engine.result(): the run ended failed
 │   └── ChildFailedError     a child run's result, in its parent: the child ended failed
@@ -50,6 +53,7 @@ __all__ = [
     "ChildCanceledError",
     "ChildFailedError",
     "ChildrenFailedError",
+    "DeadlineExceededError",
     "FactTimeoutError",
     "FencingError",
     "IdempotencyConflictError",
@@ -63,7 +67,9 @@ __all__ = [
     "RunNotFoundError",
     "RunPrunedError",
     "ScheduleNotFoundError",
+    "StartDeadlineExceededError",
     "StepFailedError",
+    "StepTimeoutError",
     "TaskDefinitionError",
     "UmtError",
     "UnknownTaskError",
@@ -278,6 +284,40 @@ class FactTimeoutError(UmtError, TimeoutError):
     def __init__(self, message: str | None = None, *, fact_name: str = "") -> None:
         super().__init__(message)
         self.fact_name = fact_name
+
+
+class StepTimeoutError(UmtError, TimeoutError):
+    """A step attempt ran past its timeout: an async body was cancelled, a plain one (a
+    thread, which cannot be killed) was left to finish on its own and its result ignored. The
+    attempt failed; the step's retry policy decides whether another one runs."""
+
+    def __init__(
+        self, message: str | None = None, *, step_name: str = "", timeout_seconds: float = 0.0
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.timeout_seconds = timeout_seconds
+
+
+class DeadlineExceededError(UmtError, TimeoutError):
+    """The run was not finished at its deadline (`@task(timeout=...)`,
+    `enqueue(deadline=...)`): it ended failed, never retried, whatever it was doing."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        deadline_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.deadline_at = deadline_at
+
+
+class StartDeadlineExceededError(DeadlineExceededError):
+    """The run was not claimed before its start deadline (`enqueue(start_within=...)`): it
+    ended failed without running."""
 
 
 class CanceledError(UmtError):

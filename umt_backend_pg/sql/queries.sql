@@ -18,24 +18,30 @@
 -- was enqueued with.
 -- A keyed run is not inserted when the key's run was pruned (its tombstone in `pruned_runs`,
 -- one index probe, only for keyed runs); its tags (if any) go to `run_tags`.
+-- Its deadline is the earlier of %(deadline_at)s and now() + %(timeout)s (NULL: none given),
+-- and it is claimable from its deadline if that comes before its delay ends (the SDK ends it
+-- then); its start deadline is when it becomes claimable plus %(start_within)s.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
         cancel_with_parent, rerun_of, forked_from, forked_at_step, concurrency_key,
-        count_waiting, tags
+        count_waiting, tags, deadline_at, start_by
     )
     SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
-        now() + %(delay)s::interval, %(idempotency_key)s::text, %(input_hash)s,
-        %(trace_context)s, %(input)s::jsonb,
+        least(now() + %(delay)s::interval, d.deadline_at), %(idempotency_key)s::text,
+        %(input_hash)s, %(trace_context)s, %(input)s::jsonb,
         %(delay)s::interval <= interval '0' AND %(concurrency_key)s::text IS NULL
         AND NOT EXISTS (
             SELECT 1 FROM {schema}.paused_tasks z
             WHERE z.task_name = %(task_name)s AND z.task_version IN (0, %(task_version)s)),
         %(parent_run_id)s::uuid, %(parent_fact)s::text, %(cancel_with_parent)s,
         %(rerun_of)s::uuid, %(forked_from)s::uuid, %(forked_at_step)s::text,
-        %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb
+        %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb, d.deadline_at,
+        now() + %(delay)s::interval + %(start_within)s::interval
+    FROM (SELECT least(%(deadline_at)s::timestamptz, now() + %(timeout)s::interval)
+              AS deadline_at) AS d
     WHERE %(idempotency_key)s::text IS NULL OR NOT EXISTS (
         SELECT 1 FROM {schema}.pruned_runs t
         WHERE t.task_name = %(task_name)s AND t.idempotency_key = %(idempotency_key)s::text
@@ -261,7 +267,8 @@ WITH served AS (
               l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked, l.keyed,
               r.concurrency_key,
               CASE WHEN r.cancel_requested_at IS NOT NULL
-                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
+                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason,
+              r.deadline_at, r.start_by
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING claimed c WHERE q.run_id = c.id
 ), key_slots AS (
@@ -296,7 +303,8 @@ WITH served AS (
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left, t.paused,
+       c.cancel_reason, c.idempotency_key, c.deadline_at, c.start_by, t.timers_from,
+       t.timers_left, t.paused,
        -- A fork's first claim replays the step records it kept.
        CASE WHEN c.claims > 1 OR c.forked THEN (
            SELECT json_agg(json_build_object(
@@ -784,7 +792,8 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, concurrency_key, tags, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -804,7 +813,8 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, concurrency_key, tags, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
@@ -834,7 +844,8 @@ CROSS JOIN LATERAL (
            r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
            r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason,
            r.wait_for, r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from,
-           r.forked_at_step, r.concurrency_key, r.tags, now() AS db_now
+           r.forked_at_step, r.concurrency_key, r.tags, r.deadline_at, r.start_by,
+           now() AS db_now
     FROM {schema}.runs r
     WHERE r.id = t.run_id
       AND r.tags @> %(tags)s::jsonb
@@ -1266,7 +1277,7 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
-       now() AS db_now
+       deadline_at, start_by, now() AS db_now
 FROM {schema}.runs
 WHERE parent_run_id = %(parent_run_id)s AND child_group = %(name)s
 ORDER BY group_index;

@@ -41,6 +41,10 @@ CREATE TABLE {schema}.runs (
     -- The run's concurrency key, and whether it keeps its slot while waiting (migration 0009).
     concurrency_key     text,
     count_waiting       boolean NOT NULL DEFAULT false,
+    -- When the run must be finished by, and started by (migration 0010): the SDK ends it
+    -- failed past either; `available_at` is never later than `deadline_at`.
+    deadline_at         timestamptz,
+    start_by            timestamptz,
     -- A run started again: the run it reruns, or forks and the step it forks from (0011).
     rerun_of            uuid,
     forked_from         uuid,

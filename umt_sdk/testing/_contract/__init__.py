@@ -17,6 +17,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_arguments`: argument checks
 - `_aborts`: the abort table (shutdown and cancel against each handler shape)
 - `_cancel`: cancel
+- `_deadlines`: step timeouts, run deadlines and start deadlines
 - `_claims`: claim order, priority, the pairs a worker serves
 - `_retries`: step and handler retries
 - `_leases`: leases, takeover and fencing, lost leases
@@ -45,6 +46,7 @@ from umt_sdk.testing._contract import (
     _children,
     _claims,
     _concurrency,
+    _deadlines,
     _facts,
     _fanout,
     _leases,
@@ -88,6 +90,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_streams.TASKS,
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
+    *_deadlines.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -117,6 +120,7 @@ class BackendContract(
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
+    _deadlines.DeadlinesContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
