@@ -1020,14 +1020,16 @@ DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
 -- name: prune_runs
 -- One retention batch, one pruner at a time: the statement takes the schema's pruning lock if
 -- it is free (`held`; else it does nothing and the caller reports `busy`), picks up to
--- %(limit)s prunable runs, oldest finished first, leaves a tombstone for each and deletes it;
+-- %(limit)s prunable runs, leaves a tombstone for each and deletes it;
 -- its steps, executions, facts, tags and streams (every table that references runs ON DELETE
 -- CASCADE) and its child groups go with it. Prunable: finished before now() - %(older_than)s,
 -- of the tasks asked for, with no unfinished child (its finishing write stores a fact for its
 -- parent) and no unfinished parent (which may still read its result).
--- The batch reads runs_finished (task, finishing time) task by task: the task names come from
--- a skip over the index (one probe each), and each task's oldest runs from its own range, so
--- the runs of a task kept longer are never read by the batches of the others.
+-- The batch reads runs_finished (task, finishing time) task by task, in name order, oldest
+-- first within a task, and stops once it has %(limit)s: the task names come from a skip over
+-- the index (one probe each, only as far as the batch goes), each task's runs from its own
+-- range, so the runs of a task kept longer are never read by the batches of the others, and
+-- only the runs the batch deletes are read and locked.
 WITH RECURSIVE lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
 ), names (task_name) AS (
@@ -1040,7 +1042,7 @@ WITH RECURSIVE lock AS MATERIALIZED (
 ), batch AS MATERIALIZED (
     SELECT c.id FROM names n
     CROSS JOIN LATERAL (
-        SELECT r.id, r.finished_at FROM {schema}.runs r
+        SELECT r.id FROM {schema}.runs r
         WHERE r.task_name = n.task_name
           AND r.status IN ('completed', 'failed', 'canceled')
           AND r.finished_at < now() - %(older_than)s::interval
@@ -1063,7 +1065,6 @@ WITH RECURSIVE lock AS MATERIALIZED (
     WHERE n.task_name IS NOT NULL
       AND (%(task_names)s::text[] IS NULL OR n.task_name = ANY (%(task_names)s::text[]))
       AND NOT (n.task_name = ANY (%(exclude_task_names)s::text[]))
-    ORDER BY c.finished_at
     LIMIT %(limit)s
 ), tombstones AS (
     INSERT INTO {schema}.pruned_runs (
