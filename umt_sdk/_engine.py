@@ -40,6 +40,7 @@ from umt_sdk._retention import (
     RetentionPolicy,
     check_retention,
     check_tags,
+    missing_run,
     retention_store,
 )
 from umt_sdk._schedules import Schedules, scheduler_enqueue
@@ -68,7 +69,6 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
-    RunPrunedError,
     UsageError,
 )
 
@@ -621,22 +621,7 @@ class Engine:
         return build_run_info(record)
 
     async def _not_found(self, run_id: UUID) -> RunNotFoundError:
-        """The error for a run the store does not hold: `RunPrunedError` when retention
-        deleted it (its tombstone says when), else `RunNotFoundError`."""
-        if isinstance(self.backend, RetentionStore):
-            tombstone = await self.backend.get_pruned(run_id)
-            if tombstone is not None:
-                return RunPrunedError(
-                    f"run {run_id} ({tombstone.task_name}@{tombstone.task_version}) finished "
-                    f"{tombstone.status} at {tombstone.finished_at.isoformat()} and was deleted "
-                    f"by retention at {tombstone.pruned_at.isoformat()}; only its tombstone "
-                    "is kept (see docs/retention.md)",
-                    run_id=run_id,
-                    status=tombstone.status,
-                    finished_at=tombstone.finished_at,
-                    pruned_at=tombstone.pruned_at,
-                )
-        return RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        return await missing_run(self.backend, run_id)
 
     async def export_history(self, run_id: UUID) -> RunHistory:
         """The run's recorded history (task, version, input, status, each step record) as a
