@@ -14,20 +14,18 @@ background; `engine.prune` and `umt runs prune` run one prune by hand.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from uuid import UUID
 
 from attrs import define, field, frozen
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
+from umt_sdk._definition import TaskDefinition
 from umt_sdk._spi import Backend, PruneQuery, RetentionStore
 from umt_sdk.exceptions import RunNotFoundError, RunPrunedError, UsageError
-
-if TYPE_CHECKING:  # the registry's module imports the steps, which import the streams (here)
-    from umt_sdk._task import Registry
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -168,12 +166,12 @@ class RetentionPolicy:
     @classmethod
     def build(
         cls,
-        registry: Registry,
+        registry: Iterable[TaskDefinition[Any, Any]],
         *,
         default: timedelta | None,
         idempotency: timedelta | None,
     ) -> RetentionPolicy:
-        """The policy of `connect`: its options, and the retention each registered task
+        """The policy of `connect`: its options, and the retention each task of the registry
         declares (the longest of its versions, when they differ)."""
         per_task: dict[str, timedelta] = {}
         for definition in registry:
