@@ -295,6 +295,20 @@ def _serve(coro: Coroutine[Any, Any, None]) -> None:
     metavar="DURATION",
     help="Do not start before this much time (e.g. 5m).",
 )
+@click.option(
+    "--deadline",
+    callback=_duration,
+    metavar="DURATION",
+    help="End the run failed (DeadlineExceededError) if it is not finished this long from "
+    "now (e.g. 30m); the task's own timeout, if sooner, wins.",
+)
+@click.option(
+    "--start-within",
+    callback=_duration,
+    metavar="DURATION",
+    help="End the run failed without running it if no worker starts it this long after it "
+    "becomes claimable (e.g. 5m).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_config
 def enqueue(
@@ -305,6 +319,8 @@ def enqueue(
     idempotency_key: str | None,
     priority: int,
     delay: timedelta | None,
+    deadline: timedelta | None,
+    start_within: timedelta | None,
     as_json: bool,
 ) -> None:
     """Start a run of TASK (its newest version, or TASK@VERSION) and print its id.
@@ -339,6 +355,8 @@ def enqueue(
                 idempotency_key=idempotency_key,
                 priority=priority,
                 delay=delay,
+                deadline=deadline,
+                start_within=start_within,
             )
         if as_json:
             click.echo(
