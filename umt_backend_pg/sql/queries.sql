@@ -832,29 +832,37 @@ LIMIT %(limit)s;
 
 -- name: list_runs_tagged
 -- list_runs for a filter with tags: run_tags_lookup read backwards from the cursor for the first
--- tag (%(tag_key)s = %(tag_value)s), each run then read by its key and checked against the other
--- filters (every tag: `tags @>`); it stops after %(limit)s matches.
-SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
-       r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
-       r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
-       r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason, r.wait_for,
-       r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from, r.forked_at_step,
-       r.concurrency_key, r.tags, r.deadline_at, r.start_by, now() AS db_now
+-- tag (%(tag_key)s = %(tag_value)s), each of its runs then read by its key and checked against
+-- the other filters (every tag: `tags @>`), until %(limit)s match. The LIMIT 1 of the lateral
+-- read keeps it a nested loop in run-id order (a join the planner may not turn into a scan of
+-- all runs and a sort).
+SELECT r.*
 FROM {schema}.run_tags t
-JOIN {schema}.runs r ON r.id = t.run_id
+CROSS JOIN LATERAL (
+    SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
+           r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
+           r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
+           r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason,
+           r.wait_for, r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from,
+           r.forked_at_step, r.concurrency_key, r.tags, r.deadline_at, r.start_by,
+           now() AS db_now
+    FROM {schema}.runs r
+    WHERE r.id = t.run_id
+      AND r.tags @> %(tags)s::jsonb
+      AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
+      AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
+      AND (%(status)s::text IS NULL OR r.status = %(status)s)
+      AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
+      AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
+      AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
+      AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
+      AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
+      AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
+      AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
+    LIMIT 1
+) AS r
 WHERE t.key = %(tag_key)s AND t.value = %(tag_value)s
   AND (%(before)s::uuid IS NULL OR t.run_id < %(before)s)
-  AND r.tags @> %(tags)s::jsonb
-  AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
-  AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
-  AND (%(status)s::text IS NULL OR r.status = %(status)s)
-  AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
-  AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
-  AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
-  AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
-  AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
-  AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
-  AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
 ORDER BY t.run_id DESC
 LIMIT %(limit)s;
 
@@ -1012,32 +1020,52 @@ DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
 -- name: prune_runs
 -- One retention batch, one pruner at a time: the statement takes the schema's pruning lock if
 -- it is free (`held`; else it does nothing and the caller reports `busy`), picks up to
--- %(limit)s prunable runs, oldest finished first (runs_finished), leaves a tombstone for each
--- and deletes it; its steps, executions, facts, tags and streams (every table that references
--- runs ON DELETE CASCADE) and its child groups go with it. Prunable: finished before
--- now() - %(older_than)s, of the tasks asked for, with no unfinished child (its finishing write
--- stores a fact for its parent) and no unfinished parent (which may still read its result).
-WITH lock AS MATERIALIZED (
+-- %(limit)s prunable runs, leaves a tombstone for each and deletes it;
+-- its steps, executions, facts, tags and streams (every table that references runs ON DELETE
+-- CASCADE) and its child groups go with it. Prunable: finished before now() - %(older_than)s,
+-- of the tasks asked for, with no unfinished child (its finishing write stores a fact for its
+-- parent) and no unfinished parent (which may still read its result).
+-- The batch reads runs_finished (task, finishing time) task by task, in name order, oldest
+-- first within a task, and stops once it has %(limit)s: the task names come from a skip over
+-- the index (one probe each, only as far as the batch goes), each task's runs from its own
+-- range, so the runs of a task kept longer are never read by the batches of the others, and
+-- only the runs the batch deletes are read and locked.
+WITH RECURSIVE lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
+), names (task_name) AS (
+    SELECT min(r.task_name) FROM {schema}.runs r
+    WHERE r.status IN ('completed', 'failed', 'canceled') AND (SELECT held FROM lock)
+    UNION ALL
+    SELECT (SELECT min(r.task_name) FROM {schema}.runs r
+            WHERE r.status IN ('completed', 'failed', 'canceled') AND r.task_name > n.task_name)
+    FROM names n WHERE n.task_name IS NOT NULL
 ), batch AS MATERIALIZED (
-    SELECT r.id FROM {schema}.runs r
-    WHERE (SELECT held FROM lock)
-      AND r.status IN ('completed', 'failed', 'canceled')
-      AND r.finished_at < now() - %(older_than)s::interval
-      AND (%(task_names)s::text[] IS NULL OR r.task_name = ANY (%(task_names)s::text[]))
-      AND NOT (r.task_name = ANY (%(exclude_task_names)s::text[]))
-      AND NOT EXISTS (
-          SELECT 1 FROM {schema}.runs c
-          WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled')
-      )
-      AND NOT EXISTS (
-          SELECT 1 FROM {schema}.runs p
-          WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
-            AND p.status NOT IN ('completed', 'failed', 'canceled')
-      )
-    ORDER BY r.finished_at
+    SELECT c.id FROM names n
+    CROSS JOIN LATERAL (
+        SELECT r.id FROM {schema}.runs r
+        WHERE r.task_name = n.task_name
+          AND r.status IN ('completed', 'failed', 'canceled')
+          AND r.finished_at < now() - %(older_than)s::interval
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs c
+              WHERE c.parent_run_id = r.id
+                AND c.status NOT IN ('completed', 'failed', 'canceled')
+          )
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs p
+              WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
+                AND p.status NOT IN ('completed', 'failed', 'canceled')
+          )
+        ORDER BY r.finished_at
+        LIMIT %(limit)s
+        -- The statement's snapshot may predate the commit of the pruner that held the lock
+        -- before: the row lock reads each run again and skips one it deleted.
+        FOR UPDATE OF r SKIP LOCKED
+    ) AS c
+    WHERE n.task_name IS NOT NULL
+      AND (%(task_names)s::text[] IS NULL OR n.task_name = ANY (%(task_names)s::text[]))
+      AND NOT (n.task_name = ANY (%(exclude_task_names)s::text[]))
     LIMIT %(limit)s
-    FOR UPDATE OF r SKIP LOCKED
 ), tombstones AS (
     INSERT INTO {schema}.pruned_runs (
         run_id, task_name, task_version, status, idempotency_key, input_hash, created_at,
