@@ -8,7 +8,9 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
+    ChildError,
     ChildHandle,
     ParentClose,
     StepApi,
@@ -20,6 +22,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
 from umt_sdk._spi import (
@@ -40,6 +43,8 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
+    DeadlineExceededError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -49,8 +54,11 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     ScheduleNotFoundError,
+    StartDeadlineExceededError,
     StepFailedError,
+    StepTimeoutError,
     UmtError,
     UsageError,
 )
@@ -61,8 +69,13 @@ __all__ = [
     "BackendError",
     "CanceledError",
     "ChildCanceledError",
+    "ChildError",
     "ChildFailedError",
     "ChildHandle",
+    "ChildrenFailedError",
+    "Concurrency",
+    "ConcurrencyStrategy",
+    "DeadlineExceededError",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -76,6 +89,7 @@ __all__ = [
     "ParentClose",
     "PausedTask",
     "PayloadError",
+    "PruneReport",
     "Registry",
     "RetryPolicy",
     "RunCanceledError",
@@ -85,13 +99,16 @@ __all__ = [
     "RunInfo",
     "RunNotFoundError",
     "RunPage",
+    "RunPrunedError",
     "RunStatus",
     "Schedule",
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",
+    "StartDeadlineExceededError",
     "StepApi",
     "StepFailedError",
+    "StepTimeoutError",
     "StepView",
     "StreamApi",
     "StreamItem",

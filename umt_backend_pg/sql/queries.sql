@@ -13,29 +13,55 @@
 -- here; the others are notified after their commit, coalesced (see _notifier.py).
 -- A run claimable at once (no delay) is also queued in `ready`, in the same statement, unless
 -- its pair is paused (it waits in runs_claim_ready: paused runs never hold `ready` rows, which
--- would keep its slots from being truncated).
+-- would keep its slots from being truncated); a run with a concurrency key never is (it waits
+-- for a slot: runs_claim_keyed), and its key's row counts it (`queued`) and takes the limit it
+-- was enqueued with.
+-- A keyed run is not inserted when the key's run was pruned (its tombstone in `pruned_runs`,
+-- one index probe, only for keyed runs); its tags (if any) go to `run_tags`.
+-- Its deadline is the earlier of %(deadline_at)s and now() + %(timeout)s (NULL: none given),
+-- and it is claimable from its deadline if that comes before its delay ends (the SDK ends it
+-- then); its start deadline is when it becomes claimable plus %(start_within)s.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, rerun_of, forked_from, forked_at_step
+        cancel_with_parent, rerun_of, forked_from, forked_at_step, concurrency_key,
+        count_waiting, tags, deadline_at, start_by
     )
-    VALUES (
+    SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
-        now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
-        %(input)s::jsonb,
-        %(delay)s::interval <= interval '0' AND NOT EXISTS (
+        least(now() + %(delay)s::interval, d.deadline_at), %(idempotency_key)s::text,
+        %(input_hash)s, %(trace_context)s, %(input)s::jsonb,
+        %(delay)s::interval <= interval '0' AND %(concurrency_key)s::text IS NULL
+        AND NOT EXISTS (
             SELECT 1 FROM {schema}.paused_tasks z
             WHERE z.task_name = %(task_name)s AND z.task_version IN (0, %(task_version)s)),
-        %(parent_run_id)s, %(parent_fact)s, %(cancel_with_parent)s, %(rerun_of)s,
-        %(forked_from)s, %(forked_at_step)s
+        %(parent_run_id)s::uuid, %(parent_fact)s::text, %(cancel_with_parent)s,
+        %(rerun_of)s::uuid, %(forked_from)s::uuid, %(forked_at_step)s::text,
+        %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb, d.deadline_at,
+        now() + %(delay)s::interval + %(start_within)s::interval
+    FROM (SELECT least(%(deadline_at)s::timestamptz, now() + %(timeout)s::interval)
+              AS deadline_at) AS d
+    WHERE %(idempotency_key)s::text IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {schema}.pruned_runs t
+        WHERE t.task_name = %(task_name)s AND t.idempotency_key = %(idempotency_key)s::text
     )
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, task_name, task_version, priority, available_at, queued
+    RETURNING id, task_name, task_version, priority, available_at, queued, concurrency_key
+), tagged AS (
+    INSERT INTO {schema}.run_tags (run_id, key, value)
+    SELECT i.id, t.key, t.value FROM inserted i CROSS JOIN jsonb_each_text(%(tags)s::jsonb) AS t
 ), queued AS (
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
     FROM inserted i WHERE i.queued
+), keyed AS (
+    INSERT INTO {schema}.concurrency_keys (task_name, concurrency_key, slot_limit, queued)
+    SELECT i.task_name, i.concurrency_key, %(concurrency_limit)s, 1
+    FROM inserted i WHERE i.concurrency_key IS NOT NULL
+    ON CONFLICT (task_name, concurrency_key) DO UPDATE SET
+        slot_limit = EXCLUDED.slot_limit,
+        queued = {schema}.concurrency_keys.queued + 1
 )
 SELECT i.id, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, %(pair)s) END
 FROM inserted i;
@@ -70,8 +96,14 @@ SELECT (SELECT count(*) FROM steps) AS steps, (SELECT count(*) FROM facts) AS fa
        EXISTS (SELECT 1 FROM {schema}.runs r WHERE r.id = %(source)s) AS source_found;
 
 -- name: find_idempotent_run
-SELECT id, input_hash, task_version FROM {schema}.runs
-WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
+-- The run the key names: the stored one, else the tombstone of the pruned one.
+SELECT id, input_hash, task_version, false AS pruned FROM {schema}.runs
+WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s
+UNION ALL
+(SELECT run_id, input_hash, task_version, true FROM {schema}.pruned_runs
+ WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s
+ ORDER BY pruned_at DESC LIMIT 1)
+ORDER BY pruned LIMIT 1;
 
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s);
@@ -108,6 +140,10 @@ SET LOCAL synchronous_commit TO off;
 -- earliest timer offered and not claimed, locked by another claim or beyond %(limit)s; the last
 -- one offered of a pair whose timers filled %(scan)s; at most %(timers_margin)s before now, for
 -- a writer that commits late), and `timers_left`: some are due still (read again at once).
+-- Runs with a concurrency key that want a slot come only from `keyed_runs`: the keys of the
+-- pairs' tasks with a free slot and a due run, least recently served first, locked (their
+-- newest counters), and at most each key's free slots of its runs; `key_slots` raises the
+-- counters of the keys claimed from (see migrations/0009_concurrency_keys.sql).
 -- Pairs that a stored pause names (paused_tasks, by version or the whole task) are left out
 -- before anything is read: their runs wait as they are. When the timers were read, the row also
 -- names them (`paused`): a pair resumed later has timers this read passed over, so the backend
@@ -119,28 +155,58 @@ WITH served AS (
     FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
 ), pairs AS (
     SELECT s.name, s.version FROM served s WHERE NOT s.paused
+), open_keys AS (
+    SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
+    FROM {schema}.concurrency_keys k
+    WHERE k.task_name = ANY (%(names)s::text[]) AND k.queued > 0 AND k.running < k.slot_limit
+      AND EXISTS (
+          SELECT 1 FROM {schema}.runs r
+          WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
+            AND r.concurrency_key IS NOT NULL
+            AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
+            AND r.available_at <= now()
+            AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name))
+    ORDER BY k.claimed_at
+    -- Each key offers at least one due run: %(limit)s keys can fill the batch.
+    LIMIT %(limit)s
+    FOR NO KEY UPDATE OF k SKIP LOCKED
+), keyed_runs AS (
+    SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
+    FROM open_keys k
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at
+        FROM {schema}.runs r
+        WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
+          AND r.concurrency_key IS NOT NULL
+          AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
+          AND r.available_at <= now()
+          AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
+        ORDER BY r.priority DESC, r.available_at
+        LIMIT k.free
+    ) AS w
 ), candidates AS (
-    SELECT c.id, c.priority, c.available_at, c.timer, p.name AS pair_name,
+    SELECT c.id, c.priority, c.available_at, c.timer, c.keyed, p.name AS pair_name,
            p.version AS pair_version,
            row_number() OVER (
                PARTITION BY p.name, p.version ORDER BY c.priority DESC, c.available_at
            ) AS turn
     FROM pairs p
     CROSS JOIN LATERAL (
-        (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer
+        (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer, false AS keyed
          FROM {schema}.ready q
          WHERE q.task_name = p.name AND q.task_version = p.version
          ORDER BY q.priority DESC, q.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT r.id, r.priority, r.available_at, false AS timer
+        (SELECT r.id, r.priority, r.available_at, false AS timer, false AS keyed
          FROM {schema}.runs r
          WHERE r.task_name = p.name AND r.task_version = p.version
-           AND r.status = 'pending' AND NOT r.queued AND r.available_at <= now()
+           AND r.status = 'pending' AND NOT r.queued AND r.concurrency_key IS NULL
+           AND r.available_at <= now()
          ORDER BY r.priority DESC, r.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT r.id, r.priority, r.available_at, true AS timer
+        (SELECT r.id, r.priority, r.available_at, true AS timer, false AS keyed
          FROM {schema}.runs r
          WHERE %(timers)s::boolean
            AND r.task_name = p.name AND r.task_version = p.version
@@ -148,22 +214,36 @@ WITH served AS (
            AND r.available_at >= COALESCE(%(timers_after)s::timestamptz, '-infinity')
            AND r.available_at <= now()
            AND (r.status = 'waiting' OR r.lease_expires_at <= now())
+           -- a waiting run that gave its slot back needs one again: keyed_runs
+           AND NOT (r.status = 'waiting' AND r.concurrency_key IS NOT NULL
+                    AND NOT r.count_waiting)
          ORDER BY r.available_at
+         LIMIT %(scan)s)
+        UNION ALL
+        (SELECT k.id, k.priority, k.available_at, false AS timer, true AS keyed
+         FROM keyed_runs k
+         WHERE k.task_name = p.name AND k.task_version = p.version
+         ORDER BY k.priority DESC, k.available_at
          LIMIT %(scan)s)
     ) AS c
 ), distinct_candidates AS (
     -- A woken waiting run is in `ready` and among the timers: offer it once.
-    SELECT DISTINCT ON (c.id) c.id, c.priority, c.available_at, c.turn
+    SELECT DISTINCT ON (c.id) c.id, c.priority, c.available_at, c.turn, c.keyed
     FROM candidates c
     ORDER BY c.id, c.turn
 ), locked AS (
     SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token,
            CASE WHEN r.status = 'running' THEN r.lease_expires_at ELSE r.available_at END
-               AS ready_at
+               AS ready_at,
+           c.keyed
     FROM distinct_candidates c
     JOIN {schema}.runs r ON r.id = c.id
     WHERE r.status IN ('pending', 'waiting', 'running') AND r.available_at <= now()
       AND (r.status <> 'running' OR r.lease_expires_at <= now())
+      -- A run that wants a slot is claimed only from its key's free slots (keyed_runs), and a
+      -- run from there only while it still wants one.
+      AND c.keyed = (r.concurrency_key IS NOT NULL
+                     AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting)))
     ORDER BY c.turn, c.priority DESC, c.available_at
     LIMIT %(limit)s
     FOR UPDATE OF r SKIP LOCKED
@@ -184,11 +264,20 @@ WITH served AS (
     WHERE r.id = l.id
     RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
               r.claims, r.failures, r.trace_context, r.idempotency_key, l.previous_status,
-              l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked,
+              l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked, l.keyed,
+              r.concurrency_key,
               CASE WHEN r.cancel_requested_at IS NOT NULL
-                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
+                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason,
+              r.deadline_at, r.start_by
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING claimed c WHERE q.run_id = c.id
+), key_slots AS (
+    -- The keys' rows are locked (open_keys): the runs taken now hold a slot, want none.
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running + t.taken, queued = k.queued - t.taken, claimed_at = now()
+    FROM (SELECT c.task_name, c.concurrency_key, count(*) AS taken FROM claimed c
+          WHERE c.keyed GROUP BY c.task_name, c.concurrency_key) AS t
+    WHERE k.task_name = t.task_name AND k.concurrency_key = t.concurrency_key
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM claimed c
@@ -214,7 +303,8 @@ WITH served AS (
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left, t.paused,
+       c.cancel_reason, c.idempotency_key, c.deadline_at, c.start_by, t.timers_from,
+       t.timers_left, t.paused,
        -- A fork's first claim replays the step records it kept.
        CASE WHEN c.claims > 1 OR c.forked THEN (
            SELECT json_agg(json_build_object(
@@ -401,7 +491,22 @@ WITH locked AS (
                            THEN now() END,
         lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
     FROM go g WHERE r.id = g.id
-    RETURNING r.id, r.parent_run_id, r.parent_fact
+    RETURNING r.id, r.parent_run_id, r.parent_fact, r.task_name, r.task_version,
+              r.concurrency_key, r.count_waiting, r.child_group
+), key_slot AS (
+    -- A run with a key held a slot while running: it gives it back unless it waits holding
+    -- it (`count_waiting`), and wants one again when handed back or parked without it. Runs
+    -- without a key read nothing here (a NULL key matches no row).
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running
+            - CASE WHEN %(status)s::text = 'waiting' AND x.count_waiting THEN 0 ELSE 1 END,
+        queued = k.queued
+            + CASE WHEN %(status)s::text = 'pending'
+                        OR (%(status)s::text = 'waiting' AND NOT x.count_waiting)
+                   THEN 1 ELSE 0 END
+    FROM ended_run x
+    WHERE k.task_name = x.task_name AND k.concurrency_key = x.concurrency_key
+    RETURNING x.task_name, x.task_version, k.queued > 0 AND k.running < k.slot_limit AS opened
 ), ended AS (
     UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
         current_step = CASE WHEN %(outcome)s::text = 'canceled' THEN e.current_step END,
@@ -425,17 +530,30 @@ WITH locked AS (
                             THEN now() ELSE p.available_at END
     FROM child_fact f WHERE p.id = f.run_id
     RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at,
-              p.status = 'waiting' AND p.wait_for = f.name AS woken
+              p.status = 'waiting' AND p.wait_for = f.name AS woken,
+              p.concurrency_key IS NULL OR p.count_waiting AS holds
 ), parent_queued AS (
+    -- A keyed parent that gave its slot back is claimed through runs_claim_keyed instead.
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
-    FROM parent_woken w WHERE w.woken
+    FROM parent_woken w WHERE w.woken AND w.holds
+), group_ended AS (
+    -- A member of a child group counts itself out (see child_group_ended in schema.sql): it
+    -- ran, so it also lets the group's next held member run. Nothing for other runs.
+    SELECT {schema}.child_group_ended(x.parent_run_id, x.child_group, true, %(channel)s)
+    FROM ended_run x
+    WHERE x.child_group IS NOT NULL
+      AND %(status)s::text IN ('completed', 'failed', 'canceled')
 )
 SELECT (SELECT count(*) FROM owned) AS owned,
        (SELECT count(*) FROM ended_run) AS ended,
        EXISTS (SELECT 1 FROM present) AS fact_present,
        (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
-        FROM parent_woken w WHERE w.woken HAVING count(*) > 0) AS notified;
+        FROM parent_woken w WHERE w.woken HAVING count(*) > 0) AS notified,
+       -- A slot freed with runs of the key waiting for it: workers look now.
+       (SELECT pg_notify(%(channel)s, string_agg(s.task_name || '@' || s.task_version, ','))
+        FROM key_slot s WHERE s.opened HAVING count(*) > 0) AS slot_notified,
+       (SELECT count(*) FROM group_ended) AS group_ended;
 
 -- name: insert_fact
 -- The fact, and (if it is new) the runs waiting for it woken: claimable now, queued in `ready`.
@@ -461,11 +579,13 @@ WITH fact AS (
     UPDATE {schema}.runs r SET available_at = now(), updated_at = now()
     FROM waiters w
     WHERE r.id = w.id AND w.status = 'waiting' AND w.wait_for = %(name)s
-    RETURNING r.id, r.task_name, r.task_version, r.priority, r.available_at
+    RETURNING r.id, r.task_name, r.task_version, r.priority, r.available_at,
+              r.concurrency_key IS NULL OR r.count_waiting AS holds
 ), queued AS (
+    -- A keyed run that gave its slot back is claimed through runs_claim_keyed instead.
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
-    FROM woken w
+    FROM woken w WHERE w.holds
 )
 SELECT (SELECT count(*) FROM fact) AS stored,
        (SELECT pg_notify(%(channel)s, string_agg(DISTINCT task_name || '@' || task_version, ','))
@@ -483,7 +603,10 @@ WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 -- holder reads the request from its heartbeat. A finished run is left as it is (`status` NULL).
 WITH target AS (
     SELECT r.id, r.status, r.fencing_token, n.lapsed,
-           r.status IN ('pending', 'waiting') OR n.lapsed AS ends
+           r.status IN ('pending', 'waiting') OR n.lapsed AS ends,
+           r.task_name, r.task_version, r.concurrency_key, r.count_waiting,
+           r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
+               AS held
     FROM {schema}.runs r
     CROSS JOIN LATERAL (
         SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
@@ -507,12 +630,31 @@ WITH target AS (
     RETURNING r.id, r.status
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.status = 'canceled'
+), key_slot AS (
+    -- A keyed run that ends gives back the slot it held (running; waiting with
+    -- count_waiting) or stops wanting one (pending; waiting without it).
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running - CASE WHEN t.status = 'running'
+                                        OR (t.status = 'waiting' AND t.count_waiting)
+                                   THEN 1 ELSE 0 END,
+        queued = k.queued - CASE WHEN t.status = 'pending'
+                                      OR (t.status = 'waiting' AND NOT t.count_waiting)
+                                 THEN 1 ELSE 0 END
+    FROM target t
+    JOIN changed c ON c.id = t.id AND c.status = 'canceled'
+    WHERE k.task_name = t.task_name AND k.concurrency_key = t.concurrency_key
+    RETURNING t.task_name, t.task_version, k.queued > 0 AND k.running < k.slot_limit AS opened
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM target t
     WHERE t.lapsed AND e.run_id = t.id AND e.fencing_token = t.fencing_token
 )
-SELECT c.status FROM target t LEFT JOIN changed c ON c.id = t.id;
+SELECT c.status,
+       -- A slot freed with runs of the key waiting for it: workers look now.
+       (SELECT pg_notify(%(channel)s, s.task_name || '@' || s.task_version)
+        FROM key_slot s WHERE s.opened) AS slot_notified,
+       t.held
+FROM target t LEFT JOIN changed c ON c.id = t.id;
 
 -- name: lock_run
 -- Before a park on a fact: the run's own row, held until the park commits, so a child that
@@ -540,14 +682,27 @@ WITH child AS MATERIALIZED (
                             THEN now() ELSE p.available_at END
     FROM fact f WHERE p.id = f.run_id
     RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at,
-              p.status = 'waiting' AND p.wait_for = f.name AS woken
+              p.status = 'waiting' AND p.wait_for = f.name AS woken,
+              p.concurrency_key IS NULL OR p.count_waiting AS holds
 ), queued AS (
+    -- A keyed parent that gave its slot back is claimed through runs_claim_keyed instead.
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
-    FROM woken w WHERE w.woken
+    FROM woken w WHERE w.woken AND w.holds
 )
 SELECT (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
         FROM woken w WHERE w.woken HAVING count(*) > 0) AS notified;
+
+-- name: group_member_canceled
+-- What a cancel that finished a member of a child group also does, in its transaction: it
+-- counts itself out of its group (child_group_ended), letting the next held member run unless
+-- it was held itself (%(held)s, as cancel_run found it).
+WITH member AS MATERIALIZED (
+    SELECT parent_run_id, child_group, status FROM {schema}.runs WHERE id = %(run_id)s
+)
+SELECT {schema}.child_group_ended(m.parent_run_id, m.child_group, NOT %(held)s, %(channel)s)
+FROM member m
+WHERE m.child_group IS NOT NULL AND m.status = 'canceled';
 
 -- name: cancel_children
 -- A run that finished failed or canceled requests the cancel of its unfinished children that
@@ -561,6 +716,8 @@ WITH parents AS (
     WHERE id = ANY (%(run_ids)s::uuid[]) AND status IN ('failed', 'canceled')
 ), judged AS (
     SELECT c.id, c.fencing_token, p.id AS parent_id, p.status AS parent_status,
+           c.status AS previous_status, c.task_name, c.task_version, c.concurrency_key,
+           c.count_waiting,
            c.status = 'running' AND c.lease_expires_at <= now() AS lapsed,
            c.status IN ('pending', 'waiting')
                OR (c.status = 'running' AND c.lease_expires_at <= now()) AS ends
@@ -584,22 +741,50 @@ WITH parents AS (
     FROM judged j
     WHERE r.id = j.id
     RETURNING r.id, j.ends, j.lapsed, j.fencing_token, r.parent_run_id, r.parent_fact,
-              r.cancel_reason
+              r.cancel_reason, r.child_group
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.ends
+), key_slots AS (
+    -- As cancel_run's key_slot, summed per key (several children may share one).
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running - t.held, queued = k.queued - t.wanted
+    FROM (
+        SELECT j.task_name, j.concurrency_key,
+               count(*) FILTER (WHERE j.previous_status = 'running'
+                                   OR (j.previous_status = 'waiting' AND j.count_waiting))
+                   AS held,
+               count(*) FILTER (WHERE j.previous_status = 'pending'
+                                   OR (j.previous_status = 'waiting' AND NOT j.count_waiting))
+                   AS wanted
+        FROM judged j
+        WHERE j.ends AND j.concurrency_key IS NOT NULL
+        GROUP BY j.task_name, j.concurrency_key
+    ) AS t
+    WHERE k.task_name = t.task_name AND k.concurrency_key = t.concurrency_key
+    RETURNING t.task_name, k.queued > 0 AND k.running < k.slot_limit AS opened
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM changed c
     WHERE c.lapsed AND e.run_id = c.id AND e.fencing_token = c.fencing_token
+), slot_notified AS (
+    -- A slot freed with runs of the key waiting for it: workers look now (any version).
+    SELECT pg_notify(%(work_channel)s, '') FROM key_slots s WHERE s.opened LIMIT 1
 ), facts AS (
     INSERT INTO {schema}.facts (scope, name, run_id, payload)
     SELECT c.parent_run_id::text, c.parent_fact, c.parent_run_id, 'null'::jsonb
     FROM changed c WHERE c.ends AND c.parent_fact IS NOT NULL
     ON CONFLICT (scope, name) DO NOTHING
+), grouped AS (
+    -- Members of a child group count themselves out; none lets another run (its parent
+    -- finished: the cascade cancels the held ones too, or they were abandoned).
+    SELECT {schema}.child_group_ended(c.parent_run_id, c.child_group, false, %(work_channel)s)
+    FROM changed c WHERE c.ends AND c.child_group IS NOT NULL
 )
 SELECT c.id, c.ends,
        CASE WHEN NOT c.ends
-            THEN pg_notify(%(cancel_channel)s, left(c.id || ':' || c.cancel_reason, 7000)) END
+            THEN pg_notify(%(cancel_channel)s, left(c.id || ':' || c.cancel_reason, 7000)) END,
+       (SELECT count(*) FROM slot_notified) AS slot_notified,
+       (SELECT count(*) FROM grouped) AS grouped
 FROM changed c;
 
 -- name: get_run
@@ -607,7 +792,8 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -620,18 +806,64 @@ SELECT fencing_token, worker_id, claimed_at, ended_at, outcome, current_step, st
 FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
 
 -- name: list_runs
+-- A page of runs, newest first, keyset-paginated by id: the primary key read backwards from the
+-- cursor (or runs_by_task, runs_children, runs_idempotency when the filter names a task, a parent
+-- or a key), stopping after %(limit)s matches. A filter by tag uses list_runs_tagged instead.
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
   AND (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(parent_run_id)s::uuid IS NULL OR parent_run_id = %(parent_run_id)s)
+  AND (%(concurrency_key)s::text IS NULL OR concurrency_key = %(concurrency_key)s)
+  AND (%(idempotency_key)s::text IS NULL OR idempotency_key = %(idempotency_key)s)
+  AND (%(created_after)s::timestamptz IS NULL OR created_at >= %(created_after)s)
+  AND (%(created_before)s::timestamptz IS NULL OR created_at < %(created_before)s)
+  AND (%(finished_after)s::timestamptz IS NULL OR finished_at >= %(finished_after)s)
+  AND (%(finished_before)s::timestamptz IS NULL OR finished_at < %(finished_before)s)
   AND (%(before)s::uuid IS NULL OR id < %(before)s)
 ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: list_runs_tagged
+-- list_runs for a filter with tags: run_tags_lookup read backwards from the cursor for the first
+-- tag (%(tag_key)s = %(tag_value)s), each of its runs then read by its key and checked against
+-- the other filters (every tag: `tags @>`), until %(limit)s match. The LIMIT 1 of the lateral
+-- read keeps it a nested loop in run-id order (a join the planner may not turn into a scan of
+-- all runs and a sort).
+SELECT r.*
+FROM {schema}.run_tags t
+CROSS JOIN LATERAL (
+    SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
+           r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
+           r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
+           r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason,
+           r.wait_for, r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from,
+           r.forked_at_step, r.concurrency_key, r.tags, r.deadline_at, r.start_by,
+           now() AS db_now
+    FROM {schema}.runs r
+    WHERE r.id = t.run_id
+      AND r.tags @> %(tags)s::jsonb
+      AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
+      AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
+      AND (%(status)s::text IS NULL OR r.status = %(status)s)
+      AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
+      AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
+      AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
+      AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
+      AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
+      AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
+      AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
+    LIMIT 1
+) AS r
+WHERE t.key = %(tag_key)s AND t.value = %(tag_value)s
+  AND (%(before)s::uuid IS NULL OR t.run_id < %(before)s)
+ORDER BY t.run_id DESC
 LIMIT %(limit)s;
 
 -- name: ledger_here
@@ -703,7 +935,11 @@ CROSS JOIN LATERAL (
     UNION ALL
     SELECT r.task_name, r.task_version FROM {schema}.runs r
     WHERE r.task_name = p.name AND r.task_version = p.version
-      AND r.status = 'pending' AND NOT r.queued
+      AND r.status = 'pending' AND NOT r.queued AND r.concurrency_key IS NULL
+    UNION ALL
+    SELECT r.task_name, r.task_version FROM {schema}.runs r
+    WHERE r.task_name = p.name AND r.task_version = p.version
+      AND r.concurrency_key IS NOT NULL AND r.status = 'pending'
 ) AS d
 GROUP BY d.task_name, d.task_version;
 
@@ -781,6 +1017,106 @@ RETURNING version;
 -- name: delete_schedule
 DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
 
+-- name: prune_runs
+-- One retention batch, one pruner at a time: the statement takes the schema's pruning lock if
+-- it is free (`held`; else it does nothing and the caller reports `busy`), picks up to
+-- %(limit)s prunable runs, leaves a tombstone for each and deletes it;
+-- its steps, executions, facts, tags and streams (every table that references runs ON DELETE
+-- CASCADE) and its child groups go with it. Prunable: finished before now() - %(older_than)s,
+-- of the tasks asked for, with no unfinished child (its finishing write stores a fact for its
+-- parent) and no unfinished parent (which may still read its result).
+-- The batch reads runs_finished (task, finishing time) task by task, in name order, oldest
+-- first within a task, and stops once it has %(limit)s: the task names come from a skip over
+-- the index (one probe each, only as far as the batch goes), each task's runs from its own
+-- range, so the runs of a task kept longer are never read by the batches of the others, and
+-- only the runs the batch deletes are read and locked.
+WITH RECURSIVE lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
+), names (task_name) AS (
+    SELECT min(r.task_name) FROM {schema}.runs r
+    WHERE r.status IN ('completed', 'failed', 'canceled') AND (SELECT held FROM lock)
+    UNION ALL
+    SELECT (SELECT min(r.task_name) FROM {schema}.runs r
+            WHERE r.status IN ('completed', 'failed', 'canceled') AND r.task_name > n.task_name)
+    FROM names n WHERE n.task_name IS NOT NULL
+), batch AS MATERIALIZED (
+    SELECT c.id FROM names n
+    CROSS JOIN LATERAL (
+        SELECT r.id FROM {schema}.runs r
+        WHERE r.task_name = n.task_name
+          AND r.status IN ('completed', 'failed', 'canceled')
+          AND r.finished_at < now() - %(older_than)s::interval
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs c
+              WHERE c.parent_run_id = r.id
+                AND c.status NOT IN ('completed', 'failed', 'canceled')
+          )
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs p
+              WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
+                AND p.status NOT IN ('completed', 'failed', 'canceled')
+          )
+        ORDER BY r.finished_at
+        LIMIT %(limit)s
+        -- The statement's snapshot may predate the commit of the pruner that held the lock
+        -- before: the row lock reads each run again and skips one it deleted.
+        FOR UPDATE OF r SKIP LOCKED
+    ) AS c
+    WHERE n.task_name IS NOT NULL
+      AND (%(task_names)s::text[] IS NULL OR n.task_name = ANY (%(task_names)s::text[]))
+      AND NOT (n.task_name = ANY (%(exclude_task_names)s::text[]))
+    LIMIT %(limit)s
+), tombstones AS (
+    INSERT INTO {schema}.pruned_runs (
+        run_id, task_name, task_version, status, idempotency_key, input_hash, created_at,
+        finished_at
+    )
+    SELECT r.id, r.task_name, r.task_version, r.status, r.idempotency_key, r.input_hash,
+           r.created_at, r.finished_at
+    FROM {schema}.runs r JOIN batch b ON b.id = r.id
+), groups AS (
+    DELETE FROM {schema}.child_groups g USING batch b WHERE g.parent_run_id = b.id
+), deleted AS (
+    DELETE FROM {schema}.runs r USING batch b WHERE r.id = b.id RETURNING r.id
+)
+SELECT (SELECT held FROM lock) AS held, (SELECT count(*) FROM deleted) AS pruned;
+
+-- name: count_prunable
+-- How many runs prune_runs would delete now, all batches together (a dry run).
+SELECT count(*) AS prunable FROM {schema}.runs r
+WHERE r.status IN ('completed', 'failed', 'canceled')
+  AND r.finished_at < now() - %(older_than)s::interval
+  AND (%(task_names)s::text[] IS NULL OR r.task_name = ANY (%(task_names)s::text[]))
+  AND NOT (r.task_name = ANY (%(exclude_task_names)s::text[]))
+  AND NOT EXISTS (
+      SELECT 1 FROM {schema}.runs c
+      WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled')
+  )
+  AND NOT EXISTS (
+      SELECT 1 FROM {schema}.runs p
+      WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
+        AND p.status NOT IN ('completed', 'failed', 'canceled')
+  );
+
+-- name: get_pruned
+SELECT run_id, task_name, task_version, status, idempotency_key, input_hash, created_at,
+       finished_at, pruned_at
+FROM {schema}.pruned_runs WHERE run_id = %(run_id)s;
+
+-- name: forget_pruned
+-- Drop up to %(limit)s tombstones older than %(older_than)s (their keys are free again), under
+-- the same lock as prune_runs.
+WITH lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
+), old AS MATERIALIZED (
+    SELECT run_id FROM {schema}.pruned_runs
+    WHERE (SELECT held FROM lock) AND pruned_at < now() - %(older_than)s::interval
+    ORDER BY pruned_at
+    LIMIT %(limit)s
+), deleted AS (
+    DELETE FROM {schema}.pruned_runs t USING old o WHERE t.run_id = o.run_id RETURNING 1
+)
+SELECT (SELECT held FROM lock) AS held, (SELECT count(*) FROM deleted) AS pruned;
 -- Streams (see migrations/0008_streams.sql): the SDK keys each write, these store and number.
 
 -- name: append_stream
@@ -869,3 +1205,99 @@ FROM resumed;
 -- name: list_paused_tasks
 SELECT task_name, task_version, paused_at FROM {schema}.paused_tasks
 ORDER BY task_name, task_version;
+
+-- name: start_group
+-- A map's children, in one statement: the group (first write wins: nothing else is written when
+-- it exists, and the caller reads its members with group_members), and each child as insert_run
+-- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready`, the
+-- rest held (waiting for their turn, outside every claim index).
+WITH grp AS (
+    INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining, max_concurrency)
+    VALUES (%(parent_run_id)s, %(name)s, cardinality(%(ids)s::uuid[]),
+            cardinality(%(ids)s::uuid[]), %(max_concurrency)s)
+    ON CONFLICT (parent_run_id, name) DO NOTHING
+    RETURNING 1
+), items AS (
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.idempotency_key, i.input_hash,
+           i.input, i.ord - 1 AS group_index,
+           %(max_concurrency)s::integer IS NOT NULL AND i.ord > %(max_concurrency)s AS held
+    FROM unnest(%(ids)s::uuid[], %(task_names)s::text[], %(task_versions)s::integer[],
+                %(priorities)s::smallint[], %(keys)s::text[], %(hashes)s::text[],
+                %(inputs)s::text[])
+         WITH ORDINALITY AS i (id, task_name, task_version, priority, idempotency_key,
+                               input_hash, input, ord)
+    WHERE EXISTS (SELECT 1 FROM grp)
+), inserted AS (
+    INSERT INTO {schema}.runs (
+        id, task_name, task_version, status, priority, available_at, idempotency_key,
+        input_hash, trace_context, input, queued, parent_run_id, parent_fact,
+        cancel_with_parent, wait_for, child_group, group_index
+    )
+    SELECT i.id, i.task_name, i.task_version,
+           CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
+           CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
+           %(trace_context)s, i.input::jsonb, NOT i.held, %(parent_run_id)s, NULL,
+           %(cancel_with_parent)s, CASE WHEN i.held THEN 'umt turn' END, %(name)s,
+           i.group_index
+    FROM items i
+    ORDER BY i.group_index
+    ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, task_name, task_version, priority, available_at, queued
+), queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
+    FROM inserted i WHERE i.queued
+)
+SELECT (SELECT count(*) FROM grp) AS created,
+       (SELECT count(*) FROM inserted) AS inserted,
+       (SELECT pg_notify(%(channel)s, string_agg(DISTINCT i.task_name || '@' || i.task_version,
+                                                 ','))
+        FROM inserted i WHERE i.queued HAVING count(*) > 0) AS notified;
+
+-- name: group_members
+-- A group's members in order (what a second start_group returns, and group_runs' ids).
+SELECT r.id, r.input_hash, r.task_version FROM {schema}.runs r
+WHERE r.parent_run_id = %(parent_run_id)s AND r.child_group = %(name)s
+ORDER BY r.group_index;
+
+-- name: join_group
+-- gather: the given children of the parent become the members of the group, in that order,
+-- their rows locked (a member finishing concurrently either committed first and is counted as
+-- finished, or waits for this write and then counts itself out); `remaining` is how many are
+-- not finished, replacing a group of that name; at zero the group's fact is stored at once.
+WITH wanted AS (
+    SELECT w.id, w.ord - 1 AS group_index
+    FROM unnest(%(ids)s::uuid[]) WITH ORDINALITY AS w (id, ord)
+), members AS (
+    UPDATE {schema}.runs r SET child_group = %(name)s, group_index = w.group_index
+    FROM wanted w
+    WHERE r.id = w.id AND r.parent_run_id = %(parent_run_id)s
+    RETURNING r.id, r.status
+), counted AS (
+    SELECT count(*) FILTER (WHERE m.status NOT IN ('completed', 'failed', 'canceled')) AS left_over,
+           count(*) AS found
+    FROM members m
+), grp AS (
+    INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining)
+    SELECT %(parent_run_id)s, %(name)s, c.found, c.left_over FROM counted c
+    ON CONFLICT (parent_run_id, name) DO UPDATE SET
+        total = EXCLUDED.total, remaining = EXCLUDED.remaining
+    RETURNING remaining
+), fact AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload)
+    SELECT %(parent_run_id)s::text, %(name)s, %(parent_run_id)s, 'null'::jsonb
+    FROM grp g WHERE g.remaining = 0
+    ON CONFLICT (scope, name) DO NOTHING
+)
+SELECT c.found, c.left_over FROM counted c, grp g;
+
+-- name: group_runs
+-- A group's members in order, as get_run_head reads a run.
+SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
+       input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
+       lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
+       deadline_at, start_by, now() AS db_now
+FROM {schema}.runs
+WHERE parent_run_id = %(parent_run_id)s AND child_group = %(name)s
+ORDER BY group_index;
