@@ -120,7 +120,6 @@ async def order_report(ctx: TaskContext[Order]) -> str:
     return ctx.input.order_id
 
 
-
 FIXED_ORDERS: set[str] = set()
 """Orders whose `charge` works: the CLI tests "fix the bug" by adding to it, then fork."""
 PREPARED: list[str] = []
