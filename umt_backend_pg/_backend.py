@@ -55,6 +55,7 @@ from umt_backend_pg._ready import (
 )
 from umt_backend_pg._rows import (
     _error_json,
+    _pruned_run,
     _record,
     _schedule_record,
     _step,
@@ -77,6 +78,9 @@ from umt_sdk.backend import (
     Lease,
     NewRun,
     PausedTask,
+    PruneBatch,
+    PrunedRun,
+    PruneQuery,
     RunQuery,
     RunRecord,
     ScheduleQuery,
@@ -264,9 +268,13 @@ class PostgresBackend:
             "rerun_of": new.rerun_of,
             "forked_from": new.forked_from,
             "forked_at_step": new.forked_at_step,
+            "tags": Jsonb(dict(new.tags)),
             "concurrency_key": new.concurrency_key,
             "concurrency_limit": new.concurrency_limit,
             "count_waiting": new.count_waiting,
+            "deadline_at": new.deadline_at,
+            "timeout": new.timeout,
+            "start_within": new.start_within,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -303,12 +311,13 @@ class PostgresBackend:
                 f"idempotency key {new.idempotency_key!r} is being used concurrently; retry",
                 idempotency_key=new.idempotency_key or "",
             )
-        existing_id, existing_hash, existing_version = row
+        existing_id, existing_hash, existing_version, pruned = row
         return EnqueueResult(
             run_id=existing_id,
             created=False,
             task_version=existing_version,
             input_hash=existing_hash,
+            pruned=pruned,
         )
 
     async def _copy_fork(self, conn: psycopg.AsyncConnection[Any], new: NewRun) -> None:
@@ -393,6 +402,8 @@ class PostgresBackend:
                     lost_leases=row["lost_leases"],
                     cancel_reason=row["cancel_reason"],
                     idempotency_key=row["idempotency_key"],
+                    deadline_at=row["deadline_at"],
+                    start_by=row["start_by"],
                 )
             )
         return claimed
@@ -622,18 +633,35 @@ class PostgresBackend:
         return None if row is None else _record(row)
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
-        rows = await self._all(
-            "list_runs",
-            {
-                "task_name": query.task_name,
-                "task_version": query.task_version,
-                "status": query.status,
-                "parent_run_id": query.parent_run_id,
-                "concurrency_key": query.concurrency_key,
-                "before": query.before,
-                "limit": query.limit,
-            },
-        )
+        params: dict[str, Any] = {
+            "task_name": query.task_name,
+            "task_version": query.task_version,
+            "status": query.status,
+            "parent_run_id": query.parent_run_id,
+            "concurrency_key": query.concurrency_key,
+            "idempotency_key": query.idempotency_key,
+            "created_after": query.created_after,
+            "created_before": query.created_before,
+            "finished_after": query.finished_after,
+            "finished_before": query.finished_before,
+            "before": query.before,
+            "limit": query.limit,
+        }
+        if query.tags:
+            # Driven by the tag index (run_tags_lookup) of the first tag, in run-id order.
+            tag_key, tag_value = min(query.tags.items())
+            params |= {"tag_key": tag_key, "tag_value": tag_value, "tags": Jsonb(dict(query.tags))}
+            name = "list_runs_tagged"
+        else:
+            name = "list_runs"
+        # Never prepared: each page is planned with its values, so a filter left out (NULL)
+        # costs nothing and the index of the filters given is used (tests/integration/
+        # test_listing_plans.py); a generic plan would have to serve every filter at once.
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = conn.cursor(row_factory=dict_row)
+                await cur.execute(self._q[name], params, prepare=False)
+                rows = await cur.fetchall()
         return [_record(r) for r in rows]
 
     async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
@@ -844,6 +872,37 @@ class PostgresBackend:
             )
             for r in rows
         ]
+
+    # -- retention (RetentionStore) --------------------------------------------------------------
+
+    def _prune_params(self, query: PruneQuery) -> dict[str, Any]:
+        return {
+            "older_than": query.older_than,
+            "task_names": None if query.task_names is None else list(query.task_names),
+            "exclude_task_names": list(query.exclude_task_names),
+            "limit": query.limit,
+            "lock_name": f"{self.schema}.prune",
+        }
+
+    async def prune_runs(self, query: PruneQuery) -> PruneBatch:
+        row = await self._one("prune_runs", self._prune_params(query))
+        assert row is not None  # one row, always
+        return PruneBatch(pruned=row["pruned"], busy=not row["held"])
+
+    async def count_prunable(self, query: PruneQuery) -> int:
+        row = await self._one("count_prunable", self._prune_params(query))
+        assert row is not None
+        return int(row["prunable"])
+
+    async def get_pruned(self, run_id: UUID) -> PrunedRun | None:
+        row = await self._one("get_pruned", {"run_id": run_id})
+        return None if row is None else _pruned_run(row)
+
+    async def forget_pruned(self, *, older_than: timedelta, limit: int) -> PruneBatch:
+        params = {"older_than": older_than, "limit": limit, "lock_name": f"{self.schema}.prune"}
+        row = await self._one("forget_pruned", params)
+        assert row is not None
+        return PruneBatch(pruned=row["pruned"], busy=not row["held"])
 
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):

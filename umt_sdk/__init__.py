@@ -22,6 +22,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
 from umt_sdk._spi import (
@@ -43,6 +44,7 @@ from umt_sdk.exceptions import (
     ChildCanceledError,
     ChildFailedError,
     ChildrenFailedError,
+    DeadlineExceededError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -52,8 +54,11 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     ScheduleNotFoundError,
+    StartDeadlineExceededError,
     StepFailedError,
+    StepTimeoutError,
     UmtError,
     UsageError,
 )
@@ -70,6 +75,7 @@ __all__ = [
     "ChildrenFailedError",
     "Concurrency",
     "ConcurrencyStrategy",
+    "DeadlineExceededError",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -83,6 +89,7 @@ __all__ = [
     "ParentClose",
     "PausedTask",
     "PayloadError",
+    "PruneReport",
     "Registry",
     "RetryPolicy",
     "RunCanceledError",
@@ -92,13 +99,16 @@ __all__ = [
     "RunInfo",
     "RunNotFoundError",
     "RunPage",
+    "RunPrunedError",
     "RunStatus",
     "Schedule",
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",
+    "StartDeadlineExceededError",
     "StepApi",
     "StepFailedError",
+    "StepTimeoutError",
     "StepView",
     "StreamApi",
     "StreamItem",

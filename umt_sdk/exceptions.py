@@ -13,11 +13,15 @@ UmtError
 ├── FencingError             this attempt no longer holds the run (lease lost): never retry
 ├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
+│   └── RunPrunedError       the run existed and retention deleted it (its tombstone says so)
 ├── ScheduleNotFoundError    (also LookupError) no schedule with that name
 ├── NonDeterminismError      the code no longer matches the run's recorded history
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
+├── StepTimeoutError         (also TimeoutError) a step attempt ran past its timeout
+├── DeadlineExceededError    (also TimeoutError) the run was not finished at its deadline
+│   └── StartDeadlineExceededError  the run was not started before its start deadline
 ├── CanceledError            the run was canceled (raised inside the handler)
 ├── RunFailedError           engine.result(): the run ended failed
 │   └── ChildFailedError     a child run's result, in its parent: the child ended failed
@@ -38,6 +42,7 @@ execution (umt does, for its own writes and for `with_attempt_token`).
 
 from __future__ import annotations
 
+from datetime import datetime
 from uuid import UUID
 
 __all__ = [
@@ -48,6 +53,7 @@ __all__ = [
     "ChildCanceledError",
     "ChildFailedError",
     "ChildrenFailedError",
+    "DeadlineExceededError",
     "FactTimeoutError",
     "FencingError",
     "IdempotencyConflictError",
@@ -59,8 +65,11 @@ __all__ = [
     "RunCanceledError",
     "RunFailedError",
     "RunNotFoundError",
+    "RunPrunedError",
     "ScheduleNotFoundError",
+    "StartDeadlineExceededError",
     "StepFailedError",
+    "StepTimeoutError",
     "TaskDefinitionError",
     "UmtError",
     "UnknownTaskError",
@@ -171,6 +180,24 @@ class RunNotFoundError(UmtError, LookupError):
         self.run_id = run_id
 
 
+class RunPrunedError(RunNotFoundError):
+    """The run finished and was deleted by retention; only its tombstone is left."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        status: str = "",
+        finished_at: datetime | None = None,
+        pruned_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message, run_id=run_id)
+        self.status = status
+        self.finished_at = finished_at
+        self.pruned_at = pruned_at
+
+
 class ScheduleNotFoundError(UmtError, LookupError):
     """No schedule with this name exists."""
 
@@ -257,6 +284,40 @@ class FactTimeoutError(UmtError, TimeoutError):
     def __init__(self, message: str | None = None, *, fact_name: str = "") -> None:
         super().__init__(message)
         self.fact_name = fact_name
+
+
+class StepTimeoutError(UmtError, TimeoutError):
+    """A step attempt ran past its timeout: an async body was cancelled, a plain one (a
+    thread, which cannot be killed) was left to finish on its own and its result ignored. The
+    attempt failed; the step's retry policy decides whether another one runs."""
+
+    def __init__(
+        self, message: str | None = None, *, step_name: str = "", timeout_seconds: float = 0.0
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.timeout_seconds = timeout_seconds
+
+
+class DeadlineExceededError(UmtError, TimeoutError):
+    """The run was not finished at its deadline (`@task(timeout=...)`,
+    `enqueue(deadline=...)`): it ended failed, never retried, whatever it was doing."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        deadline_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.deadline_at = deadline_at
+
+
+class StartDeadlineExceededError(DeadlineExceededError):
+    """The run was not claimed before its start deadline (`enqueue(start_within=...)`): it
+    ended failed without running."""
 
 
 class CanceledError(UmtError):

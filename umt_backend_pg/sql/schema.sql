@@ -41,10 +41,16 @@ CREATE TABLE {schema}.runs (
     -- The run's concurrency key, and whether it keeps its slot while waiting (migration 0009).
     concurrency_key     text,
     count_waiting       boolean NOT NULL DEFAULT false,
+    -- When the run must be finished by, and started by (migration 0010): the SDK ends it
+    -- failed past either; `available_at` is never later than `deadline_at`.
+    deadline_at         timestamptz,
+    start_by            timestamptz,
     -- A run started again: the run it reruns, or forks and the step it forks from (0011).
     rerun_of            uuid,
     forked_from         uuid,
     forked_at_step      text,
+    -- The labels given at enqueue; one row each in run_tags (migration 0012).
+    tags                jsonb NOT NULL DEFAULT '{{}}',
     -- A member of a child group of its parent (map, gather), and its place in it (0013).
     child_group         text,
     group_index         integer
@@ -68,7 +74,7 @@ CREATE UNIQUE INDEX runs_idempotency ON {schema}.runs (task_name, idempotency_ke
 CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
     WHERE status = 'waiting' AND wait_for IS NOT NULL;
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
-CREATE INDEX runs_finished ON {schema}.runs (finished_at)
+CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
 CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
 -- Runs that want a slot of their concurrency key, in the claim's order within the key (see
@@ -338,6 +344,32 @@ CREATE TABLE {schema}.paused_tasks (
     paused_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (task_name, task_version)
 );
+-- Tags one a row, for listing by a tag in run-id order (see migrations/0012_retention_and_tags.sql).
+CREATE TABLE {schema}.run_tags (
+    run_id  uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    key     text NOT NULL,
+    value   text NOT NULL,
+    PRIMARY KEY (run_id, key)
+);
+CREATE INDEX run_tags_lookup ON {schema}.run_tags (key, value, run_id);
+
+-- The tombstones of runs deleted by retention: their idempotency keys stay taken.
+CREATE TABLE {schema}.pruned_runs (
+    run_id          uuid PRIMARY KEY,
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL,
+    status          text NOT NULL,
+    idempotency_key text,
+    input_hash      text NOT NULL,
+    created_at      timestamptz NOT NULL,
+    finished_at     timestamptz NOT NULL,
+    pruned_at       timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);
+-- A deleted run's facts, found by the ON DELETE CASCADE (0012).
+CREATE INDEX facts_by_run ON {schema}.facts (run_id) WHERE run_id IS NOT NULL;
 
 -- Fan-out: groups of a parent's children awaited together (see
 -- migrations/0013_child_groups.sql).
