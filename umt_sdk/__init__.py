@@ -8,6 +8,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._codec import AesGcmCodec, CodecChain, PayloadCodec, ZlibCodec
 from umt_sdk._context import (
     ChildHandle,
     ParentClose,
@@ -32,6 +33,7 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    CodecError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -48,6 +50,7 @@ from umt_sdk.exceptions import (
 )
 
 __all__ = [
+    "AesGcmCodec",
     "AsyncStep",
     "AttemptInfo",
     "BackendError",
@@ -55,6 +58,8 @@ __all__ = [
     "ChildCanceledError",
     "ChildFailedError",
     "ChildHandle",
+    "CodecChain",
+    "CodecError",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -66,6 +71,7 @@ __all__ = [
     "NonDeterminismError",
     "OverlapPolicy",
     "ParentClose",
+    "PayloadCodec",
     "PayloadError",
     "Registry",
     "RetryPolicy",
@@ -96,6 +102,7 @@ __all__ = [
     "UmtError",
     "UsageError",
     "Worker",
+    "ZlibCodec",
     "connect",
     "connect_sync",
     "step",

@@ -18,6 +18,8 @@ from opentelemetry.trace import TracerProvider
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._codec import PayloadCodec, check_codec
+from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._ids import new_run_id
@@ -109,6 +111,11 @@ class Engine:
             backend=backend, registry=registry, start=self._start_tick, cancel=self._cancel_for
         )
         """Create, list, pause, resume, delete, trigger and backfill schedules."""
+
+    @property
+    def codec(self) -> PayloadCodec | None:
+        """The codec every stored payload passes through (`connect(..., codec=...)`), or None."""
+        return codec_of(self.backend)
 
     async def __aenter__(self) -> Engine:
         return self
@@ -525,6 +532,7 @@ async def connect(
     plugins: Iterable[object] = (),
     tracer_provider: TracerProvider | None = None,
     meter_provider: MeterProvider | None = None,
+    codec: PayloadCodec | None = None,
     **options: Any,
 ) -> Engine:
     """Open an engine on the backend that serves `url` (`memory://`, `postgresql://...`).
@@ -533,6 +541,13 @@ async def connect(
     more without installing them. `clock` is for tests (a `umt_sdk.testing.FakeClock`);
     `tracer_provider` / `meter_provider` default to the global OpenTelemetry ones; other
     keyword arguments go to the backend.
+
+    `codec` (a `PayloadCodec` such as `AesGcmCodec`, `ZlibCodec` or a `CodecChain` of them)
+    encodes every payload before it is stored and decodes it when it is read: inputs, outputs,
+    step records, facts, schedules' inputs, ledger results, error messages and tracebacks
+    (see docs/codecs.md). Every process that reads the store needs the same codec (or one
+    holding the same keys); idempotency keys compare the plaintext input's hash, so they keep
+    working under encryption.
     """
     if not isinstance(url, str) or not url:
         raise UsageError(
@@ -561,7 +576,11 @@ async def connect(
         "an OpenTelemetry MeterProvider",
         where="connect()",
     )
+    if codec is not None:
+        check_codec(codec)
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
+    if codec is not None:
+        backend = wrap_backend(backend, codec)
     telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
     return Engine(backend, registry if registry is not None else Registry(), telemetry=telemetry)

@@ -24,6 +24,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_timeline`: the timeline of runs that did not end well
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
+- `_codecs`: a payload codec in front of the backend: every payload sealed at rest, read back
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from umt_sdk.testing._contract import (
     _cancel,
     _children,
     _claims,
+    _codecs,
     _facts,
     _leases,
     _ledger,
@@ -70,6 +72,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_payloads.TASKS,
     *_timeline.TASKS,
     *_schedules.TASKS,
+    *_codecs.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -93,6 +96,7 @@ class BackendContract(
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
+    _codecs.CodecsContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
