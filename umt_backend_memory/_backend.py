@@ -39,6 +39,7 @@ from umt_sdk.backend import (
     Lease,
     LedgerEntry,
     NewRun,
+    PausedTask,
     RunQuery,
     RunRecord,
     RunStatus,
@@ -47,6 +48,8 @@ from umt_sdk.backend import (
     ScheduleState,
     SimulatedCrash,
     StepRecord,
+    StreamAppend,
+    StreamEntry,
     TaskPair,
     unstorable_json_reason,
     unstorable_reason,
@@ -145,12 +148,36 @@ class _Run:
     parent_run_id: UUID | None = None
     parent_fact: str | None = None
     cancel_with_parent: bool = False
+    rerun_of: UUID | None = None
+    forked_from: UUID | None = None
+    forked_at_step: str | None = None
+    concurrency_key: str | None = None
+    count_waiting: bool = False
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
 
     @property
     def pair(self) -> TaskPair:
         return TaskPair(name=self.task_name, version=self.task_version)
+
+    @property
+    def key(self) -> tuple[str, str] | None:
+        """Its concurrency key, per task name (None without one)."""
+        return None if self.concurrency_key is None else (self.task_name, self.concurrency_key)
+
+    @property
+    def holds_slot(self) -> bool:
+        """A keyed run holds a slot while running, and while waiting with count_waiting."""
+        return self.concurrency_key is not None and (
+            self.status == "running" or (self.status == "waiting" and self.count_waiting)
+        )
+
+    @property
+    def wants_slot(self) -> bool:
+        """A keyed run wants a slot while pending, and while waiting without count_waiting."""
+        return self.concurrency_key is not None and (
+            self.status == "pending" or (self.status == "waiting" and not self.count_waiting)
+        )
 
 
 @define(eq=False)
@@ -159,6 +186,12 @@ class _Schedule:
     version: int
     created_at: datetime
     updated_at: datetime
+
+
+@define(eq=False)
+class _Stream:
+    entries: list[StreamEntry] = field(factory=list)
+    by_key: dict[str, StreamEntry] = field(factory=dict)
 
 
 @define(eq=False)
@@ -206,6 +239,11 @@ class MemoryBackend:
             self._requested: list[tuple[UUID, str]] = []
             self._ledger: dict[str, _LedgerRow] = {}
             self._ready: dict[TaskPair, list[tuple[int, datetime, int, UUID, int]]] = {}
+            # Keyed runs that want a slot and are due, per pair and key (never in `_ready`);
+            # the runs holding a slot, and the limit, per (task name, key).
+            self._keyed: dict[TaskPair, dict[str, list[tuple[int, datetime, int, UUID, int]]]] = {}
+            self._holders: dict[tuple[str, str], set[UUID]] = {}
+            self._limits: dict[tuple[str, str], int] = {}
             self._timers: list[tuple[datetime, int, UUID, int]] = []
             self._running: set[UUID] = set()
             self._seq = itertools.count(1)
@@ -215,6 +253,8 @@ class MemoryBackend:
             self._run_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
             self._drivers = 0
             self._schedules: dict[str, _Schedule] = {}
+            self._paused: dict[tuple[str, int | None], datetime] = {}
+            self._streams: dict[UUID, dict[str, _Stream]] = {}
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -245,10 +285,11 @@ class MemoryBackend:
         """Index the run after a state change (old heap entries go stale by version)."""
         run.version += 1
         now = self.clock.now()
+        self._count_slot(run)
         if run.status in ("pending", "waiting") and run.available_at is not None:
             if run.available_at <= now:
                 heapq.heappush(
-                    self._ready.setdefault(run.pair, []),
+                    self._ready_heap(run),
                     (-run.priority, run.available_at, run.seq, run.run_id, run.version),
                 )
                 self._notify_work()
@@ -272,18 +313,60 @@ class MemoryBackend:
                 ready_at = expires or now
             else:
                 ready_at = run.available_at or now
-            heapq.heappush(
-                self._ready.setdefault(run.pair, []),
-                (-run.priority, ready_at, seq, run_id, version),
-            )
+            heapq.heappush(self._ready_heap(run), (-run.priority, ready_at, seq, run_id, version))
+
+    def _ready_heap(self, run: _Run) -> list[tuple[int, datetime, int, UUID, int]]:
+        """Where the run waits once due: its key's heap if it wants a slot, else its pair's."""
+        if run.wants_slot:
+            assert run.concurrency_key is not None
+            return self._keyed.setdefault(run.pair, {}).setdefault(run.concurrency_key, [])
+        return self._ready.setdefault(run.pair, [])
+
+    def _count_slot(self, run: _Run) -> None:
+        """Keep the key's holders exact after a state change; a freed slot wakes the claims."""
+        key = run.key
+        if key is None:
+            return
+        holders = self._holders.setdefault(key, set())
+        if run.holds_slot:
+            holders.add(run.run_id)
+        elif run.run_id in holders:
+            holders.discard(run.run_id)
+            self._notify_work()
+
+    def _free_slot(self, key: tuple[str, str]) -> bool:
+        return len(self._holders.get(key, ())) < self._limits[key]
 
     def _ready_head(self, pair: TaskPair, now: datetime) -> _Run | None:
-        """The first claimable run in the pair's ready heap, dropping stale entries.
+        """The first claimable run of the pair: the head of its ready heap, or of the heap of
+        one of its keys with a free slot, whichever the claim's order puts first."""
+        found = self._head_entry(pair, now)
+        return None if found is None else found[1]
+
+    def _head_entry(
+        self, pair: TaskPair, now: datetime
+    ) -> tuple[tuple[int, datetime, int], _Run, list[tuple[int, datetime, int, UUID, int]]] | None:
+        best = None
+        run = self._heap_head(self._ready.get(pair), now)
+        if run is not None:
+            heap = self._ready[pair]
+            best = (heap[0][:3], run, heap)
+        for key, heap in self._keyed.get(pair, {}).items():
+            if not heap or not self._free_slot((pair.name, key)):
+                continue
+            run = self._heap_head(heap, now)
+            if run is not None and (best is None or heap[0][:3] < best[0]):
+                best = (heap[0][:3], run, heap)
+        return best
+
+    def _heap_head(
+        self, heap: list[tuple[int, datetime, int, UUID, int]] | None, now: datetime
+    ) -> _Run | None:
+        """The first claimable run in a ready heap, dropping stale entries.
 
         A running run was promoted because its lease had expired; if its holder renewed the
         lease since (a heartbeat, a recorded step), it is not claimable: back to the timers.
         """
-        heap = self._ready.get(pair)
         while heap:
             *_, run_id, version = heap[0]
             run = self._runs.get(run_id)
@@ -301,13 +384,24 @@ class MemoryBackend:
         return None
 
     def _pop_ready(self, pair: TaskPair, now: datetime) -> _Run | None:
-        run = self._ready_head(pair, now)
-        if run is not None:
-            heapq.heappop(self._ready[pair])
+        found = self._head_entry(pair, now)
+        if found is None:
+            return None
+        _, run, heap = found
+        heapq.heappop(heap)
         return run
 
     def _has_ready(self, pairs: Sequence[TaskPair], now: datetime) -> bool:
-        return any(self._ready_head(pair, now) is not None for pair in pairs)
+        return any(self._ready_head(pair, now) is not None for pair in self._unpaused(pairs))
+
+    def _unpaused(self, pairs: Sequence[TaskPair]) -> list[TaskPair]:
+        """The pairs a claim may take runs of: those no stored pause names (`LifecycleStore`)."""
+        paused = self._paused
+        if not paused:
+            return list(pairs)
+        return [
+            p for p in pairs if (p.name, None) not in paused and (p.name, p.version) not in paused
+        ]
 
     @staticmethod
     def _held(run: _Run, now: datetime) -> bool:
@@ -512,6 +606,10 @@ class MemoryBackend:
             wait_for=run.wait_for,
             trace_context=dict(run.trace_context),
             parent_run_id=run.parent_run_id,
+            rerun_of=run.rerun_of,
+            forked_from=run.forked_from,
+            forked_at_step=run.forked_at_step,
+            concurrency_key=run.concurrency_key,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,
@@ -528,6 +626,16 @@ class MemoryBackend:
         _storable_json(new.input_json, "input")
         _storable_text(new.idempotency_key, "idempotency key")
         with self._lock:
+            source = None
+            if new.forked_from is not None:
+                source = self._runs.get(new.forked_from)
+                if source is None:
+                    raise RunNotFoundError(f"no run {new.forked_from}", run_id=new.forked_from)
+                missing = [key for key in new.kept_steps if key not in source.steps]
+                if missing:
+                    raise BackendError(
+                        f"run {new.forked_from} has no step records {missing} to keep in its fork"
+                    )
             if new.idempotency_key is not None:
                 existing_id = self._by_key.get((new.task_name, new.idempotency_key))
                 if existing_id is not None:
@@ -556,8 +664,21 @@ class MemoryBackend:
                 parent_run_id=new.parent_run_id,
                 parent_fact=new.parent_fact,
                 cancel_with_parent=new.cancel_with_parent,
+                rerun_of=new.rerun_of,
+                forked_from=new.forked_from,
+                forked_at_step=new.forked_at_step,
+                concurrency_key=new.concurrency_key,
+                count_waiting=new.count_waiting,
             )
+            if source is not None:  # a fork: its kept records and the old run's facts, as stored
+                run.steps = {key: source.steps[key] for key in new.kept_steps}
+                for (scope, name), fact in list(self._facts.items()):
+                    if scope == source.run_id:
+                        self._facts[(run.run_id, name)] = evolve(fact, run_id=run.run_id)
             self._runs[run.run_id] = run
+            if run.key is not None:
+                assert new.concurrency_limit is not None  # NewRun checks they go together
+                self._limits[run.key] = new.concurrency_limit
             if new.parent_run_id is not None:
                 self._children.setdefault(new.parent_run_id, []).append(run.run_id)
             if new.idempotency_key is not None:
@@ -573,18 +694,18 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
-            open_pairs = list(dict.fromkeys(pairs))
+            open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
                 # busy pair cannot starve another; within the turn the higher priority goes
                 # first, then the earlier ready, then the earlier enqueued.
                 heads: list[tuple[tuple[int, datetime, int], TaskPair]] = []
                 for pair in list(open_pairs):
-                    if self._ready_head(pair, now) is None:
+                    found = self._head_entry(pair, now)
+                    if found is None:
                         open_pairs.remove(pair)
                         continue
-                    neg_priority, ready_at, seq, *_ = self._ready[pair][0]
-                    heads.append(((neg_priority, ready_at, seq), pair))
+                    heads.append((found[0], pair))
                 heads.sort(key=lambda head: head[0])
                 for _, pair in heads:
                     if len(claimed) >= limit:
@@ -775,6 +896,7 @@ class MemoryBackend:
                 and (query.task_version is None or r.task_version == query.task_version)
                 and (query.status is None or r.status == query.status)
                 and (query.parent_run_id is None or r.parent_run_id == query.parent_run_id)
+                and (query.concurrency_key is None or r.concurrency_key == query.concurrency_key)
             ]
             return [self._record(r, full=False) for r in selected[: query.limit]]
 
@@ -805,9 +927,18 @@ class MemoryBackend:
             await asyncio.wait_for(future, timeout)
 
     async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
+        await self._wait_for_change(run_id, timeout=timeout)
+
+    async def _wait_for_change(
+        self, run_id: UUID, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> None:
+        """Wait until the run's waiters are woken (a change of state, a stream entry), the
+        clock moves or `timeout` passes; at once if `ready()` (under the lock) says so."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
+            if ready is not None and ready():
+                return
             self._run_waiters.setdefault(run_id, []).append(future)
             self._drivers += 1
             self._maybe_auto_advance()
@@ -839,6 +970,73 @@ class MemoryBackend:
                     self._listeners.remove(listener)
 
         return remove
+
+    # -- streams (StreamStore) -------------------------------------------------------------------
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        for append in appends:
+            _storable_text(append.stream, "stream name")
+            _storable_text(append.key, f"key of stream {append.stream!r}")
+            _storable_json(append.value_json, f"value of stream {append.stream!r}")
+        self._crash("append_stream", lease.run_id, "before")
+        with self._lock:
+            self._check(lease)
+            now = self.clock.now()
+            streams = self._streams.setdefault(lease.run_id, {})
+            stored = []
+            for append in appends:
+                stream = streams.setdefault(append.stream, _Stream())
+                entry = stream.by_key.get(append.key)
+                if entry is None:
+                    entry = StreamEntry(
+                        run_id=lease.run_id,
+                        stream=append.stream,
+                        seq=len(stream.entries) + 1,
+                        key=append.key,
+                        value_json=append.value_json,
+                        written_at=now,
+                    )
+                    stream.entries.append(entry)
+                    stream.by_key[append.key] = entry
+                stored.append(entry)
+            self._notify_run(lease.run_id)
+        self._crash("append_stream", lease.run_id, "after")
+        return stored
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        with self._lock:
+            found = self._streams.get(run_id, {}).get(stream)
+            if found is None:
+                return []
+            # seq n sits at index n - 1: entries are never removed but with their run.
+            return found.entries[max(after, 0) : max(after, 0) + limit]
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        with self._lock:
+            found = []
+            for run_id in dict.fromkeys(run_ids):
+                for name, entries in self._streams.get(run_id, {}).items():
+                    if (stream is None or name == stream) and entries.entries:
+                        found.append(entries.entries[-1])
+            return found
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        def ready() -> bool:
+            found = self._streams.get(run_id, {}).get(stream)
+            run = self._runs.get(run_id)
+            return (found is not None and len(found.entries) > after) or (
+                run is None or run.status in TERMINAL_STATUSES
+            )
+
+        await self._wait_for_change(run_id, timeout=timeout, ready=ready)
 
     # -- schedules (ScheduleStore) ---------------------------------------------------------------
 
@@ -896,6 +1094,40 @@ class MemoryBackend:
     async def delete_schedule(self, name: str) -> bool:
         with self._lock:
             return self._schedules.pop(name, None) is not None
+
+    # -- pause (LifecycleStore) ------------------------------------------------------------------
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        with self._lock:
+            key = (task_name, task_version)
+            if key in self._paused:
+                return False
+            self._paused[key] = self.clock.now()
+            return True
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        with self._lock:
+            keys = [
+                key
+                for key in self._paused
+                if key[0] == task_name and (task_version is None or key[1] == task_version)
+            ]
+            for key in keys:
+                del self._paused[key]
+            if keys:
+                self._notify_work()
+                self._maybe_auto_advance()
+            return bool(keys)
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        with self._lock:
+            keys = sorted(self._paused, key=lambda k: (k[0], k[1] or 0))
+            return [
+                PausedTask(
+                    task_name=name, task_version=version, paused_at=self._paused[(name, version)]
+                )
+                for name, version in keys
+            ]
 
     def ledger(self, conn: Any) -> MemoryLedger:
         if not isinstance(conn, MemoryStore):

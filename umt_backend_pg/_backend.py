@@ -53,7 +53,13 @@ from umt_backend_pg._ready import (
     TIMERS_MARGIN,
     ClaimClocks,
 )
-from umt_backend_pg._rows import _error_json, _record, _schedule_record, _step
+from umt_backend_pg._rows import (
+    _error_json,
+    _record,
+    _schedule_record,
+    _step,
+    _stream_entry,
+)
 from umt_backend_pg._sql import queries, render, validate_schema
 from umt_backend_pg._wakeups import Wakeups
 from umt_sdk.backend import (
@@ -69,15 +75,19 @@ from umt_sdk.backend import (
     HeartbeatResult,
     Lease,
     NewRun,
+    PausedTask,
     RunQuery,
     RunRecord,
     ScheduleQuery,
     ScheduleRecord,
     ScheduleState,
     StepRecord,
+    StreamAppend,
+    StreamEntry,
     TaskPair,
 )
 from umt_sdk.exceptions import (
+    BackendError,
     FencingError,
     IdempotencyConflictError,
     RunNotFoundError,
@@ -136,11 +146,13 @@ class PostgresBackend:
         self.work_channel = f"{schema}.work"
         self.cancel_channel = f"{schema}.cancel"
         self.ended_channel = f"{schema}.ended"
+        self.stream_channel = f"{schema}.stream"
         self._wakeups = Wakeups(
             url,
             work_channel=self.work_channel,
             cancel_channel=self.cancel_channel,
             ended_channel=self.ended_channel,
+            stream_channel=self.stream_channel,
             queries=self._q,
             listen=listen,
         )
@@ -148,6 +160,9 @@ class PostgresBackend:
         self._notifier = Notifier(pool, self._q, self.work_channel)
         self._endings = Notifier(
             pool, self._q, self.ended_channel, what="result() callers of ended runs"
+        )
+        self._streams = Notifier(
+            pool, self._q, self.stream_channel, what="followers of the streams of runs"
         )
         self._clocks = ClaimClocks()
         self._database = EngineDatabase(pool, schema=schema, queries=self._q)
@@ -245,6 +260,12 @@ class PostgresBackend:
             "parent_run_id": new.parent_run_id,
             "parent_fact": new.parent_fact,
             "cancel_with_parent": new.cancel_with_parent,
+            "rerun_of": new.rerun_of,
+            "forked_from": new.forked_from,
+            "forked_at_step": new.forked_at_step,
+            "concurrency_key": new.concurrency_key,
+            "concurrency_limit": new.concurrency_limit,
+            "count_waiting": new.count_waiting,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -257,7 +278,11 @@ class PostgresBackend:
                 return await self._enqueue_on(conn, new, {**params, "notify": True})
         with wrap_exceptions():
             async with self._pool.connection() as own:  # autocommit: one statement, one commit
-                result = await self._enqueue_on(own, new, {**params, "notify": False})
+                if new.forked_from is None:
+                    result = await self._enqueue_on(own, new, {**params, "notify": False})
+                else:  # a fork: the run and its copied history in one transaction
+                    async with own.transaction():
+                        result = await self._enqueue_on(own, new, {**params, "notify": False})
         if result.created:
             self._notifier.notify(f"{new.task_name}@{new.task_version}")
         return result
@@ -267,6 +292,8 @@ class PostgresBackend:
     ) -> EnqueueResult:
         cur = await conn.execute(self._q["insert_run"], params)
         if await cur.fetchone() is not None:
+            if new.forked_from is not None:
+                await self._copy_fork(conn, new)
             return EnqueueResult(run_id=new.run_id, created=True, task_version=new.task_version)
         cur = await conn.execute(self._q["find_idempotent_run"], params)
         row = await cur.fetchone()
@@ -282,6 +309,28 @@ class PostgresBackend:
             task_version=existing_version,
             input_hash=existing_hash,
         )
+
+    async def _copy_fork(self, conn: psycopg.AsyncConnection[Any], new: NewRun) -> None:
+        """Copy the kept step records and the facts of the run `new` forks (`NewRun`)."""
+        source = new.forked_from
+        cur = await conn.execute(
+            self._q["copy_fork"],
+            {
+                "id": new.run_id,
+                "source": source,
+                "names": [name for name, _ in new.kept_steps],
+                "attempts": [attempt for _, attempt in new.kept_steps],
+            },
+        )
+        row = await cur.fetchone()
+        copied, _, found = row if row else (0, 0, False)
+        if not found:
+            raise RunNotFoundError(f"no run {source}", run_id=source)
+        if copied != len(new.kept_steps):
+            raise BackendError(
+                f"run {source} has {copied} of the {len(new.kept_steps)} step records its fork "
+                "keeps; read it again and fork it anew"
+            )
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
@@ -317,6 +366,7 @@ class PostgresBackend:
                 started=started,
                 timers_from=rows[0]["timers_from"],
                 left=rows[0]["timers_left"],
+                paused=frozenset(rows[0]["paused"] or ()),
             )
         claimed = []
         for row in rows:
@@ -459,7 +509,7 @@ class PostgresBackend:
                         await conn.execute(self._q["lock_run"], params)
                         cur = await conn.execute(self._q["end_execution"], params)
                     row = await cur.fetchone()
-        owned, ended, fact_present, _ = row if row else (0, 0, False, None)
+        owned, ended, fact_present = row[:3] if row else (0, 0, False)
         if not owned:
             raise self._fenced(lease, f"ending as {ending.outcome}")
         if ended:
@@ -507,12 +557,13 @@ class PostgresBackend:
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
                 cur = await conn.execute(
-                    self._q["cancel_run"], {"run_id": run_id, "reason": reason}
+                    self._q["cancel_run"],
+                    {"run_id": run_id, "reason": reason, "channel": self.work_channel},
                 )
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                (status,) = row
+                status = row[0]
                 if status is None:
                     return "already_finished"
                 if status == "canceled":  # it finished: what a finishing write also does
@@ -541,9 +592,13 @@ class PostgresBackend:
         while level:
             cur = await conn.execute(
                 self._q["cancel_children"],
-                {"run_ids": level, "cancel_channel": self.cancel_channel},
+                {
+                    "run_ids": level,
+                    "cancel_channel": self.cancel_channel,
+                    "work_channel": self.work_channel,
+                },
             )
-            level = [child for child, ends, _ in await cur.fetchall() if ends]
+            level = [child for child, ends, *_ in await cur.fetchall() if ends]
             ended += level
         return ended
 
@@ -573,6 +628,7 @@ class PostgresBackend:
                 "task_version": query.task_version,
                 "status": query.status,
                 "parent_run_id": query.parent_run_id,
+                "concurrency_key": query.concurrency_key,
                 "before": query.before,
                 "limit": query.limit,
             },
@@ -597,6 +653,69 @@ class PostgresBackend:
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
         return self._wakeups.add_cancel_listener(listener)
+
+    # -- streams (StreamStore) -----------------------------------------------------------------
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        """One statement per value (one for a single value, the SDK's case; several in one
+        transaction for a batch); the followers' NOTIFY follows in the background
+        (`_notifier`), so the write never waits on the server-wide NOTIFY lock."""
+        params = [
+            {
+                "run_id": lease.run_id,
+                "token": lease.fencing_token,
+                "name": append.stream,
+                "key": append.key,
+                "value": append.value_json,
+            }
+            for append in appends
+        ]
+        rows: list[dict[str, Any] | None] = []
+        if len(params) == 1:
+            rows.append(await self._one("append_stream", params[0]))
+        elif params:
+            with wrap_exceptions():
+                async with self._pool.connection() as conn, conn.transaction():
+                    cur = conn.cursor(row_factory=dict_row)
+                    for one in params:
+                        await cur.execute(self._q["append_stream"], one)
+                        rows.append(await cur.fetchone())
+        entries = []
+        new = False
+        for append, row in zip(appends, rows, strict=True):
+            if row is None or not row["held"] or row["seq"] is None:
+                raise self._fenced(lease, f"writing to stream {append.stream!r}")
+            new = new or row["new"]
+            entries.append(
+                _stream_entry(
+                    {**row, "run_id": lease.run_id, "name": append.stream, "key": append.key}
+                )
+            )
+        if new:
+            self._streams.notify(str(lease.run_id))
+        return entries
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        rows = await self._all(
+            "read_stream", {"run_id": run_id, "name": stream, "after": after, "limit": limit}
+        )
+        return [_stream_entry(row) for row in rows]
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        rows = await self._all("last_stream_entries", {"run_ids": list(run_ids), "name": stream})
+        return [_stream_entry(row) for row in rows]
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        del stream, after  # hints name the run: a follower reads again after any of them
+        await self._wakeups.wait_for_stream(run_id, timeout=timeout)
 
     # -- schedules (ScheduleStore) -------------------------------------------------------------
 
@@ -636,6 +755,32 @@ class PostgresBackend:
     async def delete_schedule(self, name: str) -> bool:
         return await self._one("delete_schedule", {"name": name}) is not None
 
+    # -- pause (LifecycleStore) ----------------------------------------------------------------
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "pause_task", {"task_name": task_name, "task_version": task_version or 0}
+        )
+        return bool(row and row["stored"])
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        row = await self._one(
+            "resume_task",
+            {"task_name": task_name, "task_version": task_version, "channel": self.work_channel},
+        )
+        return bool(row and row["deleted"])
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        rows = await self._all("list_paused_tasks", {})
+        return [
+            PausedTask(
+                task_name=r["task_name"],
+                task_version=r["task_version"] or None,
+                paused_at=r["paused_at"],
+            )
+            for r in rows
+        ]
+
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):
             raise UsageError(
@@ -662,4 +807,5 @@ class PostgresBackend:
         await self._checkpoints.close()
         await self._notifier.close()
         await self._endings.close()
+        await self._streams.close()
         await self._pool.close()

@@ -55,6 +55,7 @@ class _Timers:
     full_at: float
     after: datetime
     left: bool
+    paused: frozenset[str] = frozenset()
 
 
 class ClaimClocks:
@@ -85,12 +86,18 @@ class ClaimClocks:
         started: float,
         timers_from: datetime,
         left: bool,
+        paused: frozenset[str] = frozenset(),
     ) -> None:
-        """A claim that read the timers (from `started`, monotonic) said where the next starts."""
+        """A claim that read the timers (from `started`, monotonic) said where the next starts,
+        and which of the pairs were paused (left out: their timers were not read)."""
         last = self._timers.get(pairs)
         full_at = started if asked.after is None or last is None else last.full_at
+        if last is not None and last.paused - paused:
+            # A pair was resumed: its timers that came while it was paused may lie before
+            # `timers_from`, which passed them over. Read them all at the next claim.
+            full_at = float("-inf")
         self._timers[pairs] = _Timers(
-            read_at=started, full_at=full_at, after=timers_from, left=left
+            read_at=started, full_at=full_at, after=timers_from, left=left, paused=paused
         )
 
     def rotation_due(self) -> bool:

@@ -14,9 +14,18 @@ from umt_sdk.backend import (
     ScheduleRecord,
     ScheduleState,
     StepRecord,
+    StreamEntry,
 )
 
-__all__ = ["_error", "_error_json", "_record", "_schedule_record", "_step", "_ts"]
+__all__ = [
+    "_error",
+    "_error_json",
+    "_record",
+    "_schedule_record",
+    "_step",
+    "_stream_entry",
+    "_ts",
+]
 
 
 def _error_json(error: ErrorInfo | None) -> str | None:
@@ -104,6 +113,10 @@ def _record(
         wait_for=row["wait_for"],
         trace_context=row["trace_context"] or {},
         parent_run_id=row.get("parent_run_id"),
+        rerun_of=row.get("rerun_of"),
+        forked_from=row.get("forked_from"),
+        forked_at_step=row.get("forked_at_step"),
+        concurrency_key=row.get("concurrency_key"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,
@@ -130,4 +143,15 @@ def _schedule_record(row: Mapping[str, Any]) -> ScheduleRecord:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         observed_at=row["db_now"],
+    )
+
+
+def _stream_entry(row: Mapping[str, Any]) -> StreamEntry:
+    return StreamEntry(
+        run_id=row["run_id"],
+        stream=row["name"],
+        seq=row["seq"],
+        key=row["key"],
+        value_json=row["value"],
+        written_at=row["written_at"],
     )

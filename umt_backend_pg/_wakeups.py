@@ -1,5 +1,5 @@
-"""Wake-ups: the LISTEN connection, and the work, cancel and ending hints it hands to waiting
-workers and `result()` callers."""
+"""Wake-ups: the LISTEN connection, and the work, cancel, ending and stream hints it hands to
+waiting workers, `result()` callers and stream followers."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ class Wakeups:
 
     A claim records the generation it saw per set of pairs (`claiming`); `wait_for_work`
     returns at once if a work hint came since, else waits for one (or the timeout). Cancel
-    hints go to the listeners of `add_cancel_listener`. Ending hints wake `wait_for_run`.
+    hints go to the listeners of `add_cancel_listener`. Ending hints wake `wait_for_run`;
+    stream hints (and ending hints) wake `wait_for_stream`.
     `start()` begins listening; without it (`listen=False`), or while the LISTEN connection
     is down, `wait_for_work` only sleeps and `wait_for_run` polls every `RUN_POLL`.
     """
@@ -53,6 +54,7 @@ class Wakeups:
         work_channel: str,
         cancel_channel: str,
         ended_channel: str,
+        stream_channel: str,
         queries: Mapping[str, str],
         listen: bool,
     ) -> None:
@@ -60,6 +62,7 @@ class Wakeups:
         self.work_channel = work_channel
         self.cancel_channel = cancel_channel
         self.ended_channel = ended_channel
+        self.stream_channel = stream_channel
         self._q = queries
         self._listen = listen
         self._listener: asyncio.Task[None] | None = None
@@ -70,6 +73,8 @@ class Wakeups:
         self._cancel_listeners: list[Callable[[UUID, str], None]] = []
         self._run_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
         self._recent_endings: OrderedDict[UUID, None] = OrderedDict()
+        self._stream_waiters: dict[UUID, list[asyncio.Future[None]]] = {}
+        self._recent_streams: OrderedDict[UUID, None] = OrderedDict()
         self._listening = False
         self._closed = False
 
@@ -91,7 +96,12 @@ class Wakeups:
                 async with await psycopg.AsyncConnection.connect(
                     self.url, autocommit=True, connect_timeout=10, **_KEEPALIVES
                 ) as conn:
-                    for channel in (self.work_channel, self.cancel_channel, self.ended_channel):
+                    for channel in (
+                        self.work_channel,
+                        self.cancel_channel,
+                        self.ended_channel,
+                        self.stream_channel,
+                    ):
                         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     self._listening = True
                     delay = 0.1
@@ -136,6 +146,8 @@ class Wakeups:
                 self._on_cancel(payload)
             elif channel == self.ended_channel:
                 self._on_ended(payload)
+            elif channel == self.stream_channel:
+                self._on_stream(payload)
         except Exception:  # a bad hint (or a listener's bug) must not cost us the LISTEN
             _log.exception("ignoring a notification on %s that could not be handled", channel)
 
@@ -171,30 +183,45 @@ class Wakeups:
         self._wake_runs()
 
     def _wake_runs(self) -> None:
-        for futures in self._run_waiters.values():
-            for future in futures:
-                if not future.done():
-                    future.set_result(None)
-
-    def _on_ended(self, payload: str) -> None:
-        """`<run id>,<run id>,...`: hints that these runs may have ended."""
-        for text in payload.split(","):
-            if len(text) != 36:  # the canonical text form; UUID() accepts more shapes
-                continue
-            try:
-                run_id = UUID(text)
-            except ValueError:
-                continue
-            futures = self._run_waiters.get(run_id)
-            if futures:
+        for waiters in (self._run_waiters, self._stream_waiters):
+            for futures in waiters.values():
                 for future in futures:
                     if not future.done():
                         future.set_result(None)
+
+    def _on_ended(self, payload: str) -> None:
+        """`<run id>,<run id>,...`: hints that these runs may have ended."""
+        for run_id in _run_ids(payload):
+            _wake_or_remember(run_id, self._run_waiters, self._recent_endings)
+            _wake_or_remember(run_id, self._stream_waiters, self._recent_streams)
+
+    def _on_stream(self, payload: str) -> None:
+        """`<run id>,<run id>,...`: hints that these runs may have new stream entries."""
+        for run_id in _run_ids(payload):
+            _wake_or_remember(run_id, self._stream_waiters, self._recent_streams)
+
+    async def wait_for_stream(self, run_id: UUID, *, timeout: float) -> None:
+        """Return when the run may have a new stream entry or may have ended (its hint came,
+        here or since the caller's last read), or after `timeout` seconds, or
+        `RUN_POLL(_LISTENING)` seconds, whichever is first."""
+        if not self._listening:
+            await asyncio.sleep(min(timeout, RUN_POLL))
+            return
+        if run_id in self._recent_streams:
+            del self._recent_streams[run_id]
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._stream_waiters.setdefault(run_id, []).append(future)
+        try:
+            await asyncio.wait_for(future, min(timeout, RUN_POLL_LISTENING))
+        except TimeoutError:
+            pass
+        finally:
+            waiting = [f for f in self._stream_waiters.get(run_id, []) if f is not future]
+            if waiting:
+                self._stream_waiters[run_id] = waiting
             else:
-                self._recent_endings[run_id] = None
-                self._recent_endings.move_to_end(run_id)
-                if len(self._recent_endings) > RECENT_ENDINGS:
-                    self._recent_endings.popitem(last=False)
+                self._stream_waiters.pop(run_id, None)
 
     async def wait_for_run(self, run_id: UUID, *, timeout: float) -> None:
         """Return when the run may have ended (its notification came, here or just before),
@@ -279,3 +306,34 @@ class Wakeups:
                 await self._listener
             self._listener = None
         self._wake_all()
+
+
+def _run_ids(payload: str) -> list[UUID]:
+    """The run ids a hint names (`<run id>,<run id>,...`); anything else is dropped."""
+    found = []
+    for text in payload.split(","):
+        if len(text) != 36:  # the canonical text form; UUID() accepts more shapes
+            continue
+        try:
+            found.append(UUID(text))
+        except ValueError:
+            continue
+    return found
+
+
+def _wake_or_remember(
+    run_id: UUID,
+    waiters: dict[UUID, list[asyncio.Future[None]]],
+    recent: OrderedDict[UUID, None],
+) -> None:
+    """Wake the run's waiters; with none yet, remember the hint (bounded) for the next one."""
+    futures = waiters.get(run_id)
+    if futures:
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
+        return
+    recent[run_id] = None
+    recent.move_to_end(run_id)
+    if len(recent) > RECENT_ENDINGS:
+        recent.popitem(last=False)

@@ -9,6 +9,7 @@ import contextlib
 import inspect
 
 from umt_sdk._codec import AesGcmCodec, CodecChain, PayloadCodec, ZlibCodec
+from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
     ChildHandle,
     ParentClose,
@@ -23,7 +24,15 @@ from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
-from umt_sdk._spi import ErrorInfo, ExecutionRecord, OverlapPolicy, RunStatus, TaskPair
+from umt_sdk._spi import (
+    ErrorInfo,
+    ExecutionRecord,
+    OverlapPolicy,
+    PausedTask,
+    RunStatus,
+    TaskPair,
+)
+from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
 from umt_sdk._sync import SyncEngine, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
 from umt_sdk._views import RunInfo, RunPage, StepView
@@ -60,6 +69,8 @@ __all__ = [
     "ChildHandle",
     "CodecChain",
     "CodecError",
+    "Concurrency",
+    "ConcurrencyStrategy",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -71,6 +82,7 @@ __all__ = [
     "NonDeterminismError",
     "OverlapPolicy",
     "ParentClose",
+    "PausedTask",
     "PayloadCodec",
     "PayloadError",
     "Registry",
@@ -90,10 +102,13 @@ __all__ = [
     "StepApi",
     "StepFailedError",
     "StepView",
+    "StreamApi",
+    "StreamItem",
     "SyncChildHandle",
     "SyncEngine",
     "SyncStep",
     "SyncStepApi",
+    "SyncStreamApi",
     "SyncTaskContext",
     "TaskContext",
     "TaskDefinition",

@@ -24,6 +24,7 @@ from umt_sdk._names import (
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
+from umt_sdk._streams import StreamApi, StreamWriter, SyncStreamApi
 from umt_sdk.exceptions import CanceledError
 
 __all__ = [
@@ -60,6 +61,8 @@ class Runner(Protocol):
     def aborts(self) -> Aborts: ...
     @property
     def steps(self) -> Steps: ...
+    @property
+    def streams(self) -> StreamWriter: ...
 
     def in_handler_thread(self) -> bool: ...
 
@@ -405,23 +408,28 @@ class _BaseContext(Generic[I]):
 
 
 class TaskContext(_BaseContext[I]):
-    """The context of an async task: `ctx.input`, `ctx.step.run / sleep / wait_for_fact`, ...
+    """The context of an async task: `ctx.input`, `ctx.step.run / sleep / wait_for_fact`,
+    `ctx.stream.write`, ...
 
     It has no public constructor; umt builds one for each execution.
     """
 
-    __slots__ = ("step",)
+    __slots__ = ("step", "stream")
 
     def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
         self.step = StepApi(execution.steps)
+        self.stream = StreamApi(execution.streams)
+        """Write to the run's streams: `await ctx.stream.write("progress", {...})`."""
 
 
 class SyncTaskContext(_BaseContext[I]):
     """The context of a plain (sync) task; its `step` API blocks the handler's thread."""
 
-    __slots__ = ("step",)
+    __slots__ = ("step", "stream")
 
     def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
         self.step = SyncStepApi(execution.steps)
+        self.stream = SyncStreamApi(execution.streams, execution.steps.from_thread)
+        """Write to the run's streams: `ctx.stream.write("progress", {...})`."""

@@ -8,6 +8,7 @@ from typing import Any, Generic, TypeVar
 
 from attrs import frozen
 
+from umt_sdk._concurrency import Concurrency
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
 
@@ -35,6 +36,8 @@ class TaskDefinition(Generic[I, O]):
     retry: RetryPolicy
     max_lost_leases: int = DEFAULT_MAX_LOST_LEASES
     """Lost leases without progress after which a run of this task fails (see `task`)."""
+    concurrency: Concurrency[Any] | None = None
+    """At most `limit` runs of a key running at once (see `Concurrency`); None: no limit."""
 
     @property
     def pair(self) -> TaskPair:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypeVar, get_args, overload
 from uuid import UUID
@@ -20,9 +21,18 @@ from umt_sdk import _serde
 from umt_sdk._check import shown
 from umt_sdk._codec import PayloadCodec, check_codec
 from umt_sdk._codec_backend import codec_of, wrap_backend
+from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._ids import new_run_id
+from umt_sdk._lifecycle import (
+    ForkPlan,
+    children_of,
+    lifecycle_store,
+    pause_target,
+    plan_fork,
+    restartable,
+)
 from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
 from umt_sdk._schedules import Schedules, scheduler_enqueue
@@ -33,10 +43,13 @@ from umt_sdk._spi import (
     Clock,
     EnqueueResult,
     NewRun,
+    PausedTask,
     RunQuery,
+    RunRecord,
     RunStatus,
     TaskPair,
 )
+from umt_sdk._streams import StreamItem, follow_stream, heads_by_run, item_of, stream_store
 from umt_sdk._task import Registry, TaskDefinition
 from umt_sdk._telemetry import Telemetry
 from umt_sdk._views import RunInfo, RunPage, build_run_info
@@ -206,6 +219,20 @@ class Engine:
         if delay is not None:
             check.duration(delay, "delay")
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
+        keyed = key_fields(
+            definition.concurrency,
+            task_name=definition.name,
+            input_type=definition.input_type,
+            input_json=input_json,
+        )
+        strategy = definition.concurrency.strategy if definition.concurrency else "queue"
+        if conn is not None and strategy != "queue":
+            raise UsageError(
+                f"task {definition.name!r} has concurrency strategy {strategy!r}, which "
+                "cancels other runs of the key once the new run is stored: enqueue it without "
+                "conn= (the strategy cannot wait for your transaction to commit)",
+                argument="conn",
+            )
         run_id = new_run_id()
         attributes = {
             **Telemetry.task_attributes(definition.name, definition.version),
@@ -224,6 +251,7 @@ class Engine:
                 idempotency_key=idempotency_key,
                 delay=delay,
                 trace_context=self.telemetry.inject(),
+                **keyed,
             )
             result = await self.backend.enqueue(new, conn=conn)
             # On the caller's transaction the run exists only if that commits, which the SDK
@@ -245,6 +273,14 @@ class Engine:
                 await self._check_key_version(result, definition, idempotency_key)
         if result.created and conn is None:
             self.telemetry.runs_enqueued.add(1, task_attributes)
+            if new.concurrency_key is not None:
+                await apply_strategy(
+                    self.backend,
+                    definition.concurrency,
+                    task_name=definition.name,
+                    run_id=result.run_id,
+                    key=new.concurrency_key,
+                )
         return RunHandle(
             run_id=result.run_id,
             task_name=definition.name,
@@ -350,6 +386,174 @@ class Engine:
             outcome = await self.backend.cancel(run_id, reason=reason)
             span.set_attribute("umt.cancel.outcome", outcome)
         return outcome
+
+    # -- pause and resume, rerun and fork ---------------------------------------------------
+
+    async def pause(self, task: str | TaskPair) -> bool:
+        """Pause a task: no worker starts a run of it until `resume`, on any host.
+
+        Its runs wait unharmed (pending, or waiting with their timers), and new ones can be
+        enqueued; a run already executing goes on until its execution ends (it finishes, or
+        parks on a sleep or a fact, and then waits too). Durable: the pause is stored, and every
+        claim checks it.
+
+        Args:
+            task: `"name@version"` pauses that version, `"name"` every version (a `TaskPair`
+                names one version).
+
+        Returns False when that pause was stored already. A backend that cannot store pauses
+        (`umt_sdk.backend.LifecycleStore`) raises `UsageError`.
+        """
+        name, version = pause_target(task, "pause")
+        store = lifecycle_store(self.backend, "pause")
+        with self.telemetry.client_span("umt.pause", {"umt.task.name": str(task)}):
+            return await store.pause_task(task_name=name, task_version=version)
+
+    async def resume(self, task: str | TaskPair) -> bool:
+        """Resume a paused task: its waiting runs are claimed again, in their usual order.
+
+        `"name"` removes every pause of the task (the whole task's and each version's);
+        `"name@version"` that version's, and is refused (`UsageError`) while the whole task is
+        paused (it would resume nothing). Returns False when nothing was paused.
+        """
+        name, version = pause_target(task, "resume")
+        store = lifecycle_store(self.backend, "resume")
+        if version is not None:
+            paused = await store.list_paused_tasks()
+            if any(p.task_name == name and p.task_version is None for p in paused):
+                raise UsageError(
+                    f"resume({str(task)!r}): task {name!r} is paused as a whole (every version); "
+                    f"resume({name!r}) resumes it, then pause the versions to keep paused",
+                    argument="task",
+                )
+        with self.telemetry.client_span("umt.resume", {"umt.task.name": str(task)}):
+            return await store.resume_task(task_name=name, task_version=version)
+
+    async def paused(self) -> builtins.list[PausedTask]:
+        """The stored pauses, by task name then version (a whole task's first)."""
+        return builtins.list(await lifecycle_store(self.backend, "paused").list_paused_tasks())
+
+    async def rerun(self, run_id: UUID, *, version: int | None = None) -> RunHandle[Any]:
+        """Start a finished run again from the start: a new run with the same input and
+        priority, linked to the old one (`RunInfo.rerun_of`), with no steps and no facts.
+
+        Args:
+            version: run it on this version (the run's own by default; not an older one).
+                When the registry has that version, the input is checked against its input
+                type first (`PayloadError` naming the field that does not fit).
+
+        A run that has not finished is refused (`UsageError`): cancel it first. The new run has
+        no idempotency key (a key names one run) and no parent.
+        """
+        run_id = _check_run_id(run_id, "rerun")
+        lifecycle_store(self.backend, "rerun")
+        record = await self._finished_record(run_id)
+        run_on = restartable(record, version, "rerun")
+        return await self._start_again(record, run_on, rerun=True, plan=None)
+
+    async def fork(
+        self, run_id: UUID, from_step: str, *, version: int | None = None
+    ) -> RunHandle[Any]:
+        """Start a finished run again from its step `from_step`: a new run that keeps the
+        step records before it (their outputs are replayed, not run again) and executes from
+        there, on the run's version or a newer one. For "the bug is fixed: resume the failed
+        runs from the broken step".
+
+        The fork keeps every step record first recorded before the first record of
+        `from_step` (retries included), and the facts the old run was sent; it starts again
+        the child runs those steps started that did not complete (their records are dropped),
+        and reads the result of those that did. It is linked to the old run
+        (`RunInfo.forked_from`, `forked_at_step`); it has no idempotency key and no parent.
+
+        Args:
+            from_step: the name of a step the run recorded (as the timeline shows it: the
+                second use of a step in a loop is `name#2`); `UsageError` listing the recorded
+                ones otherwise.
+            version: as `rerun`'s. The kept records replay on that version's code: it must
+                make the same steps before `from_step` (else `NonDeterminismError`).
+        """
+        run_id = _check_run_id(run_id, "fork")
+        check.text(from_step, "from_step", empty=False, max_length=200, where="fork()")
+        lifecycle_store(self.backend, "fork")
+        record = await self._finished_record(run_id, full=True)
+        run_on = restartable(record, version, "fork")
+        plan = await self.fork_plan(record, from_step)
+        if isinstance(plan, str):
+            raise UsageError(f"fork(): {plan}", argument="from_step")
+        return await self._start_again(record, run_on, rerun=False, plan=plan)
+
+    async def fork_plan(self, record: RunRecord, from_step: str) -> ForkPlan | str:
+        """What a fork of `record` (read with its steps) from `from_step` keeps, or why it
+        cannot be forked from there (for a dry run)."""
+        children = await children_of(self.backend, record.run_id)
+        return plan_fork(record, from_step, children)
+
+    async def _finished_record(self, run_id: UUID, *, full: bool = False) -> RunRecord:
+        record = await (self.backend.get_run(run_id) if full else self.backend.get_run_head(run_id))
+        if record is None:
+            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        return record
+
+    async def _start_again(
+        self, record: RunRecord, version: int, *, rerun: bool, plan: ForkPlan | None
+    ) -> RunHandle[Any]:
+        """Enqueue the new run of a rerun or a fork (the input checked against `version`'s
+        input type when the registry has it)."""
+        try:
+            definition: TaskDefinition[Any, Any] | None = self.registry.get(
+                record.task_name, version
+            )
+        except LookupError:
+            definition = None
+        if definition is not None and version != record.task_version:
+            input_json, input_hash = _serde.encode_input(
+                json.loads(record.input_json), definition.input_type, what="input"
+            )
+        else:
+            input_json, input_hash = record.input_json, _serde.input_hash(record.input_json)
+        keyed = (
+            key_fields(
+                definition.concurrency,
+                task_name=definition.name,
+                input_type=definition.input_type,
+                input_json=input_json,
+            )
+            if definition is not None
+            else {}
+        )
+        call = "rerun" if rerun else "fork"
+        attributes = {
+            **Telemetry.task_attributes(record.task_name, version),
+            "messaging.operation.type": "send",
+            "messaging.destination.name": record.task_name,
+            f"umt.{call}.of": str(record.run_id),
+        }
+        with self.telemetry.producer_span(f"umt.{call} {record.task_name}", attributes) as span:
+            new = NewRun(
+                run_id=new_run_id(),
+                task_name=record.task_name,
+                task_version=version,
+                input_json=input_json,
+                input_hash=input_hash,
+                priority=record.priority,
+                trace_context=self.telemetry.inject(),
+                rerun_of=record.run_id if rerun else None,
+                forked_from=None if plan is None else record.run_id,
+                forked_at_step=None if plan is None else plan.from_step,
+                kept_steps=() if plan is None else plan.kept_steps,
+                **keyed,
+            )
+            result = await self.backend.enqueue(new)
+            span.set_attribute("umt.run.id", str(result.run_id))
+        self.telemetry.runs_enqueued.add(1, Telemetry.task_attributes(record.task_name, version))
+        return RunHandle(
+            run_id=result.run_id,
+            task_name=record.task_name,
+            task_version=version,
+            created=result.created,
+            engine=self,
+            output_type=definition.output_type if definition is not None else Any,
+        )
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -467,6 +671,67 @@ class Engine:
             return self.registry.get(name, version).output_type
         except LookupError:
             return Any
+
+    # -- streams ----------------------------------------------------------------------------
+
+    def stream(
+        self,
+        run_id: UUID,
+        name: str,
+        *,
+        since: int = 0,
+        follow: bool = True,
+        value_type: Any = Any,
+    ) -> AsyncGenerator[StreamItem, None]:
+        """The values the run wrote to its stream `name` (`ctx.stream.write`), in order:
+        `async for item in engine.stream(run_id, "progress"): ...`.
+
+        Gives what was written after seq `since` (0: from the first), then, with `follow`
+        (the default), waits for new values as they are written (woken by the store: LISTEN
+        on Postgres) and ends once the run has ended and its last value was given. Without
+        `follow`, it ends after what is stored now. Values are decoded as JSON, or to
+        `value_type`. `RunNotFoundError` (when iterated) if there is no such run.
+        """
+        run_id = _check_run_id(run_id, "stream")
+        check_name("stream", name, argument="name")
+        check.integer(since, "since", at_least=0, expected="a seq (an int >= 0): 0 for all")
+        check.flag(follow, "follow")
+        if value_type is not Any:
+            check_type_argument(value_type, "value_type", where="stream()")
+        stream_store(self.backend)
+        return follow_stream(
+            self.backend, run_id, name, since=since, follow=follow, value_type=value_type
+        )
+
+    async def stream_last(
+        self, run_id: UUID, name: str, *, value_type: Any = Any
+    ) -> StreamItem | None:
+        """The newest value of the run's stream `name` (a progress bar's need), or None when
+        the run has written none there yet. `RunNotFoundError` if there is no such run."""
+        run_id = _check_run_id(run_id, "stream_last")
+        check_name("stream", name, argument="name")
+        if value_type is not Any:
+            check_type_argument(value_type, "value_type", where="stream_last()")
+        entries = await stream_store(self.backend).last_stream_entries([run_id], name)
+        if entries:
+            return item_of(entries[0], value_type)
+        if await self.backend.get_run_head(run_id) is None:
+            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        return None
+
+    async def stream_heads(
+        self, run_ids: Sequence[UUID], *, name: str | None = None
+    ) -> Mapping[UUID, Mapping[str, StreamItem]]:
+        """The newest value of each stream of these runs (only the stream `name` when given),
+        by run id then stream name, in one read: what `umt runs watch` shows. A run with no
+        stream (or no such run) is left out."""
+        ids = list(run_ids) if not isinstance(run_ids, (str, bytes)) else [run_ids]
+        checked = [_check_run_id(run_id, "stream_heads") for run_id in ids]
+        if name is not None:
+            check_name("stream", name, argument="name")
+        if not checked:
+            return {}
+        return heads_by_run(await stream_store(self.backend).last_stream_entries(checked, name))
 
     # -- consuming --------------------------------------------------------------------------
 

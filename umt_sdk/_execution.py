@@ -41,6 +41,7 @@ from umt_sdk._spi import (
     StepRecord,
 )
 from umt_sdk._steps import Steps
+from umt_sdk._streams import StreamWriter
 from umt_sdk._task import TaskDefinition
 from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
 from umt_sdk.exceptions import (
@@ -100,6 +101,7 @@ class Execution:
         self.telemetry = ExecutionTelemetry(telemetry, claimed, worker_id)
         self.history = History(claimed.run_id, claimed.steps)
         self.steps = Steps(self, self.history, self.telemetry, on_step_start=on_step_start)
+        self.streams = StreamWriter(self, self.history.calls)
         self._started_monotonic = time.monotonic()
         self._loop_thread = threading.get_ident()
         self.aborts = Aborts(loop)

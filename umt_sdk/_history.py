@@ -34,6 +34,11 @@ class History:
         self._occurrences[name] = count
         return name if count == 1 else f"{name}#{count}"
 
+    def calls(self) -> int:
+        """How many steps, sleeps, fact waits and child results this execution of the
+        handler asked for so far (a replay asks for the same, in the same order)."""
+        return sum(self._occurrences.values())
+
     def next_occurrence(self, name: str) -> str:
         """The name the next `occurrence(name)` will return, without taking it."""
         count = self._occurrences.get(name, 0) + 1

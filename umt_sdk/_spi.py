@@ -27,12 +27,16 @@ A backend author must store, atomically and durably before returning:
 - the few conditions only the store can check atomically with a write, each named where it
   applies: first write wins for a fact and for an idempotency key; a park onto a fact already
   stored is refused (no lost wake-up); a hand-back of a run whose cancel was requested is
-  refused; a claim takes only available runs, in the one order `claim` documents; a cancel ends
+  refused; a claim takes only available runs, in the one order `claim` documents, and never more
+  runs of a concurrency key than its free slots; a cancel ends
   at once a run nobody holds, a lapsed lease included (`cancel`); a child run that finishes
   stores its parent's fact, and a run that finishes failed or canceled requests the cancel of
   its children that asked for it, each in the write that finishes it (`finishing`, below). A
   backend that stores schedules (`ScheduleStore`, optional) adds two: first write wins for a
   schedule's name, and an update lands only on the version it was made from (compare and set).
+  A backend that stores the streams of runs (`StreamStore`, optional) adds two more: first
+  write wins for an entry's key within its run's stream, and an entry becomes visible only
+  after every earlier entry of its stream (a reader's cursor never skips one).
 
 What a run's finishing write also stores (`finishing`), whichever write finishes it (an
 ending, a cancel, a cascade): a run enqueued with `NewRun.parent_fact` stores that fact for
@@ -78,8 +82,10 @@ __all__ = [
     "Lease",
     "Ledger",
     "LedgerEntry",
+    "LifecycleStore",
     "NewRun",
     "OverlapPolicy",
+    "PausedTask",
     "RunQuery",
     "RunRecord",
     "RunStatus",
@@ -91,6 +97,9 @@ __all__ = [
     "StepKind",
     "StepRecord",
     "StepStatus",
+    "StreamAppend",
+    "StreamEntry",
+    "StreamStore",
     "TaskPair",
 ]
 
@@ -120,6 +129,11 @@ def _tz_aware(_: object, attribute: Any, value: datetime | None) -> None:
 def _tz_aware_required(_: object, attribute: Any, value: datetime) -> None:
     if value.tzinfo is None:
         raise ValueError(f"{attribute.name} must be timezone-aware, got {value!r}")
+
+
+def _optional_limit(_: object, __: object, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"concurrency_limit must be an integer >= 1, got {value!r}")
 
 
 def _positive_token(_: object, __: object, value: int) -> None:
@@ -222,6 +236,34 @@ class NewRun:
     module docstring): how a parent waiting for its child is woken."""
     cancel_with_parent: bool = False
     """Whether this run's cancel is requested when its parent finishes failed or canceled."""
+    rerun_of: UUID | None = None
+    """The run this one runs again (`engine.rerun`): kept as `RunRecord.rerun_of`."""
+    forked_from: UUID | None = None
+    """The run this one is a fork of (`engine.fork`): kept as `RunRecord.forked_from`. A
+    backend that stores it (`LifecycleStore`) also copies, in the write that stores the run,
+    the step records `kept_steps` names and every fact of that run (its own, not broadcast
+    ones), as they are stored: their payloads never leave the store."""
+    forked_at_step: str | None = None
+    """The step the fork executes from: kept as `RunRecord.forked_at_step`."""
+    kept_steps: Sequence[tuple[str, int]] = ()
+    """For a fork: the (`name`, `attempt`) of each step record of `forked_from` to copy into
+    this run, in the order to record them (the SDK chose them; the store copies them as
+    stored, their `output_json`, error, times and token untouched)."""
+    concurrency_key: str | None = None
+    """The run's concurrency key (the SDK computed it from the input): at most
+    `concurrency_limit` runs of this task name and key hold a slot at once (see `claim`)."""
+    concurrency_limit: int | None = field(default=None, validator=_optional_limit)
+    """With `concurrency_key`: the key's limit, stored for the key (the newest enqueue's wins)."""
+    count_waiting: bool = False
+    """With `concurrency_key`: whether the run keeps its slot while `waiting` (a sleep, a
+    wait for a fact); by default a waiting run gives its slot back and needs one again to run."""
+
+    def __attrs_post_init__(self) -> None:
+        if (self.concurrency_key is None) != (self.concurrency_limit is None):
+            raise ValueError(
+                "NewRun: concurrency_key and concurrency_limit go together (both or neither), "
+                f"got key {self.concurrency_key!r} and limit {self.concurrency_limit!r}"
+            )
 
 
 @frozen(kw_only=True)
@@ -440,6 +482,14 @@ class RunRecord:
     trace_context: Mapping[str, str] = field(factory=dict)
     parent_run_id: UUID | None = None
     """The run that started this one, if it is a child run."""
+    rerun_of: UUID | None = None
+    """The run this one runs again (`NewRun.rerun_of`)."""
+    forked_from: UUID | None = None
+    """The run this one is a fork of (`NewRun.forked_from`)."""
+    forked_at_step: str | None = None
+    """The step the fork executed from (`NewRun.forked_at_step`)."""
+    concurrency_key: str | None = None
+    """The run's concurrency key as stored (None without one)."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)
@@ -456,6 +506,8 @@ class RunQuery:
     status: RunStatus | None = None
     parent_run_id: UUID | None = None
     """Only the children of this run."""
+    concurrency_key: str | None = None
+    """Only the runs of this concurrency key."""
     limit: int = 100
     before: UUID | None = None
 
@@ -556,7 +608,18 @@ class Backend(Protocol):
 
         Each claimed run becomes `running` under its new token, with a lease until the
         backend's clock plus `lease`, a new `running` execution, one more `claims`, and no
-        `wait_for`."""
+        `wait_for`.
+
+        Concurrency keys (`NewRun.concurrency_key`): a run with a key *holds a slot* of its
+        (task name, key) while it is `running`, and while it is `waiting` if it was enqueued
+        with `count_waiting`. A claim takes a run that does not hold one (pending, or waiting
+        without `count_waiting`) only while fewer runs than the key's limit hold a slot, and
+        never more than the free slots, atomically with the other claims (across workers);
+        the others of the key stay where they are, unharmed, in the order above, and runs of
+        other keys and without a key are claimed as if they were not there. A run that holds
+        a slot (a lapsed lease taken over, a `count_waiting` run woken) is claimed as any
+        other. A write that frees a slot (an ending, a cancel) makes the key's next run
+        claimable at once, and wakes `wait_for_work`."""
         ...
 
     async def heartbeat(
@@ -771,4 +834,138 @@ class ScheduleStore(Protocol):
 
     async def delete_schedule(self, name: str) -> bool:
         """Delete the schedule; False when there was none. Its runs are kept."""
+        ...
+
+
+# -- streams --------------------------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class StreamAppend:
+    """One value a run writes to one of its streams (`ctx.stream.write`), as the SDK made it."""
+
+    stream: str
+    """The stream's name (checked by the SDK: a step-like name, at most 200 characters)."""
+    key: str
+    """Where the writer stands (the step, its attempt and the write's position in it; see
+    `umt_sdk._streams`): unique within the run's stream, so a write the SDK repeats after a
+    crash finds the entry it made before (first write wins)."""
+    value_json: str
+    """The value as JSON text (at most `umt_sdk._streams.MAX_VALUE_BYTES`)."""
+
+
+@frozen(kw_only=True)
+class StreamEntry:
+    """One entry of a run's stream, as stored."""
+
+    run_id: UUID
+    stream: str
+    seq: int
+    """The entry's place in its stream: 1 for the first, one more for each new entry, given by
+    the store as it stores it. A reader that has seen `seq` n misses nothing by asking for the
+    entries after n: an entry becomes visible only after every entry before it in the stream."""
+    key: str
+    value_json: str
+    written_at: datetime = field(validator=_tz_aware_required)
+    """The store's clock when the entry was first stored."""
+
+
+@runtime_checkable
+class StreamStore(Protocol):
+    """What a backend implements to store the streams of runs (`ctx.stream.write`,
+    `engine.stream`, `engine.stream_last`). Optional: an engine on a backend without it
+    refuses streams with a `UsageError` that says so. The SDK decides the key of each write
+    and reads the entries back; the store keeps them in order and checks, atomically with the
+    write, the two conditions below. A run's entries go when the run goes.
+    """
+
+    async def append_stream(
+        self, lease: Lease, appends: Sequence[StreamAppend]
+    ) -> Sequence[StreamEntry]:
+        """Append the values in order, each to its stream, if the run is still held under
+        `lease`'s token (else `FencingError`, nothing written); returns the stored entry of
+        each append, in order.
+
+        First write wins on (run, stream, key): an append whose key is stored already stores
+        nothing and returns the stored entry (with its own seq, value and time). A new entry
+        takes the next seq of its stream, and becomes visible to readers only once every
+        earlier entry of the stream is visible. The lease is neither extended nor changed.
+        Waiters of the run (`wait_for_stream`) are woken."""
+        ...
+
+    async def read_stream(
+        self, run_id: UUID, stream: str, *, after: int, limit: int
+    ) -> Sequence[StreamEntry]:
+        """Up to `limit` entries of the run's stream with a seq larger than `after`, by seq
+        (none for a run or stream the store does not know)."""
+        ...
+
+    async def last_stream_entries(
+        self, run_ids: Sequence[UUID], stream: str | None = None
+    ) -> Sequence[StreamEntry]:
+        """The newest entry of each stream of these runs (only of the stream named `stream`
+        when given), in any order: what a progress bar, `umt runs watch` and `umt runs show`
+        need, in one read whatever the number of runs."""
+        ...
+
+    async def wait_for_stream(
+        self, run_id: UUID, stream: str, *, after: int, timeout: float
+    ) -> None:
+        """Return when the run's stream may have an entry after seq `after` or the run may
+        have ended, or after `timeout` seconds. Only a hint, as `wait_for_run` is (the caller
+        reads again); a backend may return at once when it knows of a newer entry."""
+        ...
+
+
+# -- pause, rerun and fork ----------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class PausedTask:
+    """A task paused by `engine.pause`: no claim starts its runs until it is resumed."""
+
+    task_name: str
+    task_version: int | None
+    """The version paused; None: every version of the task."""
+    paused_at: datetime = field(validator=_tz_aware_required)
+
+    def __str__(self) -> str:
+        return (
+            self.task_name if self.task_version is None else f"{self.task_name}@{self.task_version}"
+        )
+
+
+@runtime_checkable
+class LifecycleStore(Protocol):
+    """What a backend implements to pause tasks and to rerun and fork runs (`engine.pause`,
+    `engine.resume`, `engine.rerun`, `engine.fork`). Optional: an engine on a backend without
+    it refuses those calls with a `UsageError` that says so.
+
+    A backend that implements it keeps three more rules:
+    - `claim` takes no run of a paused pair: a pair is paused when a pause names its task and
+      version, or its task alone (every version). Its runs wait as they are (pending, or
+      waiting with their timers), unharmed; a run already held goes on until its execution
+      ends. The check is made in the claim's own statement, against what is stored, so a
+      pause holds on every worker and host as soon as it is stored.
+    - `enqueue` keeps `NewRun.rerun_of`, `forked_from` and `forked_at_step` (read back on
+      `RunRecord`), and for a fork copies, in the same write, the step records
+      `NewRun.kept_steps` names and every run-scoped fact of `forked_from`, as stored; the
+      copied records are handed out with the run's first claim (`ClaimedRun.steps`).
+    - the SDK decides which steps a fork keeps and what a resume of one version of a task
+      paused as a whole means; the store only keeps the rows.
+    """
+
+    async def pause_task(self, *, task_name: str, task_version: int | None) -> bool:
+        """Store the pause of `task_name@task_version` (None: every version). False (nothing
+        written) when that exact pause is stored already."""
+        ...
+
+    async def resume_task(self, *, task_name: str, task_version: int | None) -> bool:
+        """Delete the pause of `task_name@task_version`; with None, every pause of the task
+        (the whole task's and each version's). Wakes the workers that may now claim its runs.
+        False when there was nothing to delete."""
+        ...
+
+    async def list_paused_tasks(self) -> Sequence[PausedTask]:
+        """Every stored pause, by task name then version (the whole task's first)."""
         ...

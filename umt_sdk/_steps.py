@@ -22,6 +22,7 @@ from attrs import field, frozen
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
@@ -41,6 +42,7 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
 )
+from umt_sdk._streams import StepScope, step_scope
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
 from umt_sdk.exceptions import (
     CanceledError,
@@ -267,21 +269,13 @@ class Steps:
     async def _execute_step(
         self, call: StepCall, full: str, attempt: int, step_trace: StepTrace
     ) -> Any:
-        fn = call.fn
         _probe.reach(self._host.aborts, "step.before", full, attempt=attempt)
         started = self._host.now()
         self.current_step, self.current_step_started_at = full, started
         if self._on_step_start is not None:
             self._on_step_start()
         try:
-            if inspect.iscoroutinefunction(fn):
-                value = await fn(*call.args, **call.kwargs)
-            else:
-                # Plain bodies run in a thread (the handler's own thread already, for plain
-                # tasks: the loop never blocks on user code).
-                value = await self._host.in_thread(fn, *call.args, **call.kwargs)
-                if inspect.isawaitable(value):
-                    value = await value
+            value = await self._body(call, full, attempt)
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
             verdict = self._host.aborts.classify(exc, cancelled_by_worker=_cancelled_by_worker())
             if verdict in (Verdict.SUSPEND, Verdict.STOP):
@@ -379,6 +373,22 @@ class Steps:
         _probe.report("step.recorded", full, attempt=attempt)
         return value
 
+    async def _body(self, call: StepCall, full: str, attempt: int) -> Any:
+        """Run the step's body, its stream writes keyed by this attempt (`_streams`)."""
+        fn = call.fn
+        scope = step_scope.set(StepScope(full, attempt))
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*call.args, **call.kwargs)
+            # Plain bodies run in a thread (the handler's own thread already, for plain
+            # tasks: the loop never blocks on user code), with the scope: it is copied there.
+            value = await self._host.in_thread(fn, *call.args, **call.kwargs)
+            if inspect.isawaitable(value):
+                value = await value
+            return value
+        finally:
+            step_scope.reset(scope)
+
     async def start_child(
         self,
         name: str,
@@ -397,6 +407,12 @@ class Steps:
         input_json, input_hash = _serde.encode_input(
             input, definition.input_type, what=f"input of child {name!r}"
         )
+        keyed = key_fields(
+            definition.concurrency,
+            task_name=definition.name,
+            input_type=definition.input_type,
+            input_json=input_json,
+        )
 
         async def enqueue_child() -> UUID:
             child_id = new_run_id()
@@ -414,9 +430,20 @@ class Steps:
                         parent_run_id=parent.run_id,
                         parent_fact=child_fact(child_id),
                         cancel_with_parent=cancel_with_parent,
+                        **keyed,
                     )
                 )
             )
+            if result.created and keyed:
+                await self._host.guard(
+                    apply_strategy(
+                        self._host.backend,
+                        definition.concurrency,
+                        task_name=definition.name,
+                        run_id=result.run_id,
+                        key=keyed["concurrency_key"],
+                    )
+                )
             if not result.created and result.input_hash not in (None, input_hash):
                 raise IdempotencyConflictError(
                     f"step {name!r} started child run {result.run_id} with another input "

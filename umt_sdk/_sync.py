@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 from uuid import UUID
 
 from umt_sdk._engine import Engine, connect
 from umt_sdk._export import RunHistory
-from umt_sdk._spi import CancelOutcome, Clock, RunStatus
+from umt_sdk._spi import CancelOutcome, Clock, PausedTask, RunStatus, TaskPair
+from umt_sdk._streams import StreamItem
 from umt_sdk._task import Registry, TaskDefinition
 from umt_sdk._views import RunInfo, RunPage
 
@@ -21,8 +22,9 @@ T = TypeVar("T")
 
 
 class SyncEngine:
-    """enqueue / signal / cancel / get / list / result, blocking. Runs its own event loop in a
-    background thread; close it (or use `with`) when done."""
+    """enqueue / signal / cancel / pause / resume / rerun / fork / get / list / result /
+    stream, blocking. Runs its own event loop in a background thread; close it (or use `with`)
+    when done."""
 
     def __init__(
         self, engine: Engine, loop: asyncio.AbstractEventLoop, thread: threading.Thread
@@ -80,6 +82,26 @@ class SyncEngine:
     def cancel(self, run_id: UUID, *, reason: str = "") -> CancelOutcome:
         return self._call(self._engine.cancel(run_id, reason=reason))
 
+    def pause(self, task: str | TaskPair) -> bool:
+        """Pause a task (see `Engine.pause`)."""
+        return self._call(self._engine.pause(task))
+
+    def resume(self, task: str | TaskPair) -> bool:
+        """Resume a paused task (see `Engine.resume`)."""
+        return self._call(self._engine.resume(task))
+
+    def paused(self) -> list[PausedTask]:
+        """The stored pauses (see `Engine.paused`)."""
+        return self._call(self._engine.paused())
+
+    def rerun(self, run_id: UUID, *, version: int | None = None) -> UUID:
+        """Start a finished run again (see `Engine.rerun`) and return the new run's id."""
+        return self._call(self._engine.rerun(run_id, version=version)).run_id
+
+    def fork(self, run_id: UUID, from_step: str, *, version: int | None = None) -> UUID:
+        """Fork a finished run from a step (see `Engine.fork`) and return the new run's id."""
+        return self._call(self._engine.fork(run_id, from_step, version=version)).run_id
+
     def get(self, run_id: UUID) -> RunInfo:
         return self._call(self._engine.get(run_id))
 
@@ -109,6 +131,39 @@ class SyncEngine:
 
     def result(self, run_id: UUID, *, timeout: float | None = None) -> Any:
         return self._call(self._engine.result(run_id, timeout=timeout))
+
+    def stream(
+        self,
+        run_id: UUID,
+        name: str,
+        *,
+        since: int = 0,
+        follow: bool = True,
+        value_type: Any = Any,
+    ) -> Iterator[StreamItem]:
+        """The values of the run's stream `name`, in order, following it live until the run
+        ends (see `Engine.stream`): `for item in engine.stream(run_id, "progress"): ...`."""
+        items = self._engine.stream(run_id, name, since=since, follow=follow, value_type=value_type)
+        try:
+            while True:
+                try:
+                    item = self._call(anext(items))
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if not self._loop.is_closed():
+                self._call(items.aclose())
+
+    def stream_last(self, run_id: UUID, name: str, *, value_type: Any = Any) -> StreamItem | None:
+        """The newest value of the run's stream `name`, or None (see `Engine.stream_last`)."""
+        return self._call(self._engine.stream_last(run_id, name, value_type=value_type))
+
+    def stream_heads(
+        self, run_ids: Sequence[UUID], *, name: str | None = None
+    ) -> Mapping[UUID, Mapping[str, StreamItem]]:
+        """The newest value of each stream of these runs (see `Engine.stream_heads`)."""
+        return self._call(self._engine.stream_heads(run_ids, name=name))
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -14,6 +14,7 @@ from attrs import field, frozen
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
 from umt_sdk._cron import CronSpec
 from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, TaskDefinition
@@ -61,6 +62,7 @@ def task(
     version: int = 1,
     retry: RetryPolicy | None = None,
     max_lost_leases: int = DEFAULT_MAX_LOST_LEASES,
+    concurrency: Concurrency[Any] | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
 
@@ -77,6 +79,9 @@ def task(
             this many times since it last recorded a step (a worker crashed, was OOM-killed or
             froze past the lease while running it), instead of being started again: a fault
             that repeats must not loop forever. Default 10; must be >= 1.
+        concurrency: at most `limit` runs with the same key running at once, across all
+            workers (`Concurrency(key=lambda inp: inp.tenant_id, limit=2)`); the others wait
+            their turn. See docs/flow-control.md.
     """
     check_name("task", name)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -97,6 +102,7 @@ def task(
             f"progress before a run fails), got {shown(max_lost_leases)}",
             argument="max_lost_leases",
         )
+    concurrency = check_concurrency(concurrency, task_name=name)
 
     def decorate(fn: Callable[..., Any]) -> TaskDefinition[Any, Any]:
         if isinstance(fn, TaskDefinition):
@@ -136,6 +142,7 @@ def task(
             output_type=output_type,
             retry=policy,
             max_lost_leases=max_lost_leases,
+            concurrency=concurrency,
         )
 
     return typing.cast(_TaskDecorator, decorate)

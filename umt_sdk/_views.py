@@ -95,6 +95,13 @@ class RunInfo:
     parent_run_id: UUID | None = None
     """The run whose step started this one (`ctx.step.start_child`); its children are
     `engine.list(parent=run_id)`."""
+    rerun_of: UUID | None = None
+    """The run this one runs again (`engine.rerun`)."""
+    forked_from: UUID | None = None
+    """The run this one is a fork of (`engine.fork`): it kept that run's steps recorded
+    before `forked_at_step`, and its facts."""
+    forked_at_step: str | None = None
+    """The step this fork executed from."""
 
     @property
     def display_status(self) -> str:
@@ -257,6 +264,9 @@ def build_run_info(record: RunRecord) -> RunInfo:
         lease_expires_at=record.lease_expires_at if record.status == "running" else None,
         lease_expired=lease_expired(record),
         parent_run_id=record.parent_run_id,
+        rerun_of=record.rerun_of,
+        forked_from=record.forked_from,
+        forked_at_step=record.forked_at_step,
     )
 
 

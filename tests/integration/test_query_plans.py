@@ -32,6 +32,8 @@ BY_ID = {
     "get_run": {"runs_pkey"},
     # A broadcast fact reads the runs waiting for its name; a run's own fact reads it by id.
     "insert_fact": {"runs_pkey", "runs_waiting_for"},
+    # A stream's write is fenced by the run's token, read by id.
+    "append_stream": {"runs_pkey"},
 }
 
 

@@ -11,28 +11,74 @@
 -- One statement: the run, and (only if it was inserted, and when %(notify)s) the NOTIFY that
 -- wakes idle workers, delivered at commit. Only an enqueue in the caller's transaction notifies
 -- here; the others are notified after their commit, coalesced (see _notifier.py).
--- A run claimable at once (no delay) is also queued in `ready`, in the same statement.
+-- A run claimable at once (no delay) is also queued in `ready`, in the same statement, unless
+-- its pair is paused (it waits in runs_claim_ready: paused runs never hold `ready` rows, which
+-- would keep its slots from being truncated); a run with a concurrency key never is (it waits
+-- for a slot: runs_claim_keyed), and its key's row counts it (`queued`) and takes the limit it
+-- was enqueued with.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent
+        cancel_with_parent, rerun_of, forked_from, forked_at_step, concurrency_key,
+        count_waiting
     )
     VALUES (
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
         now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
-        %(input)s::jsonb, %(delay)s::interval <= interval '0', %(parent_run_id)s,
-        %(parent_fact)s, %(cancel_with_parent)s
+        %(input)s::jsonb,
+        %(delay)s::interval <= interval '0' AND %(concurrency_key)s::text IS NULL
+        AND NOT EXISTS (
+            SELECT 1 FROM {schema}.paused_tasks z
+            WHERE z.task_name = %(task_name)s AND z.task_version IN (0, %(task_version)s)),
+        %(parent_run_id)s, %(parent_fact)s, %(cancel_with_parent)s, %(rerun_of)s,
+        %(forked_from)s, %(forked_at_step)s, %(concurrency_key)s, %(count_waiting)s
     )
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, task_name, task_version, priority, available_at, queued
+    RETURNING id, task_name, task_version, priority, available_at, queued, concurrency_key
 ), queued AS (
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
     FROM inserted i WHERE i.queued
+), keyed AS (
+    INSERT INTO {schema}.concurrency_keys (task_name, concurrency_key, slot_limit, queued)
+    SELECT i.task_name, i.concurrency_key, %(concurrency_limit)s, 1
+    FROM inserted i WHERE i.concurrency_key IS NOT NULL
+    ON CONFLICT (task_name, concurrency_key) DO UPDATE SET
+        slot_limit = EXCLUDED.slot_limit,
+        queued = {schema}.concurrency_keys.queued + 1
 )
 SELECT i.id, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, %(pair)s) END
 FROM inserted i;
+
+-- name: copy_fork
+-- A fork's history, in the transaction that inserted it: the step records of the old run it
+-- keeps (in the order given, so they read back in that order) and the old run's own facts, as
+-- stored (their payloads never leave the database).
+WITH kept AS (
+    SELECT k.name, k.attempt, k.position
+    FROM unnest(%(names)s::text[], %(attempts)s::integer[]) WITH ORDINALITY
+        AS k (name, attempt, position)
+), steps AS (
+    INSERT INTO {schema}.steps (
+        run_id, name, attempt, kind, status, fencing_token, output, error, started_at,
+        finished_at, wake_at
+    )
+    SELECT %(id)s, s.name, s.attempt, s.kind, s.status, s.fencing_token, s.output, s.error,
+           s.started_at, s.finished_at, s.wake_at
+    FROM kept k
+    JOIN {schema}.steps s
+      ON s.run_id = %(source)s AND s.name = k.name AND s.attempt = k.attempt
+    ORDER BY k.position
+    RETURNING 1
+), facts AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload, created_at)
+    SELECT %(id)s::text, f.name, %(id)s, f.payload, f.created_at
+    FROM {schema}.facts f WHERE f.scope = %(source)s::text
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM steps) AS steps, (SELECT count(*) FROM facts) AS facts,
+       EXISTS (SELECT 1 FROM {schema}.runs r WHERE r.id = %(source)s) AS source_found;
 
 -- name: find_idempotent_run
 SELECT id, input_hash, task_version FROM {schema}.runs
@@ -73,31 +119,72 @@ SET LOCAL synchronous_commit TO off;
 -- earliest timer offered and not claimed, locked by another claim or beyond %(limit)s; the last
 -- one offered of a pair whose timers filled %(scan)s; at most %(timers_margin)s before now, for
 -- a writer that commits late), and `timers_left`: some are due still (read again at once).
-WITH pairs AS (
-    SELECT p.name, p.version
+-- Runs with a concurrency key that want a slot come only from `keyed_runs`: the keys of the
+-- pairs' tasks with a free slot and a due run, least recently served first, locked (their
+-- newest counters), and at most each key's free slots of its runs; `key_slots` raises the
+-- counters of the keys claimed from (see migrations/0009_concurrency_keys.sql).
+-- Pairs that a stored pause names (paused_tasks, by version or the whole task) are left out
+-- before anything is read: their runs wait as they are. When the timers were read, the row also
+-- names them (`paused`): a pair resumed later has timers this read passed over, so the backend
+-- reads all timers again once it sees one resumed.
+WITH served AS (
+    SELECT p.name, p.version,
+           EXISTS (SELECT 1 FROM {schema}.paused_tasks z
+                   WHERE z.task_name = p.name AND z.task_version IN (0, p.version)) AS paused
     FROM unnest(%(names)s::text[], %(versions)s::integer[]) AS p (name, version)
+), pairs AS (
+    SELECT s.name, s.version FROM served s WHERE NOT s.paused
+), open_keys AS (
+    SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
+    FROM {schema}.concurrency_keys k
+    WHERE k.task_name = ANY (%(names)s::text[]) AND k.queued > 0 AND k.running < k.slot_limit
+      AND EXISTS (
+          SELECT 1 FROM {schema}.runs r
+          WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
+            AND r.concurrency_key IS NOT NULL
+            AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
+            AND r.available_at <= now()
+            AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name))
+    ORDER BY k.claimed_at
+    LIMIT %(scan)s
+    FOR NO KEY UPDATE OF k SKIP LOCKED
+), keyed_runs AS (
+    SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
+    FROM open_keys k
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at
+        FROM {schema}.runs r
+        WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
+          AND r.concurrency_key IS NOT NULL
+          AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
+          AND r.available_at <= now()
+          AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
+        ORDER BY r.priority DESC, r.available_at
+        LIMIT k.free
+    ) AS w
 ), candidates AS (
-    SELECT c.id, c.priority, c.available_at, c.timer, p.name AS pair_name,
+    SELECT c.id, c.priority, c.available_at, c.timer, c.keyed, p.name AS pair_name,
            p.version AS pair_version,
            row_number() OVER (
                PARTITION BY p.name, p.version ORDER BY c.priority DESC, c.available_at
            ) AS turn
     FROM pairs p
     CROSS JOIN LATERAL (
-        (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer
+        (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer, false AS keyed
          FROM {schema}.ready q
          WHERE q.task_name = p.name AND q.task_version = p.version
          ORDER BY q.priority DESC, q.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT r.id, r.priority, r.available_at, false AS timer
+        (SELECT r.id, r.priority, r.available_at, false AS timer, false AS keyed
          FROM {schema}.runs r
          WHERE r.task_name = p.name AND r.task_version = p.version
-           AND r.status = 'pending' AND NOT r.queued AND r.available_at <= now()
+           AND r.status = 'pending' AND NOT r.queued AND r.concurrency_key IS NULL
+           AND r.available_at <= now()
          ORDER BY r.priority DESC, r.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT r.id, r.priority, r.available_at, true AS timer
+        (SELECT r.id, r.priority, r.available_at, true AS timer, false AS keyed
          FROM {schema}.runs r
          WHERE %(timers)s::boolean
            AND r.task_name = p.name AND r.task_version = p.version
@@ -105,22 +192,36 @@ WITH pairs AS (
            AND r.available_at >= COALESCE(%(timers_after)s::timestamptz, '-infinity')
            AND r.available_at <= now()
            AND (r.status = 'waiting' OR r.lease_expires_at <= now())
+           -- a waiting run that gave its slot back needs one again: keyed_runs
+           AND NOT (r.status = 'waiting' AND r.concurrency_key IS NOT NULL
+                    AND NOT r.count_waiting)
          ORDER BY r.available_at
+         LIMIT %(scan)s)
+        UNION ALL
+        (SELECT k.id, k.priority, k.available_at, false AS timer, true AS keyed
+         FROM keyed_runs k
+         WHERE k.task_name = p.name AND k.task_version = p.version
+         ORDER BY k.priority DESC, k.available_at
          LIMIT %(scan)s)
     ) AS c
 ), distinct_candidates AS (
     -- A woken waiting run is in `ready` and among the timers: offer it once.
-    SELECT DISTINCT ON (c.id) c.id, c.priority, c.available_at, c.turn
+    SELECT DISTINCT ON (c.id) c.id, c.priority, c.available_at, c.turn, c.keyed
     FROM candidates c
     ORDER BY c.id, c.turn
 ), locked AS (
     SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token,
            CASE WHEN r.status = 'running' THEN r.lease_expires_at ELSE r.available_at END
-               AS ready_at
+               AS ready_at,
+           c.keyed
     FROM distinct_candidates c
     JOIN {schema}.runs r ON r.id = c.id
     WHERE r.status IN ('pending', 'waiting', 'running') AND r.available_at <= now()
       AND (r.status <> 'running' OR r.lease_expires_at <= now())
+      -- A run that wants a slot is claimed only from its key's free slots (keyed_runs), and a
+      -- run from there only while it still wants one.
+      AND c.keyed = (r.concurrency_key IS NOT NULL
+                     AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting)))
     ORDER BY c.turn, c.priority DESC, c.available_at
     LIMIT %(limit)s
     FOR UPDATE OF r SKIP LOCKED
@@ -141,11 +242,19 @@ WITH pairs AS (
     WHERE r.id = l.id
     RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
               r.claims, r.failures, r.trace_context, r.idempotency_key, l.previous_status,
-              l.previous_token, l.ready_at,
+              l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked, l.keyed,
+              r.concurrency_key,
               CASE WHEN r.cancel_requested_at IS NOT NULL
                    THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING claimed c WHERE q.run_id = c.id
+), key_slots AS (
+    -- The keys' rows are locked (open_keys): the runs taken now hold a slot, want none.
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running + t.taken, queued = k.queued - t.taken, claimed_at = now()
+    FROM (SELECT c.task_name, c.concurrency_key, count(*) AS taken FROM claimed c
+          WHERE c.keyed GROUP BY c.task_name, c.concurrency_key) AS t
+    WHERE k.task_name = t.task_name AND k.concurrency_key = t.concurrency_key
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM claimed c
@@ -165,13 +274,15 @@ WITH pairs AS (
     ) AS due_from
 ), timers_read AS (
     SELECT least(d.due_from, now() - %(timers_margin)s::interval) AS timers_from,
-           d.due_from IS NOT NULL AS timers_left
+           d.due_from IS NOT NULL AS timers_left,
+           ARRAY(SELECT s.name || '@' || s.version FROM served s WHERE s.paused) AS paused
     FROM timers_due d WHERE %(timers)s::boolean
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left,
-       CASE WHEN c.claims > 1 THEN (
+       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left, t.paused,
+       -- A fork's first claim replays the step records it kept.
+       CASE WHEN c.claims > 1 OR c.forked THEN (
            SELECT json_agg(json_build_object(
                'name', s.name, 'kind', s.kind, 'status', s.status, 'attempt', s.attempt,
                'fencing_token', s.fencing_token, 'output', s.output::text, 'error', s.error,
@@ -356,7 +467,22 @@ WITH locked AS (
                            THEN now() END,
         lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
     FROM go g WHERE r.id = g.id
-    RETURNING r.id, r.parent_run_id, r.parent_fact
+    RETURNING r.id, r.parent_run_id, r.parent_fact, r.task_name, r.task_version,
+              r.concurrency_key, r.count_waiting
+), key_slot AS (
+    -- A run with a key held a slot while running: it gives it back unless it waits holding
+    -- it (`count_waiting`), and wants one again when handed back or parked without it. Runs
+    -- without a key read nothing here (a NULL key matches no row).
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running
+            - CASE WHEN %(status)s::text = 'waiting' AND x.count_waiting THEN 0 ELSE 1 END,
+        queued = k.queued
+            + CASE WHEN %(status)s::text = 'pending'
+                        OR (%(status)s::text = 'waiting' AND NOT x.count_waiting)
+                   THEN 1 ELSE 0 END
+    FROM ended_run x
+    WHERE k.task_name = x.task_name AND k.concurrency_key = x.concurrency_key
+    RETURNING x.task_name, x.task_version, k.queued > 0 AND k.running < k.slot_limit AS opened
 ), ended AS (
     UPDATE {schema}.executions e SET outcome = %(outcome)s, ended_at = now(),
         current_step = CASE WHEN %(outcome)s::text = 'canceled' THEN e.current_step END,
@@ -380,17 +506,22 @@ WITH locked AS (
                             THEN now() ELSE p.available_at END
     FROM child_fact f WHERE p.id = f.run_id
     RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at,
-              p.status = 'waiting' AND p.wait_for = f.name AS woken
+              p.status = 'waiting' AND p.wait_for = f.name AS woken,
+              p.concurrency_key IS NULL OR p.count_waiting AS holds
 ), parent_queued AS (
+    -- A keyed parent that gave its slot back is claimed through runs_claim_keyed instead.
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
-    FROM parent_woken w WHERE w.woken
+    FROM parent_woken w WHERE w.woken AND w.holds
 )
 SELECT (SELECT count(*) FROM owned) AS owned,
        (SELECT count(*) FROM ended_run) AS ended,
        EXISTS (SELECT 1 FROM present) AS fact_present,
        (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
-        FROM parent_woken w WHERE w.woken HAVING count(*) > 0) AS notified;
+        FROM parent_woken w WHERE w.woken HAVING count(*) > 0) AS notified,
+       -- A slot freed with runs of the key waiting for it: workers look now.
+       (SELECT pg_notify(%(channel)s, string_agg(s.task_name || '@' || s.task_version, ','))
+        FROM key_slot s WHERE s.opened HAVING count(*) > 0) AS slot_notified;
 
 -- name: insert_fact
 -- The fact, and (if it is new) the runs waiting for it woken: claimable now, queued in `ready`.
@@ -416,11 +547,13 @@ WITH fact AS (
     UPDATE {schema}.runs r SET available_at = now(), updated_at = now()
     FROM waiters w
     WHERE r.id = w.id AND w.status = 'waiting' AND w.wait_for = %(name)s
-    RETURNING r.id, r.task_name, r.task_version, r.priority, r.available_at
+    RETURNING r.id, r.task_name, r.task_version, r.priority, r.available_at,
+              r.concurrency_key IS NULL OR r.count_waiting AS holds
 ), queued AS (
+    -- A keyed run that gave its slot back is claimed through runs_claim_keyed instead.
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
-    FROM woken w
+    FROM woken w WHERE w.holds
 )
 SELECT (SELECT count(*) FROM fact) AS stored,
        (SELECT pg_notify(%(channel)s, string_agg(DISTINCT task_name || '@' || task_version, ','))
@@ -438,7 +571,8 @@ WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 -- holder reads the request from its heartbeat. A finished run is left as it is (`status` NULL).
 WITH target AS (
     SELECT r.id, r.status, r.fencing_token, n.lapsed,
-           r.status IN ('pending', 'waiting') OR n.lapsed AS ends
+           r.status IN ('pending', 'waiting') OR n.lapsed AS ends,
+           r.task_name, r.task_version, r.concurrency_key, r.count_waiting
     FROM {schema}.runs r
     CROSS JOIN LATERAL (
         SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
@@ -462,12 +596,30 @@ WITH target AS (
     RETURNING r.id, r.status
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.status = 'canceled'
+), key_slot AS (
+    -- A keyed run that ends gives back the slot it held (running; waiting with
+    -- count_waiting) or stops wanting one (pending; waiting without it).
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running - CASE WHEN t.status = 'running'
+                                        OR (t.status = 'waiting' AND t.count_waiting)
+                                   THEN 1 ELSE 0 END,
+        queued = k.queued - CASE WHEN t.status = 'pending'
+                                      OR (t.status = 'waiting' AND NOT t.count_waiting)
+                                 THEN 1 ELSE 0 END
+    FROM target t
+    JOIN changed c ON c.id = t.id AND c.status = 'canceled'
+    WHERE k.task_name = t.task_name AND k.concurrency_key = t.concurrency_key
+    RETURNING t.task_name, t.task_version, k.queued > 0 AND k.running < k.slot_limit AS opened
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM target t
     WHERE t.lapsed AND e.run_id = t.id AND e.fencing_token = t.fencing_token
 )
-SELECT c.status FROM target t LEFT JOIN changed c ON c.id = t.id;
+SELECT c.status,
+       -- A slot freed with runs of the key waiting for it: workers look now.
+       (SELECT pg_notify(%(channel)s, s.task_name || '@' || s.task_version)
+        FROM key_slot s WHERE s.opened) AS slot_notified
+FROM target t LEFT JOIN changed c ON c.id = t.id;
 
 -- name: lock_run
 -- Before a park on a fact: the run's own row, held until the park commits, so a child that
@@ -495,11 +647,13 @@ WITH child AS MATERIALIZED (
                             THEN now() ELSE p.available_at END
     FROM fact f WHERE p.id = f.run_id
     RETURNING p.id, p.task_name, p.task_version, p.priority, p.available_at,
-              p.status = 'waiting' AND p.wait_for = f.name AS woken
+              p.status = 'waiting' AND p.wait_for = f.name AS woken,
+              p.concurrency_key IS NULL OR p.count_waiting AS holds
 ), queued AS (
+    -- A keyed parent that gave its slot back is claimed through runs_claim_keyed instead.
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
-    FROM woken w WHERE w.woken
+    FROM woken w WHERE w.woken AND w.holds
 )
 SELECT (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
         FROM woken w WHERE w.woken HAVING count(*) > 0) AS notified;
@@ -516,6 +670,8 @@ WITH parents AS (
     WHERE id = ANY (%(run_ids)s::uuid[]) AND status IN ('failed', 'canceled')
 ), judged AS (
     SELECT c.id, c.fencing_token, p.id AS parent_id, p.status AS parent_status,
+           c.status AS previous_status, c.task_name, c.task_version, c.concurrency_key,
+           c.count_waiting,
            c.status = 'running' AND c.lease_expires_at <= now() AS lapsed,
            c.status IN ('pending', 'waiting')
                OR (c.status = 'running' AND c.lease_expires_at <= now()) AS ends
@@ -542,10 +698,31 @@ WITH parents AS (
               r.cancel_reason
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.ends
+), key_slots AS (
+    -- As cancel_run's key_slot, summed per key (several children may share one).
+    UPDATE {schema}.concurrency_keys k SET
+        running = k.running - t.held, queued = k.queued - t.wanted
+    FROM (
+        SELECT j.task_name, j.concurrency_key,
+               count(*) FILTER (WHERE j.previous_status = 'running'
+                                   OR (j.previous_status = 'waiting' AND j.count_waiting))
+                   AS held,
+               count(*) FILTER (WHERE j.previous_status = 'pending'
+                                   OR (j.previous_status = 'waiting' AND NOT j.count_waiting))
+                   AS wanted
+        FROM judged j
+        WHERE j.ends AND j.concurrency_key IS NOT NULL
+        GROUP BY j.task_name, j.concurrency_key
+    ) AS t
+    WHERE k.task_name = t.task_name AND k.concurrency_key = t.concurrency_key
+    RETURNING t.task_name, k.queued > 0 AND k.running < k.slot_limit AS opened
 ), interrupted AS (
     UPDATE {schema}.executions e SET outcome = 'interrupted', ended_at = now()
     FROM changed c
     WHERE c.lapsed AND e.run_id = c.id AND e.fencing_token = c.fencing_token
+), slot_notified AS (
+    -- A slot freed with runs of the key waiting for it: workers look now (any version).
+    SELECT pg_notify(%(work_channel)s, '') FROM key_slots s WHERE s.opened LIMIT 1
 ), facts AS (
     INSERT INTO {schema}.facts (scope, name, run_id, payload)
     SELECT c.parent_run_id::text, c.parent_fact, c.parent_run_id, 'null'::jsonb
@@ -554,15 +731,16 @@ WITH parents AS (
 )
 SELECT c.id, c.ends,
        CASE WHEN NOT c.ends
-            THEN pg_notify(%(cancel_channel)s, left(c.id || ':' || c.cancel_reason, 7000)) END
+            THEN pg_notify(%(cancel_channel)s, left(c.id || ':' || c.cancel_reason, 7000)) END,
+       (SELECT count(*) FROM slot_notified) AS slot_notified
 FROM changed c;
 
 -- name: get_run
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
-       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
-       now() AS db_now
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
+       forked_from, forked_at_step, concurrency_key, now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -578,13 +756,14 @@ FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
-       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
-       now() AS db_now
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
+       forked_from, forked_at_step, concurrency_key, now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
   AND (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(parent_run_id)s::uuid IS NULL OR parent_run_id = %(parent_run_id)s)
+  AND (%(concurrency_key)s::text IS NULL OR concurrency_key = %(concurrency_key)s)
   AND (%(before)s::uuid IS NULL OR id < %(before)s)
 ORDER BY id DESC
 LIMIT %(limit)s;
@@ -658,7 +837,11 @@ CROSS JOIN LATERAL (
     UNION ALL
     SELECT r.task_name, r.task_version FROM {schema}.runs r
     WHERE r.task_name = p.name AND r.task_version = p.version
-      AND r.status = 'pending' AND NOT r.queued
+      AND r.status = 'pending' AND NOT r.queued AND r.concurrency_key IS NULL
+    UNION ALL
+    SELECT r.task_name, r.task_version FROM {schema}.runs r
+    WHERE r.task_name = p.name AND r.task_version = p.version
+      AND r.concurrency_key IS NOT NULL AND r.status = 'pending'
 ) AS d
 GROUP BY d.task_name, d.task_version;
 
@@ -735,3 +918,92 @@ RETURNING version;
 
 -- name: delete_schedule
 DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
+
+-- Streams (see migrations/0008_streams.sql): the SDK keys each write, these store and number.
+
+-- name: append_stream
+-- One value, fenced: stored only while the run is held under %(token)s (`held` is 0 when it is
+-- not, and nothing is written). A key already stored returns its entry and takes no seq; a new
+-- one takes the stream's next seq by updating its `streams` row, locked until the commit, so
+-- the entries of a stream commit in seq order.
+WITH target AS MATERIALIZED (
+    SELECT r.id, r.fencing_token, r.status FROM {schema}.runs r
+    WHERE r.id = %(run_id)s
+    FOR KEY SHARE
+), held AS (
+    SELECT t.id FROM target t WHERE t.fencing_token = %(token)s AND t.status = 'running'
+), existing AS (
+    SELECT e.seq, e.value::text AS value, e.written_at FROM {schema}.stream_entries e
+    WHERE e.run_id = %(run_id)s AND e.name = %(name)s AND e.key = %(key)s
+), counter AS (
+    INSERT INTO {schema}.streams AS s (run_id, name, last_seq)
+    SELECT h.id, %(name)s, 1 FROM held h WHERE NOT EXISTS (SELECT 1 FROM existing)
+    ON CONFLICT (run_id, name) DO UPDATE SET last_seq = s.last_seq + 1
+    RETURNING s.last_seq
+), inserted AS (
+    INSERT INTO {schema}.stream_entries (run_id, name, seq, key, value)
+    SELECT %(run_id)s, %(name)s, c.last_seq, %(key)s, %(value)s::jsonb FROM counter c
+    RETURNING seq, value::text AS value, written_at
+)
+SELECT (SELECT count(*) FROM held) AS held, x.seq, x.value, x.written_at, x.new
+FROM (SELECT 1) AS one
+LEFT JOIN (
+    SELECT seq, value, written_at, true AS new FROM inserted
+    UNION ALL
+    SELECT seq, value, written_at, false AS new FROM existing
+) AS x ON true;
+
+-- name: read_stream
+-- The entries after %(after)s, by seq: the primary key's range.
+SELECT run_id, name, seq, key, value::text AS value, written_at
+FROM {schema}.stream_entries
+WHERE run_id = %(run_id)s AND name = %(name)s AND seq > %(after)s
+ORDER BY seq
+LIMIT %(limit)s;
+
+-- name: last_stream_entries
+-- The newest entry of each stream of the runs (of the stream %(name)s only, when given).
+SELECT e.run_id, e.name, e.seq, e.key, e.value::text AS value, e.written_at
+FROM {schema}.streams s
+JOIN {schema}.stream_entries e
+  ON e.run_id = s.run_id AND e.name = s.name AND e.seq = s.last_seq
+WHERE s.run_id = ANY (%(run_ids)s::uuid[])
+  AND (%(name)s::text IS NULL OR s.name = %(name)s);
+
+-- Pauses (see migrations/0011_pause_rerun_fork.sql): task_version 0 is the whole task.
+
+-- name: pause_task
+-- First write wins for a pause; a new one also takes the pair's runs out of `ready` (they wait
+-- in runs_claim_ready, pending and not queued), so paused runs never keep its slots from being
+-- truncated.
+WITH paused AS (
+    INSERT INTO {schema}.paused_tasks (task_name, task_version)
+    VALUES (%(task_name)s, %(task_version)s)
+    ON CONFLICT (task_name, task_version) DO NOTHING
+    RETURNING task_name, task_version
+), dequeued AS (
+    DELETE FROM {schema}.ready q USING paused p
+    WHERE q.task_name = p.task_name AND p.task_version IN (0, q.task_version)
+    RETURNING q.run_id
+), unqueued AS (
+    UPDATE {schema}.runs r SET queued = false
+    FROM dequeued d WHERE r.id = d.run_id AND r.status = 'pending' AND r.queued
+)
+SELECT count(*) AS stored FROM paused;
+
+-- name: resume_task
+-- %(task_version)s NULL: every pause of the task. Idle workers are woken (an empty payload:
+-- whatever pair); the resumed runs are claimed from runs_claim_ready in their usual order.
+WITH resumed AS (
+    DELETE FROM {schema}.paused_tasks
+    WHERE task_name = %(task_name)s
+      AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
+    RETURNING 1
+)
+SELECT count(*) AS deleted,
+       (SELECT pg_notify(%(channel)s, '') FROM resumed HAVING count(*) > 0) AS notified
+FROM resumed;
+
+-- name: list_paused_tasks
+SELECT task_name, task_version, paused_at FROM {schema}.paused_tasks
+ORDER BY task_name, task_version;

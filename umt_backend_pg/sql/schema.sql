@@ -37,7 +37,14 @@ CREATE TABLE {schema}.runs (
     -- its cancel is requested when the parent finishes failed or canceled (migration 0006).
     parent_run_id       uuid,
     parent_fact         text,
-    cancel_with_parent  boolean NOT NULL DEFAULT false
+    cancel_with_parent  boolean NOT NULL DEFAULT false,
+    -- The run's concurrency key, and whether it keeps its slot while waiting (migration 0009).
+    concurrency_key     text,
+    count_waiting       boolean NOT NULL DEFAULT false,
+    -- A run started again: the run it reruns, or forks and the step it forks from (0011).
+    rerun_of            uuid,
+    forked_from         uuid,
+    forked_at_step      text
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -46,7 +53,7 @@ CREATE TABLE {schema}.runs (
 -- The claim reads only its own (name, version) pairs: `ready` (below), pending runs not in it
 -- (delayed runs, retries, releases) by priority, then FIFO ...
 CREATE INDEX runs_claim_ready ON {schema}.runs (task_name, task_version, priority DESC, available_at)
-    WHERE status = 'pending' AND NOT queued;
+    WHERE status = 'pending' AND NOT queued AND concurrency_key IS NULL;
 -- Queued runs by age, for the sweeper: a queued run whose `ready` row is gone (a TRUNCATE or
 -- DELETE by hand, a bug) goes back to runs_claim_ready (see sweep_ready in queries.sql).
 CREATE INDEX runs_queued ON {schema}.runs (available_at, id) WHERE status = 'pending' AND queued;
@@ -61,6 +68,33 @@ CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
 CREATE INDEX runs_finished ON {schema}.runs (finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
 CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
+-- Runs that want a slot of their concurrency key, in the claim's order within the key (see
+-- migrations/0009_concurrency_keys.sql) ...
+CREATE INDEX runs_claim_keyed
+    ON {schema}.runs (task_name, concurrency_key, priority DESC, available_at)
+    WHERE concurrency_key IS NOT NULL
+      AND (status = 'pending' OR (status = 'waiting' AND NOT count_waiting));
+-- ... and every run of a key, for the strategies (cancel_in_progress, keep_newest).
+CREATE INDEX runs_by_concurrency_key ON {schema}.runs (task_name, concurrency_key, id)
+    WHERE concurrency_key IS NOT NULL;
+
+-- Per concurrency key: its limit and two exact counters, `running` (runs holding a slot) and
+-- `queued` (runs wanting one), changed by every write that changes a keyed run's status.
+CREATE TABLE {schema}.concurrency_keys (
+    task_name       text NOT NULL,
+    concurrency_key text NOT NULL,
+    slot_limit      integer NOT NULL CHECK (slot_limit >= 1),
+    running         integer NOT NULL DEFAULT 0 CHECK (running >= 0),
+    queued          integer NOT NULL DEFAULT 0 CHECK (queued >= 0),
+    claimed_at      timestamptz NOT NULL DEFAULT '-infinity',
+    PRIMARY KEY (task_name, concurrency_key)
+) WITH (
+    fillfactor = 50, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 100,
+    autovacuum_vacuum_cost_delay = 0
+);
+-- The keys a claim may take from (a free slot and a run wanting one), least recently served first.
+CREATE INDEX concurrency_keys_open ON {schema}.concurrency_keys (task_name, claimed_at)
+    WHERE queued > 0 AND running < slot_limit;
 
 -- The ready queue: runs claimable now, emptied by truncation (see migrations/0003_ready_queue.sql).
 CREATE TABLE {schema}.ready (
@@ -272,3 +306,32 @@ CREATE TABLE {schema}.schedules (
     updated_at      timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX schedules_by_task ON {schema}.schedules (task_name, next_tick);
+
+-- Streams of runs: one row per (run, stream) with its newest seq, and the entries, unique by
+-- the writer's key (see migrations/0008_streams.sql).
+CREATE TABLE {schema}.streams (
+    run_id      uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    name        text NOT NULL,
+    last_seq    bigint NOT NULL,
+    PRIMARY KEY (run_id, name)
+);
+CREATE TABLE {schema}.stream_entries (
+    run_id      uuid NOT NULL,
+    name        text NOT NULL,
+    seq         bigint NOT NULL,
+    key         text NOT NULL,
+    value       jsonb NOT NULL,
+    written_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, name, seq),
+    UNIQUE (run_id, name, key),
+    FOREIGN KEY (run_id, name) REFERENCES {schema}.streams (run_id, name) ON DELETE CASCADE
+);
+
+-- Paused tasks: the claim takes no run of a pair named here, by its version or by the task
+-- alone (task_version 0: every version); see migrations/0011_pause_rerun_fork.sql.
+CREATE TABLE {schema}.paused_tasks (
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL CHECK (task_version >= 0),
+    paused_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (task_name, task_version)
+);

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
@@ -21,7 +21,8 @@ import click
 from umt_sdk import _serde
 from umt_sdk._engine import Engine
 from umt_sdk._export import RunHistory
-from umt_sdk._spi import TaskPair
+from umt_sdk._spi import StreamStore, TaskPair
+from umt_sdk._streams import StreamItem
 from umt_sdk.cli._app import (
     _STATUSES,
     CliConfig,
@@ -45,9 +46,13 @@ from umt_sdk.cli._render import (
     _list_text,
     _run_json,
     _show_text,
+    _streams_json,
     _tree_json,
 )
 from umt_sdk.exceptions import PayloadError, TaskDefinitionError
+
+PROGRESS_STREAM = "progress"
+"""The stream whose newest value `umt runs watch` shows in its PROGRESS column."""
 
 # -- umt worker ---------------------------------------------------------------------------------
 
@@ -513,14 +518,25 @@ def runs_show(cfg: CliConfig, run_id: UUID, as_json: bool) -> None:
         async with open_engine(cfg) as engine:
             info = await engine.get(run_id)
             children, more = await _children(engine, run_id, depth=3)
+            streams = (await _stream_heads(engine, [run_id])).get(run_id, {})
         if as_json:
             data = _run_json(info, detail=True)
             data["children"] = _tree_json(children)
+            data["streams"] = _streams_json(streams)
             click.echo(_dump(data))
         else:
-            click.echo(_show_text(info, children, more))
+            click.echo(_show_text(info, children, more, streams))
 
     run(go(), cfg)
+
+
+async def _stream_heads(
+    engine: Engine, run_ids: list[UUID], name: str | None = None
+) -> Mapping[UUID, Mapping[str, StreamItem]]:
+    """The newest value of each stream of the runs; none on a backend that stores no streams."""
+    if not isinstance(engine.backend, StreamStore):
+        return {}
+    return await engine.stream_heads(run_ids, name=name)
 
 
 CHILDREN_SHOWN = 50
@@ -582,7 +598,9 @@ def runs_watch(
 
     async def frame(engine: Engine) -> str:
         if run_id is not None:
-            return _show_text(await engine.get(run_id))
+            info = await engine.get(run_id)
+            streams = (await _stream_heads(engine, [run_id])).get(run_id, {})
+            return _show_text(info, streams=streams)
         page = await engine.list(task_name=name, version=version, status=status, limit=limit)
         if not page.runs:
             return "no runs"
@@ -590,7 +608,13 @@ def runs_watch(
         for r in page.runs:
             counts[r.status] = counts.get(r.status, 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        return f"{_list_text(page.runs)}\n\n{len(page.runs)} shown: {summary}"
+        heads = await _stream_heads(engine, [r.run_id for r in page.runs], PROGRESS_STREAM)
+        progress = {
+            run: streams[PROGRESS_STREAM]
+            for run, streams in heads.items()
+            if PROGRESS_STREAM in streams
+        }
+        return f"{_list_text(page.runs, progress)}\n\n{len(page.runs)} shown: {summary}"
 
     async def go() -> None:
         # Ctrl-C ends the watch between two frames. It is not left to cancel the running task:

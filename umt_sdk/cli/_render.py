@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 from attrs import frozen
 
 from umt_sdk._spi import ErrorInfo, ExecutionRecord
+from umt_sdk._streams import StreamItem
 from umt_sdk._views import RunInfo, StepView
 
 
@@ -67,20 +69,53 @@ def _note(info: RunInfo) -> str:
     return ""
 
 
-def _list_text(runs: Sequence[RunInfo]) -> str:
-    rows = [
-        [
+def _list_text(runs: Sequence[RunInfo], progress: Mapping[UUID, StreamItem] | None = None) -> str:
+    """The runs as a table; with `progress` (`runs watch`), the newest value of each run's
+    `progress` stream in a PROGRESS column."""
+    headers = ["RUN", "TASK", "STATUS", "ATTEMPTS", "FAILURES", "CREATED"]
+    headers += ["PROGRESS", "NOTE"] if progress is not None else ["NOTE"]
+    rows = []
+    for r in runs:
+        row = [
             str(r.run_id),
             f"{r.task_name}@{r.task_version}",
             r.display_status,
             str(r.attempts),
             str(r.failures),
             _when(r.created_at),
-            _shorten(_note(r), 60),
         ]
-        for r in runs
+        if progress is not None:
+            item = progress.get(r.run_id)
+            row.append("-" if item is None else progress_text(item.value))
+        rows.append([*row, _shorten(_note(r), 60)])
+    return _table(headers, rows)
+
+
+def progress_text(value: Any) -> str:
+    """A stream value in a table cell: `{"done": 40, "total": 100}` as `40/100 40%`, a
+    number or text as it is, anything else as compact JSON; at most 30 characters."""
+    if isinstance(value, dict):
+        done, total = value.get("done"), value.get("total")
+        if isinstance(done, (int, float)) and isinstance(total, (int, float)):
+            percent = f" {100 * done / total:.0f}%" if total > 0 else ""
+            return _shorten(f"{done:g}/{total:g}{percent}", 30)
+    if isinstance(value, str):
+        return _shorten(value, 30)
+    if _number(value):
+        return f"{value:g}"
+    return _shorten(json.dumps(value, ensure_ascii=False, separators=(",", ":")), 30)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _streams_lines(streams: Mapping[str, StreamItem]) -> list[str]:
+    rows = [
+        [name, str(item.seq), _when(item.written_at), progress_text(item.value)]
+        for name, item in sorted(streams.items())
     ]
-    return _table(["RUN", "TASK", "STATUS", "ATTEMPTS", "FAILURES", "CREATED", "NOTE"], rows)
+    return [_table(["STREAM", "VALUES", "LAST WRITTEN", "LAST VALUE"], rows, indent="  ")]
 
 
 _MARK = "!"
@@ -133,7 +168,12 @@ def _tree_lines(trees: Sequence[ChildTree], more: int, indent: str = "  ") -> li
     return lines
 
 
-def _show_text(info: RunInfo, children: Sequence[ChildTree] = (), more: int = 0) -> str:
+def _show_text(
+    info: RunInfo,
+    children: Sequence[ChildTree] = (),
+    more: int = 0,
+    streams: Mapping[str, StreamItem] | None = None,
+) -> str:
     interrupted = info.interrupted_attempts
     attempts = f"{info.attempts}" + (f" ({interrupted} interrupted)" if interrupted else "")
     fields: list[tuple[str, str]] = [
@@ -197,6 +237,9 @@ def _show_text(info: RunInfo, children: Sequence[ChildTree] = (), more: int = 0)
 
     if children or more:
         lines += ["", "children:", *_tree_lines(children, more)]
+
+    if streams:
+        lines += ["", "streams:", *_streams_lines(streams)]
 
     lines += ["", "attempts:"]
     if info.executions:
@@ -294,6 +337,13 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
             for e in info.executions
         ]
     return data
+
+
+def _streams_json(streams: Mapping[str, StreamItem]) -> dict[str, Any]:
+    return {
+        name: {"values": item.seq, "last": item.value, "written_at": _iso(item.written_at)}
+        for name, item in sorted(streams.items())
+    }
 
 
 def _dump(data: Any) -> str:

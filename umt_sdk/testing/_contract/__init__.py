@@ -25,6 +25,9 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
 - `_codecs`: a payload codec in front of the backend: every payload sealed at rest, read back
+- `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
+- `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
+- `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
 """
 
 from __future__ import annotations
@@ -40,15 +43,18 @@ from umt_sdk.testing._contract import (
     _children,
     _claims,
     _codecs,
+    _concurrency,
     _facts,
     _leases,
     _ledger,
+    _lifecycle,
     _payloads,
     _replay,
     _retries,
     _runs,
     _schedules,
     _spi_meanings,
+    _streams,
     _timeline,
     _user_code,
 )
@@ -73,6 +79,9 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_timeline.TASKS,
     *_schedules.TASKS,
     *_codecs.TASKS,
+    *_streams.TASKS,
+    *_lifecycle.TASKS,
+    *_concurrency.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -97,6 +106,9 @@ class BackendContract(
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
     _codecs.CodecsContract,
+    _streams.StreamsContract,
+    _lifecycle.LifecycleContract,
+    _concurrency.ConcurrencyContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
