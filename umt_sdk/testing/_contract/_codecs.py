@@ -35,8 +35,17 @@ from umt_sdk import (
 )
 from umt_sdk._codec import PayloadCodec, open_json
 from umt_sdk._codec_backend import CodecBackend, wrap_backend
-from umt_sdk._spi import Backend, Lease, RunQuery, ScheduleQuery, ScheduleStore, TaskPair
-from umt_sdk.testing._contract._base import Job, eventually
+from umt_sdk._spi import (
+    Backend,
+    Lease,
+    LifecycleStore,
+    RunQuery,
+    ScheduleQuery,
+    ScheduleStore,
+    StreamStore,
+    TaskPair,
+)
+from umt_sdk.testing._contract._base import Job, Tally, current_tally, eventually
 from umt_sdk.testing._helpers import BackendHarness
 
 __all__ = ["CodecsContract"]
@@ -68,7 +77,22 @@ async def codec_failing_task(ctx: TaskContext[Job]) -> None:
     await ctx.step.run("charge", _fails, ctx.input.key, output_type=str)
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (codec_task, codec_failing_task)
+def _look_up(key: str) -> dict[str, str]:
+    current_tally().body_runs[(key, "look_up")] += 1
+    return {"record": f"{key}:{SECRET}"}
+
+
+@task("contract.codec_flow", version=1)
+async def codec_flow_task(ctx: TaskContext[Job]) -> dict[str, Any]:
+    looked_up = await ctx.step.run("look_up", _look_up, ctx.input.key)
+    await ctx.stream.write("progress", {"note": SECRET, "done": 1})
+    finished: dict[str, Any] = await ctx.step.run(
+        "finish", lambda: {"looked_up": looked_up, "n": ctx.input.n}
+    )
+    return finished
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (codec_task, codec_failing_task, codec_flow_task)
 """The tasks of this topic that the suite's engine registers."""
 
 
@@ -268,6 +292,48 @@ class CodecsContract:
         assert raw is not None
         assert raw.failures == 0, "not charged to the run"
 
+    async def test_stream_values_are_sealed(self, sealed: Engine, harness: BackendHarness) -> None:
+        raw = self._raw(sealed)
+        if not isinstance(raw, StreamStore):
+            pytest.fail("the backend under test stores no streams: drop this test for it")
+        handle = await sealed.enqueue(codec_flow_task, Job(key="s1"))
+        async with sealed.worker(concurrency=1, lease=harness.lease):
+            await handle.result(timeout=20)
+        at_rest = await raw.read_stream(handle.run_id, "progress", after=0, limit=10)
+        assert [_clear(e.value_json) for e in at_rest] == [[]]
+        last = await raw.last_stream_entries([handle.run_id])
+        assert [_clear(e.value_json) for e in last] == [[]]
+        values = [
+            item.value async for item in sealed.stream(handle.run_id, "progress", follow=False)
+        ]
+        assert values == [{"note": SECRET, "done": 1}]
+        newest = await sealed.stream_last(handle.run_id, "progress")
+        assert newest is not None
+        assert newest.value == {"note": SECRET, "done": 1}
+
+    async def test_a_fork_keeps_sealed_steps_and_reads_them(
+        self, sealed: Engine, tally: Tally, harness: BackendHarness
+    ) -> None:
+        raw = self._raw(sealed)
+        if not isinstance(raw, LifecycleStore):
+            pytest.fail("the backend under test cannot fork runs: drop this test for it")
+        handle = await sealed.enqueue(codec_flow_task, Job(key="f1", n=3))
+        async with sealed.worker(concurrency=1, lease=harness.lease):
+            output = await handle.result(timeout=20)
+            fork = await sealed.fork(handle.run_id, "finish")
+            assert await fork.result(timeout=20) == output
+        assert tally.body_runs[("f1", "look_up")] == 1, "the kept step is replayed, not run"
+        stored = await raw.get_run(fork.run_id)
+        assert stored is not None
+        texts = [stored.input_json, stored.output_json, *(s.output_json for s in stored.steps)]
+        assert _clear(*texts) == []
+        assert [s.name for s in stored.steps] == ["look_up", "finish"]
+        rerun = await sealed.rerun(handle.run_id)
+        head = await raw.get_run_head(rerun.run_id)
+        assert head is not None
+        assert _clear(head.input_json) == []
+        assert (await sealed.get(rerun.run_id)).input == {"key": "f1", "n": 3}
+
     async def test_every_method_with_payloads_is_sealed(self, sealed: Engine) -> None:
         """Every public coroutine method of the backend has a sealing twin on the wrapper's
         class (a method added to the SPI later is covered by its `_json` names), and the
@@ -280,7 +346,8 @@ class CodecsContract:
             ):
                 continue
             assert name in vars(wrapper) or name in vars(CodecBackend), name
-        assert isinstance(sealed.backend, ScheduleStore) == isinstance(raw, ScheduleStore)
+        for protocol in (ScheduleStore, StreamStore, LifecycleStore):
+            assert isinstance(sealed.backend, protocol) == isinstance(raw, protocol), protocol
 
 
 async def _released(engine: Engine, run_id: Any) -> bool:
