@@ -25,21 +25,24 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
-from umt_sdk._codec import PayloadCodec, open_json, open_text, seal_json, seal_text
+from umt_sdk._codec import PayloadCodec, open_json, open_text, seal_json, seal_text, sealed_by
 from umt_sdk._spi import Backend, ClaimedRun, Clock, ErrorInfo, Ledger, TaskPair
 from umt_sdk.exceptions import CodecError
 
 __all__ = [
     "CodecBackend",
+    "MaskingBackend",
     "codec_of",
     "inner_backend",
+    "mask_backend",
     "open_payloads",
     "seal_payloads",
     "wrap_backend",
@@ -104,21 +107,43 @@ def open_payloads(codec: PayloadCodec, value: Any) -> Any:
 
 
 class _Sealing:
-    """What a sealing proxy holds: the wrapped object and the codec."""
+    """What a sealing proxy holds: the wrapped object and the codec, and how it seals a
+    payload on the way in and opens it on the way out."""
 
-    def __init__(self, inner: Any, codec: PayloadCodec) -> None:
+    def __init__(self, inner: Any, codec: PayloadCodec | None) -> None:
         self.inner = inner
         self.codec = codec
+
+    def _seal_json(self, text: str) -> str:
+        assert self.codec is not None
+        return seal_json(self.codec, text)
+
+    def _seal_text(self, text: str) -> str:
+        assert self.codec is not None
+        return seal_text(self.codec, text)
+
+    def _open_json(self, text: str) -> str:
+        assert self.codec is not None
+        return open_json(self.codec, text)
+
+    def _open_text(self, text: str) -> str:
+        assert self.codec is not None
+        return open_text(self.codec, text)
+
+    def _seal(self, value: Any) -> Any:
+        return _walk(value, self._seal_json, self._seal_text)
+
+    def _open(self, value: Any) -> Any:
+        return _walk(value, self._open_json, self._open_text)
 
     def _seal_call(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        codec = self.codec
-        sealed_args = tuple(seal_payloads(codec, arg) for arg in args)
+        sealed_args = tuple(self._seal(arg) for arg in args)
         sealed_kwargs = {
-            key: seal_json(codec, value)
+            key: self._seal_json(value)
             if key.endswith("_json") and isinstance(value, str)
-            else seal_payloads(codec, value)
+            else self._seal(value)
             for key, value in kwargs.items()
         }
         return sealed_args, sealed_kwargs
@@ -131,11 +156,14 @@ class _Sealing:
         return getattr(self.inner, name)
 
 
+_S = TypeVar("_S", bound=_Sealing)
+
+
 def _sealed_coroutine(name: str) -> Callable[..., Any]:
     async def method(self: _Sealing, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._seal_call(args, kwargs)
         result = await getattr(self.inner, name)(*args, **kwargs)
-        return open_payloads(self.codec, result)
+        return self._open(result)
 
     method.__name__ = method.__qualname__ = name
     return method
@@ -145,14 +173,14 @@ def _sealed_generator(name: str) -> Callable[..., Any]:
     async def method(self: _Sealing, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         args, kwargs = self._seal_call(args, kwargs)
         async for item in getattr(self.inner, name)(*args, **kwargs):
-            yield open_payloads(self.codec, item)
+            yield self._open(item)
 
     method.__name__ = method.__qualname__ = name
     return method
 
 
 @functools.cache
-def _proxy_class(base: type[_Sealing], inner_cls: type) -> type[_Sealing]:
+def _proxy_class(base: type[_S], inner_cls: type) -> type[_S]:
     """`base` with a sealing twin of every public coroutine method of `inner_cls`."""
     namespace: dict[str, Any] = {}
     for name, member in inspect.getmembers(inner_cls):
@@ -162,7 +190,8 @@ def _proxy_class(base: type[_Sealing], inner_cls: type) -> type[_Sealing]:
             namespace[name] = _sealed_coroutine(name)
         elif inspect.isasyncgenfunction(member):
             namespace[name] = _sealed_generator(name)
-    return type(f"{base.__name__}[{inner_cls.__name__}]", (base,), namespace)
+    proxy: type[_S] = type(f"{base.__name__}[{inner_cls.__name__}]", (base,), namespace)
+    return proxy
 
 
 class CodecBackend(_Sealing):
@@ -171,6 +200,7 @@ class CodecBackend(_Sealing):
     needs that backend's own type (the outbox relay asks the Postgres backend where it is)."""
 
     inner: Backend
+    codec: PayloadCodec
 
     @property
     def clock(self) -> Clock | None:
@@ -186,7 +216,7 @@ class CodecBackend(_Sealing):
         opened: list[ClaimedRun] = []
         for run in claimed:
             try:
-                opened.append(open_payloads(self.codec, run))
+                opened.append(self._open(run))
             except CodecError as exc:
                 _log.error("run %s: cannot open its payloads: %s", run.run_id, exc)
                 opened.append(run)
@@ -202,6 +232,64 @@ class CodecBackend(_Sealing):
         return proxy
 
 
+class MaskingBackend(_Sealing):
+    """For a reader without the codec (the command line with no `--codec`): every sealed
+    payload reads as `<encrypted: NAME>` (JSON: that string) instead of its ciphertext, and
+    `masked` collects the names of the codecs met, so the reader can say how to read them.
+    Writes pass as they are. Never for a worker: it would run tasks on the placeholders."""
+
+    inner: Backend
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, None)
+        self.masked: set[str] = set()
+        self._shown: set[str] = set()
+
+    @property
+    def clock(self) -> Clock | None:
+        return self.inner.clock
+
+    def add_cancel_listener(self, listener: Callable[[Any, str], None]) -> Callable[[], None]:
+        return self.inner.add_cancel_listener(listener)
+
+    def _seal_json(self, text: str) -> str:
+        if text.startswith('"<encrypted: ') and text in self._shown:
+            # A stand-in read back to be written (a rerun, a fork): it would start a run on
+            # "<encrypted: ...>" instead of its input.
+            raise CodecError(
+                f"cannot write {text} back: it stands for a payload this reader could not "
+                "decode; pass --codec (or connect with codec=...) to do this",
+                codec=text[len('"<encrypted: ') : -2],
+            )
+        return text
+
+    def _seal_text(self, text: str) -> str:
+        return text
+
+    def _placeholder(self, text: str) -> str | None:
+        name = sealed_by(text)
+        if name is None:
+            return None
+        self.masked.add(name)
+        shown = f"<encrypted: {name}>"
+        self._shown.add(json.dumps(shown))
+        return shown
+
+    def _open_json(self, text: str) -> str:
+        shown = self._placeholder(text)
+        return text if shown is None else json.dumps(shown)
+
+    def _open_text(self, text: str) -> str:
+        shown = self._placeholder(text)
+        return text if shown is None else shown
+
+
+def mask_backend(backend: Backend) -> MaskingBackend:
+    """`backend` for a reader without the codec (see `MaskingBackend`)."""
+    proxy: MaskingBackend = _proxy_class(MaskingBackend, type(backend))(backend)
+    return proxy
+
+
 def wrap_backend(backend: Backend, codec: PayloadCodec) -> Backend:
     """`backend` behind `codec`: a `CodecBackend` that implements what `backend` implements."""
     proxy: Backend = _proxy_class(CodecBackend, type(backend))(backend, codec)
@@ -210,7 +298,7 @@ def wrap_backend(backend: Backend, codec: PayloadCodec) -> Backend:
 
 def inner_backend(backend: Any) -> Any:
     """The backend under any codec wrapper."""
-    while isinstance(backend, CodecBackend):
+    while isinstance(backend, CodecBackend | MaskingBackend):
         backend = backend.inner
     return backend
 
