@@ -22,9 +22,11 @@ from attrs import define, evolve, field
 
 from umt_backend_memory._store import MemoryStore
 from umt_sdk.backend import (
+    HELD_WAIT,
     TERMINAL_STATUSES,
     Beat,
     CancelOutcome,
+    ChildGroup,
     ClaimedRun,
     Clock,
     ControllableClock,
@@ -40,6 +42,9 @@ from umt_sdk.backend import (
     LedgerEntry,
     NewRun,
     PausedTask,
+    PruneBatch,
+    PrunedRun,
+    PruneQuery,
     RunQuery,
     RunRecord,
     RunStatus,
@@ -106,6 +111,10 @@ def _tells_time(clock: object) -> bool:
     return isinstance(sample, datetime) and sample.utcoffset() is not None
 
 
+def _after(when: datetime, duration: timedelta | None) -> datetime | None:
+    return None if duration is None else when + duration
+
+
 @define(eq=False)
 class _Execution:
     fencing_token: int
@@ -148,11 +157,16 @@ class _Run:
     parent_run_id: UUID | None = None
     parent_fact: str | None = None
     cancel_with_parent: bool = False
+    group: str | None = None
+    """The child group (of its parent) it is a member of, if any."""
     rerun_of: UUID | None = None
     forked_from: UUID | None = None
     forked_at_step: str | None = None
+    tags: dict[str, str] = field(factory=dict)
     concurrency_key: str | None = None
     count_waiting: bool = False
+    deadline_at: datetime | None = None
+    start_by: datetime | None = None
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
 
@@ -178,6 +192,14 @@ class _Run:
         return self.concurrency_key is not None and (
             self.status == "pending" or (self.status == "waiting" and not self.count_waiting)
         )
+
+
+@define(eq=False)
+class _Group:
+    """A child group: its members in order, and how many have not finished."""
+
+    members: list[UUID]
+    remaining: int
 
 
 @define(eq=False)
@@ -236,6 +258,7 @@ class MemoryBackend:
             self._facts: dict[tuple[UUID | None, str], Fact] = {}
             self._waiters: dict[str, set[UUID]] = {}
             self._children: dict[UUID, list[UUID]] = {}
+            self._groups: dict[tuple[UUID, str], _Group] = {}
             self._requested: list[tuple[UUID, str]] = []
             self._ledger: dict[str, _LedgerRow] = {}
             self._ready: dict[TaskPair, list[tuple[int, datetime, int, UUID, int]]] = {}
@@ -254,6 +277,8 @@ class MemoryBackend:
             self._drivers = 0
             self._schedules: dict[str, _Schedule] = {}
             self._paused: dict[tuple[str, int | None], datetime] = {}
+            self._tombstones: dict[UUID, PrunedRun] = {}
+            self._tombstone_keys: dict[tuple[str, str], UUID] = {}
             self._streams: dict[UUID, dict[str, _Stream]] = {}
 
     # -- inspection ------------------------------------------------------------------------------
@@ -446,6 +471,7 @@ class MemoryBackend:
         """Finish the run, and do what a finishing write also does (the SPI's `finishing`):
         store its parent's fact, and cancel the children that asked for it when it failed or
         was canceled."""
+        was_held = self._is_held_member(run)
         run.status = status
         run.finished_at = now
         run.updated_at = now
@@ -455,12 +481,40 @@ class MemoryBackend:
         self._notify_run(run.run_id)
         if run.parent_run_id is not None and run.parent_fact is not None:
             self._store_fact(run.parent_run_id, run.parent_fact, "null", now)
+        if run.parent_run_id is not None and run.group is not None:
+            self._count_out(run.parent_run_id, run.group, released=not was_held, now=now)
         if status in ("failed", "canceled"):
             reason = f"parent {run.run_id} {status}"
             for child_id in self._children.get(run.run_id, ()):
                 child = self._runs[child_id]
                 if child.cancel_with_parent and child.status not in TERMINAL_STATUSES:
                     self._cancel_run(child, reason, now)
+
+    @staticmethod
+    def _is_held_member(run: _Run) -> bool:
+        """A group member held back by its group's `max_concurrency` (`HELD_WAIT`)."""
+        return run.status == "waiting" and run.wait_for == HELD_WAIT and run.available_at is None
+
+    def _count_out(self, parent_run_id: UUID, name: str, *, released: bool, now: datetime) -> None:
+        """A member of the group finished (the SPI's `finishing`): one fewer remaining (at
+        zero, the group's fact for the parent); one that had been let run lets the first held
+        member run."""
+        group = self._groups.get((parent_run_id, name))
+        if group is None:
+            return
+        group.remaining -= 1
+        if released:
+            for member_id in group.members:
+                member = self._runs[member_id]
+                if member.group == name and self._is_held_member(member):
+                    member.wait_for = None
+                    member.available_at = now
+                    member.updated_at = now
+                    self._schedule(member)
+                    self._notify_run(member.run_id)
+                    break
+        if group.remaining == 0:
+            self._store_fact(parent_run_id, name, "null", now)
 
     def _store_fact(self, run_id: UUID | None, name: str, payload_json: str, now: datetime) -> bool:
         """Store a fact (first write wins) and wake the runs waiting for it."""
@@ -609,7 +663,10 @@ class MemoryBackend:
             rerun_of=run.rerun_of,
             forked_from=run.forked_from,
             forked_at_step=run.forked_at_step,
+            tags=dict(run.tags),
             concurrency_key=run.concurrency_key,
+            deadline_at=run.deadline_at,
+            start_by=run.start_by,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,
@@ -625,6 +682,9 @@ class MemoryBackend:
             )
         _storable_json(new.input_json, "input")
         _storable_text(new.idempotency_key, "idempotency key")
+        for key, value in new.tags.items():
+            _storable_text(key, "tag key")
+            _storable_text(value, f"tag {key!r}")
         with self._lock:
             source = None
             if new.forked_from is not None:
@@ -646,45 +706,132 @@ class MemoryBackend:
                         task_version=existing.task_version,
                         input_hash=existing.input_hash,
                     )
-            now = self.clock.now()
-            run = _Run(
-                run_id=new.run_id,
-                seq=next(self._seq),
-                task_name=new.task_name,
-                task_version=new.task_version,
-                input_json=new.input_json,
-                input_hash=new.input_hash,
-                priority=new.priority,
-                idempotency_key=new.idempotency_key,
-                trace_context=dict(new.trace_context),
-                status="pending",
-                created_at=now,
-                updated_at=now,
-                available_at=now + (new.delay or timedelta(0)),
-                parent_run_id=new.parent_run_id,
-                parent_fact=new.parent_fact,
-                cancel_with_parent=new.cancel_with_parent,
-                rerun_of=new.rerun_of,
-                forked_from=new.forked_from,
-                forked_at_step=new.forked_at_step,
-                concurrency_key=new.concurrency_key,
-                count_waiting=new.count_waiting,
-            )
-            if source is not None:  # a fork: its kept records and the old run's facts, as stored
-                run.steps = {key: source.steps[key] for key in new.kept_steps}
-                for (scope, name), fact in list(self._facts.items()):
-                    if scope == source.run_id:
-                        self._facts[(run.run_id, name)] = evolve(fact, run_id=run.run_id)
-            self._runs[run.run_id] = run
-            if run.key is not None:
-                assert new.concurrency_limit is not None  # NewRun checks they go together
-                self._limits[run.key] = new.concurrency_limit
-            if new.parent_run_id is not None:
-                self._children.setdefault(new.parent_run_id, []).append(run.run_id)
-            if new.idempotency_key is not None:
-                self._by_key[(new.task_name, new.idempotency_key)] = run.run_id
-            self._schedule(run)
+                pruned_id = self._tombstone_keys.get((new.task_name, new.idempotency_key))
+                if pruned_id is not None:
+                    tombstone = self._tombstones[pruned_id]
+                    return EnqueueResult(
+                        run_id=pruned_id,
+                        created=False,
+                        task_version=tombstone.task_version,
+                        input_hash=tombstone.input_hash,
+                        pruned=True,
+                    )
+            run = self._insert(new, held=False, source=source)
             return EnqueueResult(run_id=run.run_id, created=True, task_version=run.task_version)
+
+    def _insert(
+        self, new: NewRun, *, held: bool, group: str | None = None, source: _Run | None = None
+    ) -> _Run:
+        """Store a new run, under the lock: pending (or `held`: a group member waiting for
+        its turn)."""
+        now = self.clock.now()
+        available_at = None if held else now + (new.delay or timedelta(0))
+        deadlines = [d for d in (new.deadline_at, _after(now, new.timeout)) if d is not None]
+        deadline_at = min(deadlines) if deadlines else None
+        if deadline_at is not None and available_at is not None:
+            available_at = min(available_at, deadline_at)  # claimable then, to be ended
+        run = _Run(
+            run_id=new.run_id,
+            seq=next(self._seq),
+            task_name=new.task_name,
+            task_version=new.task_version,
+            input_json=new.input_json,
+            input_hash=new.input_hash,
+            priority=new.priority,
+            idempotency_key=new.idempotency_key,
+            trace_context=dict(new.trace_context),
+            status="waiting" if held else "pending",
+            created_at=now,
+            updated_at=now,
+            available_at=available_at,
+            wait_for=HELD_WAIT if held else None,
+            parent_run_id=new.parent_run_id,
+            parent_fact=new.parent_fact,
+            cancel_with_parent=new.cancel_with_parent,
+            group=group,
+            rerun_of=new.rerun_of,
+            forked_from=new.forked_from,
+            forked_at_step=new.forked_at_step,
+            concurrency_key=new.concurrency_key,
+            count_waiting=new.count_waiting,
+            tags=dict(new.tags),
+            deadline_at=deadline_at,
+            start_by=_after(now + (new.delay or timedelta(0)), new.start_within),
+        )
+        if source is not None:  # a fork: its kept records and the old run's facts, as stored
+            run.steps = {key: source.steps[key] for key in new.kept_steps}
+            for (scope, name), fact in list(self._facts.items()):
+                if scope == source.run_id:
+                    self._facts[(run.run_id, name)] = evolve(fact, run_id=run.run_id)
+        self._runs[run.run_id] = run
+        if run.key is not None:
+            assert new.concurrency_limit is not None  # NewRun checks they go together
+            self._limits[run.key] = new.concurrency_limit
+        if new.parent_run_id is not None:
+            self._children.setdefault(new.parent_run_id, []).append(run.run_id)
+        if new.idempotency_key is not None:
+            self._by_key[(new.task_name, new.idempotency_key)] = run.run_id
+        self._schedule(run)
+        return run
+
+    # -- child groups -----------------------------------------------------------------------------
+
+    async def start_group(
+        self, group: ChildGroup, runs: Sequence[NewRun]
+    ) -> Sequence[EnqueueResult]:
+        for new in runs:
+            _storable_json(new.input_json, "input")
+            _storable_text(new.idempotency_key, "idempotency key")
+        key = (group.parent_run_id, group.name)
+        with self._lock:
+            existing = self._groups.get(key)
+            if existing is not None:
+                return [
+                    EnqueueResult(
+                        run_id=member_id,
+                        created=False,
+                        task_version=self._runs[member_id].task_version,
+                        input_hash=self._runs[member_id].input_hash,
+                    )
+                    for member_id in existing.members
+                ]
+            limit = group.max_concurrency
+            members = [
+                self._insert(new, held=limit is not None and i >= limit, group=group.name)
+                for i, new in enumerate(runs)
+            ]
+            self._groups[key] = _Group(members=[m.run_id for m in members], remaining=len(members))
+            return [
+                EnqueueResult(run_id=m.run_id, created=True, task_version=m.task_version)
+                for m in members
+            ]
+
+    async def join_group(self, group: ChildGroup, run_ids: Sequence[UUID]) -> int:
+        key = (group.parent_run_id, group.name)
+        with self._lock:
+            for run_id in run_ids:
+                run = self._runs.get(run_id)
+                if run is None or run.parent_run_id != group.parent_run_id:
+                    raise RunNotFoundError(
+                        f"no child run {run_id} of run {group.parent_run_id}", run_id=run_id
+                    )
+            remaining = 0
+            for run_id in run_ids:
+                run = self._runs[run_id]
+                run.group = group.name
+                if run.status not in TERMINAL_STATUSES:
+                    remaining += 1
+            self._groups[key] = _Group(members=list(run_ids), remaining=remaining)
+            if remaining == 0:
+                self._store_fact(group.parent_run_id, group.name, "null", self.clock.now())
+            return remaining
+
+    async def group_runs(self, *, parent_run_id: UUID, name: str) -> Sequence[RunRecord]:
+        with self._lock:
+            group = self._groups.get((parent_run_id, name))
+            if group is None:
+                return []
+            return [self._record(self._runs[m], full=False) for m in group.members]
 
     async def claim(
         self, *, worker_id: str, pairs: Sequence[TaskPair], limit: int, lease: timedelta
@@ -751,6 +898,8 @@ class MemoryBackend:
             lost_leases=lost_leases,
             cancel_reason=(None if run.cancel_requested_at is None else (run.cancel_reason or "")),
             idempotency_key=run.idempotency_key,
+            deadline_at=run.deadline_at,
+            start_by=run.start_by,
         )
 
     @staticmethod
@@ -884,20 +1033,8 @@ class MemoryBackend:
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
         with self._lock:
-            runs = sorted(self._runs.values(), key=lambda r: r.seq, reverse=True)
-            if query.before is not None:
-                anchor = self._runs.get(query.before)
-                if anchor is not None:
-                    runs = [r for r in runs if r.seq < anchor.seq]
-            selected = [
-                r
-                for r in runs
-                if (query.task_name is None or r.task_name == query.task_name)
-                and (query.task_version is None or r.task_version == query.task_version)
-                and (query.status is None or r.status == query.status)
-                and (query.parent_run_id is None or r.parent_run_id == query.parent_run_id)
-                and (query.concurrency_key is None or r.concurrency_key == query.concurrency_key)
-            ]
+            runs = sorted(self._runs.values(), key=lambda r: r.run_id, reverse=True)
+            selected = [r for r in runs if _matches(r, query)]
             return [self._record(r, full=False) for r in selected[: query.limit]]
 
     async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
@@ -1129,6 +1266,96 @@ class MemoryBackend:
                 for name, version in keys
             ]
 
+    # -- retention (RetentionStore) ----------------------------------------------------------------
+
+    def _prunable(self, query: PruneQuery, now: datetime) -> list[_Run]:
+        cutoff = now - query.older_than
+        excluded = set(query.exclude_task_names)
+        wanted = None if query.task_names is None else set(query.task_names)
+        found = []
+        for run in self._runs.values():
+            if (
+                run.status not in TERMINAL_STATUSES
+                or run.finished_at is None
+                or run.finished_at >= cutoff
+                or run.task_name in excluded
+                or (wanted is not None and run.task_name not in wanted)
+            ):
+                continue
+            parent = None if run.parent_run_id is None else self._runs.get(run.parent_run_id)
+            if parent is not None and parent.status not in TERMINAL_STATUSES:
+                continue
+            if any(
+                self._runs[child].status not in TERMINAL_STATUSES
+                for child in self._children.get(run.run_id, ())
+                if child in self._runs
+            ):
+                continue
+            found.append(run)
+        found.sort(key=lambda r: (r.finished_at or now, r.run_id))
+        return found
+
+    async def prune_runs(self, query: PruneQuery) -> PruneBatch:
+        with self._lock:
+            now = self.clock.now()
+            batch = self._prunable(query, now)[: query.limit]
+            for run in batch:
+                self._delete_run(run, now)
+            return PruneBatch(pruned=len(batch))
+
+    def _delete_run(self, run: _Run, now: datetime) -> None:
+        """Delete a finished run with everything stored for it; leave its tombstone."""
+        del self._runs[run.run_id]
+        self._tombstones[run.run_id] = PrunedRun(
+            run_id=run.run_id,
+            task_name=run.task_name,
+            task_version=run.task_version,
+            status=run.status,
+            idempotency_key=run.idempotency_key,
+            input_hash=run.input_hash,
+            created_at=run.created_at,
+            finished_at=run.finished_at or now,
+            pruned_at=now,
+        )
+        if run.idempotency_key is not None:
+            key = (run.task_name, run.idempotency_key)
+            self._by_key.pop(key, None)
+            self._tombstone_keys[key] = run.run_id
+        for fact_key in [k for k in self._facts if k[0] == run.run_id]:
+            del self._facts[fact_key]
+        self._children.pop(run.run_id, None)
+        self._streams.pop(run.run_id, None)
+        for group_key in [k for k in self._groups if k[0] == run.run_id]:
+            del self._groups[group_key]
+        if run.parent_run_id is not None:
+            siblings = self._children.get(run.parent_run_id)
+            if siblings is not None and run.run_id in siblings:
+                siblings.remove(run.run_id)
+        self._unwait(run)
+
+    async def count_prunable(self, query: PruneQuery) -> int:
+        with self._lock:
+            return len(self._prunable(query, self.clock.now()))
+
+    async def get_pruned(self, run_id: UUID) -> PrunedRun | None:
+        with self._lock:
+            return self._tombstones.get(run_id)
+
+    async def forget_pruned(self, *, older_than: timedelta, limit: int) -> PruneBatch:
+        with self._lock:
+            cutoff = self.clock.now() - older_than
+            old = sorted(
+                (t for t in self._tombstones.values() if t.pruned_at < cutoff),
+                key=lambda t: (t.pruned_at, t.run_id),
+            )[:limit]
+            for tombstone in old:
+                del self._tombstones[tombstone.run_id]
+                if tombstone.idempotency_key is not None:
+                    key = (tombstone.task_name, tombstone.idempotency_key)
+                    if self._tombstone_keys.get(key) == tombstone.run_id:
+                        del self._tombstone_keys[key]
+            return PruneBatch(pruned=len(old))
+
     def ledger(self, conn: Any) -> MemoryLedger:
         if not isinstance(conn, MemoryStore):
             raise UsageError(
@@ -1217,6 +1444,30 @@ class MemoryLedger:
             tx.apply()
             row.result_json = result_json
         backend._crash("ledger.finish", lease.run_id, "after")
+
+
+def _matches(run: _Run, query: RunQuery) -> bool:
+    """Whether the run passes every filter of `query` (what Postgres's list_runs does)."""
+    return (
+        (query.before is None or run.run_id < query.before)
+        and (query.task_name is None or run.task_name == query.task_name)
+        and (query.task_version is None or run.task_version == query.task_version)
+        and (query.status is None or run.status == query.status)
+        and (query.parent_run_id is None or run.parent_run_id == query.parent_run_id)
+        and (query.concurrency_key is None or run.concurrency_key == query.concurrency_key)
+        and (query.idempotency_key is None or run.idempotency_key == query.idempotency_key)
+        and all(run.tags.get(key) == value for key, value in query.tags.items())
+        and (query.created_after is None or run.created_at >= query.created_after)
+        and (query.created_before is None or run.created_at < query.created_before)
+        and (
+            query.finished_after is None
+            or (run.finished_at is not None and run.finished_at >= query.finished_after)
+        )
+        and (
+            query.finished_before is None
+            or (run.finished_at is not None and run.finished_at < query.finished_before)
+        )
+    )
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -55,6 +55,7 @@ from umt_backend_pg._ready import (
 )
 from umt_backend_pg._rows import (
     _error_json,
+    _pruned_run,
     _record,
     _schedule_record,
     _step,
@@ -66,6 +67,7 @@ from umt_sdk.backend import (
     TERMINAL_STATUSES,
     Beat,
     CancelOutcome,
+    ChildGroup,
     ClaimedRun,
     Clock,
     Ending,
@@ -76,6 +78,9 @@ from umt_sdk.backend import (
     Lease,
     NewRun,
     PausedTask,
+    PruneBatch,
+    PrunedRun,
+    PruneQuery,
     RunQuery,
     RunRecord,
     ScheduleQuery,
@@ -263,9 +268,13 @@ class PostgresBackend:
             "rerun_of": new.rerun_of,
             "forked_from": new.forked_from,
             "forked_at_step": new.forked_at_step,
+            "tags": Jsonb(dict(new.tags)),
             "concurrency_key": new.concurrency_key,
             "concurrency_limit": new.concurrency_limit,
             "count_waiting": new.count_waiting,
+            "deadline_at": new.deadline_at,
+            "timeout": new.timeout,
+            "start_within": new.start_within,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -302,12 +311,13 @@ class PostgresBackend:
                 f"idempotency key {new.idempotency_key!r} is being used concurrently; retry",
                 idempotency_key=new.idempotency_key or "",
             )
-        existing_id, existing_hash, existing_version = row
+        existing_id, existing_hash, existing_version, pruned = row
         return EnqueueResult(
             run_id=existing_id,
             created=False,
             task_version=existing_version,
             input_hash=existing_hash,
+            pruned=pruned,
         )
 
     async def _copy_fork(self, conn: psycopg.AsyncConnection[Any], new: NewRun) -> None:
@@ -392,6 +402,8 @@ class PostgresBackend:
                     lost_leases=row["lost_leases"],
                     cancel_reason=row["cancel_reason"],
                     idempotency_key=row["idempotency_key"],
+                    deadline_at=row["deadline_at"],
+                    start_by=row["start_by"],
                 )
             )
         return claimed
@@ -563,13 +575,13 @@ class PostgresBackend:
                 row = await cur.fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
-                status = row[0]
+                status, held = row[0], row[-1]
                 if status is None:
                     return "already_finished"
                 if status == "canceled":  # it finished: what a finishing write also does
-                    await conn.execute(
-                        self._q["finish_child"], {"run_id": run_id, "channel": self.work_channel}
-                    )
+                    finished = {"run_id": run_id, "channel": self.work_channel, "held": held}
+                    await conn.execute(self._q["finish_child"], finished)
+                    await conn.execute(self._q["group_member_canceled"], finished)
                     canceled = await self._cancel_children(conn, run_id)
                 else:
                     await conn.execute(
@@ -621,18 +633,27 @@ class PostgresBackend:
         return None if row is None else _record(row)
 
     async def list_runs(self, query: RunQuery) -> Sequence[RunRecord]:
-        rows = await self._all(
-            "list_runs",
-            {
-                "task_name": query.task_name,
-                "task_version": query.task_version,
-                "status": query.status,
-                "parent_run_id": query.parent_run_id,
-                "concurrency_key": query.concurrency_key,
-                "before": query.before,
-                "limit": query.limit,
-            },
-        )
+        params: dict[str, Any] = {
+            "task_name": query.task_name,
+            "task_version": query.task_version,
+            "status": query.status,
+            "parent_run_id": query.parent_run_id,
+            "concurrency_key": query.concurrency_key,
+            "idempotency_key": query.idempotency_key,
+            "created_after": query.created_after,
+            "created_before": query.created_before,
+            "finished_after": query.finished_after,
+            "finished_before": query.finished_before,
+            "before": query.before,
+            "limit": query.limit,
+        }
+        if query.tags:
+            # Driven by the tag index (run_tags_lookup) of the first tag, in run-id order.
+            tag_key, tag_value = min(query.tags.items())
+            params |= {"tag_key": tag_key, "tag_value": tag_value, "tags": Jsonb(dict(query.tags))}
+            rows = await self._all("list_runs_tagged", params)
+        else:
+            rows = await self._all("list_runs", params)
         return [_record(r) for r in rows]
 
     async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
@@ -653,6 +674,69 @@ class PostgresBackend:
 
     def add_cancel_listener(self, listener: Callable[[UUID, str], None]) -> Callable[[], None]:
         return self._wakeups.add_cancel_listener(listener)
+
+    # -- child groups (ChildGroupStore) --------------------------------------------------------
+
+    async def start_group(
+        self, group: ChildGroup, runs: Sequence[NewRun]
+    ) -> Sequence[EnqueueResult]:
+        """One statement for the whole group, however many children (arrays, unnested)."""
+        params = {
+            "parent_run_id": group.parent_run_id,
+            "name": group.name,
+            "max_concurrency": group.max_concurrency,
+            "ids": [new.run_id for new in runs],
+            "task_names": [new.task_name for new in runs],
+            "task_versions": [new.task_version for new in runs],
+            "priorities": [new.priority for new in runs],
+            "keys": [new.idempotency_key for new in runs],
+            "hashes": [new.input_hash for new in runs],
+            "inputs": [new.input_json for new in runs],
+            "trace_context": Jsonb(dict(runs[0].trace_context) if runs else {}),
+            "cancel_with_parent": bool(runs) and runs[0].cancel_with_parent,
+            "channel": self.work_channel,
+        }
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(self._q["start_group"], params)
+                row = await cur.fetchone()
+                if row is not None and row[0] and row[1] != len(runs):
+                    raise IdempotencyConflictError(  # rolls the group back
+                        f"start_group {group.name!r}: {len(runs) - row[1]} of its children's "
+                        "idempotency keys name runs that already exist",
+                        idempotency_key=runs[0].idempotency_key or "",
+                    )
+                if row is not None and row[0]:
+                    return [
+                        EnqueueResult(
+                            run_id=new.run_id, created=True, task_version=new.task_version
+                        )
+                        for new in runs
+                    ]
+                cur = await conn.execute(self._q["group_members"], params)
+                members = await cur.fetchall()
+        return [
+            EnqueueResult(run_id=run_id, created=False, task_version=version, input_hash=hashed)
+            for run_id, hashed, version in members
+        ]
+
+    async def join_group(self, group: ChildGroup, run_ids: Sequence[UUID]) -> int:
+        row = await self._one(
+            "join_group",
+            {"parent_run_id": group.parent_run_id, "name": group.name, "ids": list(run_ids)},
+        )
+        found, left_over = (row["found"], row["left_over"]) if row else (0, 0)
+        if found != len(run_ids):
+            raise RunNotFoundError(
+                f"join_group {group.name!r}: only {found} of the {len(run_ids)} runs are "
+                f"children of run {group.parent_run_id}",
+                run_id=group.parent_run_id,
+            )
+        return int(left_over)
+
+    async def group_runs(self, *, parent_run_id: UUID, name: str) -> Sequence[RunRecord]:
+        rows = await self._all("group_runs", {"parent_run_id": parent_run_id, "name": name})
+        return [_record(r) for r in rows]
 
     # -- streams (StreamStore) -----------------------------------------------------------------
 
@@ -780,6 +864,37 @@ class PostgresBackend:
             )
             for r in rows
         ]
+
+    # -- retention (RetentionStore) --------------------------------------------------------------
+
+    def _prune_params(self, query: PruneQuery) -> dict[str, Any]:
+        return {
+            "older_than": query.older_than,
+            "task_names": None if query.task_names is None else list(query.task_names),
+            "exclude_task_names": list(query.exclude_task_names),
+            "limit": query.limit,
+            "lock_name": f"{self.schema}.prune",
+        }
+
+    async def prune_runs(self, query: PruneQuery) -> PruneBatch:
+        row = await self._one("prune_runs", self._prune_params(query))
+        assert row is not None  # one row, always
+        return PruneBatch(pruned=row["pruned"], busy=not row["held"])
+
+    async def count_prunable(self, query: PruneQuery) -> int:
+        row = await self._one("count_prunable", self._prune_params(query))
+        assert row is not None
+        return int(row["prunable"])
+
+    async def get_pruned(self, run_id: UUID) -> PrunedRun | None:
+        row = await self._one("get_pruned", {"run_id": run_id})
+        return None if row is None else _pruned_run(row)
+
+    async def forget_pruned(self, *, older_than: timedelta, limit: int) -> PruneBatch:
+        params = {"older_than": older_than, "limit": limit, "lock_name": f"{self.schema}.prune"}
+        row = await self._one("forget_pruned", params)
+        assert row is not None
+        return PruneBatch(pruned=row["pruned"], busy=not row["held"])
 
     def ledger(self, conn: Any) -> PostgresLedger:
         if not isinstance(conn, psycopg.AsyncConnection):

@@ -10,6 +10,7 @@ from typing import Any
 from umt_sdk.backend import (
     ErrorInfo,
     ExecutionRecord,
+    PrunedRun,
     RunRecord,
     ScheduleRecord,
     ScheduleState,
@@ -20,6 +21,7 @@ from umt_sdk.backend import (
 __all__ = [
     "_error",
     "_error_json",
+    "_pruned_run",
     "_record",
     "_schedule_record",
     "_step",
@@ -116,7 +118,10 @@ def _record(
         rerun_of=row.get("rerun_of"),
         forked_from=row.get("forked_from"),
         forked_at_step=row.get("forked_at_step"),
+        tags=row.get("tags") or {},
         concurrency_key=row.get("concurrency_key"),
+        deadline_at=row.get("deadline_at"),
+        start_by=row.get("start_by"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,
@@ -143,6 +148,20 @@ def _schedule_record(row: Mapping[str, Any]) -> ScheduleRecord:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         observed_at=row["db_now"],
+    )
+
+
+def _pruned_run(row: Mapping[str, Any]) -> PrunedRun:
+    return PrunedRun(
+        run_id=row["run_id"],
+        task_name=row["task_name"],
+        task_version=row["task_version"],
+        status=row["status"],
+        idempotency_key=row["idempotency_key"],
+        input_hash=row["input_hash"],
+        created_at=row["created_at"],
+        finished_at=row["finished_at"],
+        pruned_at=row["pruned_at"],
     )
 
 

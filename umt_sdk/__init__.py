@@ -11,6 +11,7 @@ import inspect
 from umt_sdk._codec import AesGcmCodec, CodecChain, PayloadCodec, ZlibCodec
 from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
+    ChildError,
     ChildHandle,
     ParentClose,
     StepApi,
@@ -22,6 +23,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
 from umt_sdk._spi import (
@@ -42,7 +44,9 @@ from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
     CodecError,
+    DeadlineExceededError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -52,8 +56,11 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     ScheduleNotFoundError,
+    StartDeadlineExceededError,
     StepFailedError,
+    StepTimeoutError,
     UmtError,
     UsageError,
 )
@@ -65,12 +72,15 @@ __all__ = [
     "BackendError",
     "CanceledError",
     "ChildCanceledError",
+    "ChildError",
     "ChildFailedError",
     "ChildHandle",
+    "ChildrenFailedError",
     "CodecChain",
     "CodecError",
     "Concurrency",
     "ConcurrencyStrategy",
+    "DeadlineExceededError",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -85,6 +95,7 @@ __all__ = [
     "PausedTask",
     "PayloadCodec",
     "PayloadError",
+    "PruneReport",
     "Registry",
     "RetryPolicy",
     "RunCanceledError",
@@ -94,13 +105,16 @@ __all__ = [
     "RunInfo",
     "RunNotFoundError",
     "RunPage",
+    "RunPrunedError",
     "RunStatus",
     "Schedule",
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",
+    "StartDeadlineExceededError",
     "StepApi",
     "StepFailedError",
+    "StepTimeoutError",
     "StepView",
     "StreamApi",
     "StreamItem",

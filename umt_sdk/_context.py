@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
@@ -25,9 +25,15 @@ from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
 from umt_sdk._streams import StreamApi, StreamWriter, SyncStreamApi
-from umt_sdk.exceptions import CanceledError
+from umt_sdk.exceptions import (
+    CanceledError,
+    ChildCanceledError,
+    ChildFailedError,
+    DeadlineExceededError,
+)
 
 __all__ = [
+    "ChildError",
     "ChildHandle",
     "ParentClose",
     "Runner",
@@ -92,6 +98,7 @@ class StepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -103,6 +110,7 @@ class StepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def run(
@@ -113,6 +121,7 @@ class StepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
@@ -120,11 +129,16 @@ class StepApi:
         The step returns what its record decodes to, the same on every execution: the output
         type is `fn`'s return annotation, or `output_type` (for a lambda); without either, only
         JSON's own types (str, int, float, bool, None, list, dict) may be returned.
-        The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
-        parameter of either name.
+        `timeout`: how long one attempt may run; past it an async `fn` is cancelled, a plain
+        one (a thread cannot be killed) is left to finish on its own and its result ignored,
+        and the attempt fails with `StepTimeoutError`, retried per the step's policy.
+        The keywords `retry`, `output_type` and `timeout` are taken by umt; pass a lambda if
+        `fn` has a parameter of one of those names.
         """
-        check_run_arguments(name, fn, retry, output_type)
-        call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name, fn, args, kwargs, retry=retry, output_type=output_type, timeout=timeout
+        )
         return self._steps.run(call)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
@@ -180,6 +194,90 @@ class StepApi:
             cancel_with_parent=cancel_with_parent,
         )
         return ChildHandle(self._steps, name, child_id, definition.output_type)
+
+    @overload
+    async def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    async def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[True],
+    ) -> list[O | ChildError]: ...
+    async def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Run `task` once per input as children of this run and return their outputs in
+        input order.
+
+        The step `name` starts every child exactly once (a crash before it was recorded finds
+        the same children); then this run parks, its worker slot freed, and is woken **once**,
+        by the write that finishes the last child. `max_concurrency`: at most that many
+        children running or claimable at once; the others wait their turn, in input order,
+        and the store lets the next one run in the write that finishes one (nothing in this
+        run polls or wakes for it). When some children fail or are canceled,
+        `ChildrenFailedError` carries every child's outcome (`results`, `errors`); with
+        `return_exceptions=True` the list holds the `ChildFailedError` or `ChildCanceledError`
+        of those children instead. `priority` and `parent_close` as for `start_child`.
+        """
+        definition, items, cancel_with_parent = _check_map_arguments(
+            name, task, inputs, max_concurrency, priority, parent_close, return_exceptions
+        )
+        return await self._steps.map(
+            name,
+            definition,
+            items,
+            max_concurrency=max_concurrency,
+            priority=priority,
+            cancel_with_parent=cancel_with_parent,
+            return_exceptions=return_exceptions,
+        )
+
+    @overload
+    async def gather(
+        self,
+        name: str,
+        handles: Iterable[ChildHandle[O]],
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    async def gather(
+        self, name: str, handles: Iterable[ChildHandle[O]], *, return_exceptions: Literal[True]
+    ) -> list[O | ChildError]: ...
+    async def gather(
+        self, name: str, handles: Iterable[ChildHandle[O]], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Wait for every child of `handles` (from `start_child`) and return their outputs in
+        the order of `handles`: this run parks once and is woken once, by the write that
+        finishes the last of them (not once per child). Failures as for `map`. The wait is
+        the step `name` (replays return or raise from its record). A child may be in one
+        gather at a time."""
+        members = _check_gather_arguments(name, handles, return_exceptions)
+        return await self._steps.gather(name, members, return_exceptions=return_exceptions)
 
 
 class ChildHandle(Generic[O]):
@@ -238,6 +336,59 @@ def _check_child_arguments(
     return task, parent_close == "cancel"
 
 
+ChildError = ChildFailedError | ChildCanceledError
+"""How a child that did not complete ends up in the results of `map` or `gather` with
+`return_exceptions=True`."""
+
+
+def _check_map_arguments(
+    name: str,
+    task: object,
+    inputs: object,
+    max_concurrency: object,
+    priority: object,
+    parent_close: object,
+    return_exceptions: object,
+) -> tuple[TaskDefinition[Any, Any], list[Any], bool]:
+    definition, cancel_with_parent = _check_child_arguments(name, task, priority, parent_close)
+    where = f"map({name!r})"
+    if isinstance(inputs, (str, bytes, dict)) or not isinstance(inputs, Iterable):
+        check.refuse(
+            "inputs", "a list (or another iterable) of the children's inputs", inputs, where=where
+        )
+    if max_concurrency is not None:
+        check.integer(max_concurrency, "max_concurrency", at_least=1, where=where)
+    check.flag(return_exceptions, "return_exceptions", where=where)
+    return definition, list(inputs), cancel_with_parent
+
+
+def _check_gather_arguments(
+    name: str, handles: object, return_exceptions: object
+) -> list[tuple[str, UUID, Any]]:
+    check_name("step", name)
+    where = f"gather({name!r})"
+    if isinstance(handles, (str, bytes, dict)) or not isinstance(handles, Iterable):
+        check.refuse("handles", "a list of child handles from start_child", handles, where=where)
+    members: list[tuple[str, UUID, Any]] = []
+    seen: set[UUID] = set()
+    for handle in handles:
+        inner = handle._handle if isinstance(handle, SyncChildHandle) else handle
+        if not isinstance(inner, ChildHandle):
+            check.refuse("handles", "child handles from start_child", handle, where=where)
+        if inner.run_id in seen:
+            check.refuse(
+                "handles",
+                "distinct child handles",
+                handle,
+                where=where,
+                hint="each child may appear once",
+            )
+        seen.add(inner.run_id)
+        members.append((inner._name, inner.run_id, inner._output_type))
+    check.flag(return_exceptions, "return_exceptions", where=where)
+    return members
+
+
 class SyncStepApi:
     """`ctx.step` in a plain (sync) task: the same operations, blocking the handler's thread."""
 
@@ -254,12 +405,15 @@ class SyncStepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
-        check_run_arguments(name, fn, retry, output_type)
-        call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name, fn, args, kwargs, retry=retry, output_type=output_type, timeout=timeout
+        )
         value: R = self._steps.from_thread(self._steps.run(call))
         return value
 
@@ -309,6 +463,88 @@ class SyncStepApi:
             )
         )
         return SyncChildHandle(ChildHandle(self._steps, name, child_id, definition.output_type))
+
+    @overload
+    def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: Literal[True],
+    ) -> list[O | ChildError]: ...
+    def map(
+        self,
+        name: str,
+        task: TaskDefinition[C, O],
+        inputs: Iterable[C],
+        *,
+        max_concurrency: int | None = None,
+        priority: int | None = None,
+        parent_close: ParentClose = "cancel",
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Fan out one child per input and wait for all of them (see `StepApi.map`)."""
+        definition, items, cancel_with_parent = _check_map_arguments(
+            name, task, inputs, max_concurrency, priority, parent_close, return_exceptions
+        )
+        value: list[Any] = self._steps.from_thread(
+            self._steps.map(
+                name,
+                definition,
+                items,
+                max_concurrency=max_concurrency,
+                priority=priority,
+                cancel_with_parent=cancel_with_parent,
+                return_exceptions=return_exceptions,
+            )
+        )
+        return value
+
+    @overload
+    def gather(
+        self,
+        name: str,
+        handles: Iterable[SyncChildHandle[O]],
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[O]: ...
+    @overload
+    def gather(
+        self,
+        name: str,
+        handles: Iterable[SyncChildHandle[O]],
+        *,
+        return_exceptions: Literal[True],
+    ) -> list[O | ChildError]: ...
+    def gather(
+        self,
+        name: str,
+        handles: Iterable[SyncChildHandle[O]],
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Wait for every child of `handles`, woken once (see `StepApi.gather`)."""
+        members = _check_gather_arguments(name, handles, return_exceptions)
+        value: list[Any] = self._steps.from_thread(
+            self._steps.gather(name, members, return_exceptions=return_exceptions)
+        )
+        return value
 
 
 class _BaseContext(Generic[I]):
@@ -386,13 +622,15 @@ class _BaseContext(Generic[I]):
 
     @property
     def abort_event(self) -> asyncio.Event:
-        """Set when the abort signal fires (the run's cancel, a lost lease, or the worker
-        shutting down): await it to react at once, then call `throw_if_canceled()`."""
+        """Set when the abort signal fires (the run's cancel, its deadline, a lost lease, or
+        the worker shutting down): await it to react at once, then call
+        `throw_if_canceled()`."""
         return self._execution.aborts.event
 
     def throw_if_canceled(self) -> None:
         """Stop the handler if the abort signal has fired: `CanceledError` (with the reason)
-        when the run's cancel was requested or this attempt lost its lease. When the worker
+        when the run's cancel was requested or this attempt lost its lease,
+        `DeadlineExceededError` when the run's deadline came. When the worker
         is shutting down it raises the engine's release signal instead (a `BaseException`:
         let it through), and the run is handed back, uncharged, for another worker to
         finish."""
@@ -402,6 +640,10 @@ class _BaseContext(Generic[I]):
         if aborts.state >= AbortState.CANCELING:
             reason = aborts.reason or "canceled"
             raise CanceledError(f"run {self.run_id} aborted: {reason}", reason=reason)
+        if aborts.state is AbortState.EXPIRING:
+            raise DeadlineExceededError(
+                f"run {self.run_id}: {aborts.reason or 'deadline exceeded'}", run_id=self.run_id
+            )
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.task_name}@{self.task_version} run={self.run_id}>"

@@ -4,6 +4,7 @@ steps, the execution), so each can name it without importing the decorator."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from attrs import frozen
@@ -36,8 +37,13 @@ class TaskDefinition(Generic[I, O]):
     retry: RetryPolicy
     max_lost_leases: int = DEFAULT_MAX_LOST_LEASES
     """Lost leases without progress after which a run of this task fails (see `task`)."""
+    retention: timedelta | None = None
+    """How long this task's finished runs are kept before workers delete them (see `task`);
+    None: the engine's `connect(retention=...)`."""
     concurrency: Concurrency[Any] | None = None
     """At most `limit` runs of a key running at once (see `Concurrency`); None: no limit."""
+    timeout: timedelta | None = None
+    """How long a run may take from its enqueue before it fails (see `task`); None: no limit."""
 
     @property
     def pair(self) -> TaskPair:

@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar, get_args, overload
 from uuid import UUID
 
@@ -35,6 +35,15 @@ from umt_sdk._lifecycle import (
 )
 from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
+from umt_sdk._retention import (
+    DEFAULT_BATCH_SIZE,
+    Pruner,
+    PruneReport,
+    RetentionPolicy,
+    check_retention,
+    check_tags,
+    retention_store,
+)
 from umt_sdk._schedules import Schedules, scheduler_enqueue
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
@@ -44,6 +53,7 @@ from umt_sdk._spi import (
     EnqueueResult,
     NewRun,
     PausedTask,
+    RetentionStore,
     RunQuery,
     RunRecord,
     RunStatus,
@@ -60,6 +70,7 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
+    RunPrunedError,
     UsageError,
 )
 
@@ -114,11 +125,25 @@ class Engine:
     """The client of one backend. Build it with `await connect(url, registry=...)`."""
 
     def __init__(
-        self, backend: Backend, registry: Registry, *, telemetry: Telemetry | None = None
+        self,
+        backend: Backend,
+        registry: Registry,
+        *,
+        telemetry: Telemetry | None = None,
+        retention: timedelta | None = None,
+        idempotency_retention: timedelta | None = None,
     ) -> None:
         self.backend = backend
         self.registry = registry
         self.telemetry = telemetry or Telemetry()
+        self.retention = RetentionPolicy.build(
+            registry,
+            default=check_retention(retention, "retention"),
+            idempotency=check_retention(idempotency_retention, "idempotency_retention"),
+        )
+        """What the workers delete, and when (`connect(retention=...)`, `@task(retention=)`)."""
+        if self.retention.default is not None or self.retention.idempotency is not None:
+            retention_store(backend, "connect(retention=...)")
         self._workers: list[Worker] = []
         self.schedules: Schedules[RunHandle[Any]] = Schedules(
             backend=backend, registry=registry, start=self._start_tick, cancel=self._cancel_for
@@ -156,6 +181,9 @@ class Engine:
         delay: timedelta | None = None,
         version: int | None = None,
         conn: Any = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -168,6 +196,9 @@ class Engine:
         delay: timedelta | None = None,
         version: int | None = None,
         conn: Any = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -179,6 +210,9 @@ class Engine:
         delay: timedelta | None = None,
         version: int | None = None,
         conn: Any = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -189,11 +223,22 @@ class Engine:
             idempotency_key: the same key with the same input returns the existing run; with a
                 different input, or for another version of the task than the run it names,
                 raises `IdempotencyConflictError` (the handle would misstate the run's version
-                and output type). Keys are per task name and never expire silently.
+                and output type). Keys are per task name and never expire silently: a key
+                whose run retention deleted still names that run (`RunPrunedError` on its
+                result) until its tombstone is dropped (`connect(idempotency_retention=)`).
             priority: higher runs first (-32768..32767); FIFO among equals.
             delay: do not start before this much time has passed.
+            deadline: when the run must be finished by: a timezone-aware datetime, or a
+                timedelta from now (the backend's clock). Past it the run ends `failed` with
+                `DeadlineExceededError`, whatever it is doing; the task's own `timeout`, if
+                earlier, wins. None: only the task's timeout.
+            start_within: how long after it becomes claimable (now, plus `delay`) the run may
+                still start: a run not claimed by then ends `failed` with
+                `StartDeadlineExceededError` without running. None: no limit.
             conn: the caller's open database transaction: the run exists if and only if it
                 commits (backends that support it).
+            tags: labels to find the run by (`list(tags={"tenant": "t7"})`): at most 16 keys
+                of letters, digits and `_.:-/`, text values of at most 256 characters.
 
         An argument it refuses (a priority out of range, a negative delay, a `conn` the
         backend cannot join) raises `UsageError` naming it, before anything is stored.
@@ -218,6 +263,15 @@ class Engine:
                 )
         if delay is not None:
             check.duration(delay, "delay")
+        run_tags = check_tags(tags)
+        deadline_at, timeout = _deadline(deadline, definition.timeout)
+        if start_within is not None:
+            check.duration(
+                start_within,
+                "start_within",
+                positive=True,
+                expected="a timedelta > 0 such as timedelta(minutes=5), or None",
+            )
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
         keyed = key_fields(
             definition.concurrency,
@@ -251,7 +305,11 @@ class Engine:
                 idempotency_key=idempotency_key,
                 delay=delay,
                 trace_context=self.telemetry.inject(),
+                tags=run_tags,
                 **keyed,
+                deadline_at=deadline_at,
+                timeout=timeout,
+                start_within=start_within,
             )
             result = await self.backend.enqueue(new, conn=conn)
             # On the caller's transaction the run exists only if that commits, which the SDK
@@ -491,7 +549,7 @@ class Engine:
     async def _finished_record(self, run_id: UUID, *, full: bool = False) -> RunRecord:
         record = await (self.backend.get_run(run_id) if full else self.backend.get_run_head(run_id))
         if record is None:
-            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+            raise await self._not_found(run_id)
         return record
 
     async def _start_again(
@@ -541,7 +599,11 @@ class Engine:
                 forked_from=None if plan is None else record.run_id,
                 forked_at_step=None if plan is None else plan.from_step,
                 kept_steps=() if plan is None else plan.kept_steps,
+                tags=dict(record.tags),  # found by the same tags as the run it starts again
                 **keyed,
+                # A new run: the task's timeout counts from now (a definition this process
+                # does not register sets none).
+                timeout=definition.timeout if definition is not None else None,
             )
             result = await self.backend.enqueue(new)
             span.set_attribute("umt.run.id", str(result.run_id))
@@ -562,8 +624,26 @@ class Engine:
         run_id = _check_run_id(run_id, "get")
         record = await self.backend.get_run(run_id)
         if record is None:
-            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+            raise await self._not_found(run_id)
         return build_run_info(record)
+
+    async def _not_found(self, run_id: UUID) -> RunNotFoundError:
+        """The error for a run the store does not hold: `RunPrunedError` when retention
+        deleted it (its tombstone says when), else `RunNotFoundError`."""
+        if isinstance(self.backend, RetentionStore):
+            tombstone = await self.backend.get_pruned(run_id)
+            if tombstone is not None:
+                return RunPrunedError(
+                    f"run {run_id} ({tombstone.task_name}@{tombstone.task_version}) finished "
+                    f"{tombstone.status} at {tombstone.finished_at.isoformat()} and was deleted "
+                    f"by retention at {tombstone.pruned_at.isoformat()}; only its tombstone "
+                    "is kept (see docs/retention.md)",
+                    run_id=run_id,
+                    status=tombstone.status,
+                    finished_at=tombstone.finished_at,
+                    pruned_at=tombstone.pruned_at,
+                )
+        return RunNotFoundError(f"no run {run_id}", run_id=run_id)
 
     async def export_history(self, run_id: UUID) -> RunHistory:
         """The run's recorded history (task, version, input, status, each step record) as a
@@ -572,7 +652,7 @@ class Engine:
         run_id = _check_run_id(run_id, "export_history")
         record = await self.backend.get_run(run_id)
         if record is None:
-            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+            raise await self._not_found(run_id)
         return history_of(record)
 
     async def list(
@@ -584,12 +664,34 @@ class Engine:
         parent: UUID | None = None,
         limit: int = 100,
         before: UUID | None = None,
+        idempotency_key: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        created_after: datetime | None = None,
+        created_before: datetime | None = None,
+        finished_after: datetime | None = None,
+        finished_before: datetime | None = None,
+        concurrency_key: str | None = None,
     ) -> RunPage:
-        """Runs, newest first, filtered (`parent`: the children of that run); page with
-        `before=page.next_cursor`.
+        """Runs, newest first (by run id, which grows with time), matching every filter given;
+        page with `before=page.next_cursor`.
+
+        Args:
+            task_name: only runs of this task (`version`: of this version).
+            status: only runs in this status.
+            parent: only the children of this run.
+            idempotency_key: only the run enqueued under this key (one per task).
+            tags: only runs carrying all of these tags (`enqueue(..., tags=...)`).
+            concurrency_key: only runs of this concurrency key (`@task(concurrency=...)`);
+                keys are per task, so give `task_name` too.
+            created_after: only runs created at or after this time (timezone-aware);
+                `created_before`: strictly before it.
+            finished_after: only finished runs, finished at or after this time;
+                `finished_before`: strictly before it.
+            limit: at most this many runs (1..10000).
+            before: the cursor, `next_cursor` of the previous page.
 
         A filter of the wrong type (a `version` that is not an int, a `before` that is not a
-        UUID) raises `UsageError` naming it.
+        UUID, a naive datetime) raises `UsageError` naming it.
         """
         if task_name is not None:
             check.text(task_name, "task_name", expected="a task name (a string) or None")
@@ -602,6 +704,21 @@ class Engine:
         check.integer(limit, "limit", at_least=1, at_most=10_000, expected="in 1..10000")
         if before is not None:
             check.uuid(before, "before", expected="a run id (uuid.UUID) such as page.next_cursor")
+        if idempotency_key is not None:
+            check.text(idempotency_key, "idempotency_key", empty=False, max_length=512)
+            _serde.check_text(idempotency_key, what="idempotency_key")
+        wanted_tags = check_tags(tags, where="list()")
+        if concurrency_key is not None:
+            check.text(concurrency_key, "concurrency_key", empty=False, max_length=255)
+        times = {
+            "created_after": created_after,
+            "created_before": created_before,
+            "finished_after": finished_after,
+            "finished_before": finished_before,
+        }
+        for argument, value in times.items():
+            if value is not None:
+                check.aware_datetime(value, argument, where="list()")
         records = await self.backend.list_runs(
             RunQuery(
                 task_name=task_name,
@@ -610,11 +727,64 @@ class Engine:
                 parent_run_id=parent,
                 limit=limit + 1,
                 before=before,
+                idempotency_key=idempotency_key,
+                tags=wanted_tags,
+                created_after=created_after,
+                created_before=created_before,
+                finished_after=finished_after,
+                finished_before=finished_before,
+                concurrency_key=concurrency_key,
             )
         )
         page = [build_run_info(r) for r in records[:limit]]
         cursor = page[-1].run_id if len(records) > limit else None
         return RunPage(runs=tuple(page), next_cursor=cursor)
+
+    async def prune(
+        self,
+        *,
+        older_than: timedelta,
+        task: str | Sequence[str] | None = None,
+        dry_run: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> PruneReport:
+        """Delete the runs that finished more than `older_than` ago, now, by hand.
+
+        Runs of `task` (a name or a list of names; None: every task), `batch_size` at a time
+        (1..10000), until none is left. Pending, running and waiting runs are never touched;
+        nor are finished runs with an unfinished child, or whose parent has not finished. Each
+        pruned run leaves a tombstone: its idempotency key stays taken, and `get` / `result`
+        raise `RunPrunedError`. With `dry_run`, nothing is deleted and `pruned` counts what
+        would be. A `task`'s own `@task(retention=)` does not apply here: you said how old.
+        If workers are pruning at the same moment, this stops early with `busy` set (they
+        delete the rest). `UsageError` on a backend that cannot delete runs.
+        """
+        check.duration(
+            older_than,
+            "older_than",
+            expected="a timedelta >= 0 such as timedelta(days=30)",
+            where="prune()",
+        )
+        names: list[str] | None = None
+        if task is not None:
+            raw = (
+                [task]
+                if isinstance(task, str)
+                else check.collection(
+                    task, "task", expected="a task name or a list of task names", where="prune()"
+                )
+            )
+            names = [
+                check.text(n, "task", empty=False, expected="task names (strings)", where="prune()")
+                for n in raw
+            ]
+        dry_run = check.flag(dry_run, "dry_run", where="prune()")
+        check.integer(batch_size, "batch_size", at_least=1, at_most=10_000, where="prune()")
+        store = retention_store(self.backend, "prune()")
+        pruner = Pruner(store=store, policy=self.retention)
+        return await pruner.prune(
+            older_than=older_than, task_names=names, dry_run=dry_run, batch_size=batch_size
+        )
 
     async def result(
         self, run_id: UUID, *, timeout: float | None = None, output_type: Any = None
@@ -641,7 +811,7 @@ class Engine:
         while True:
             record = await self.backend.get_run_head(run_id)
             if record is None:
-                raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+                raise await self._not_found(run_id)
             if record.status in TERMINAL_STATUSES:
                 break
             remaining = 5.0 if deadline is None else deadline - time.monotonic()
@@ -716,7 +886,7 @@ class Engine:
         if entries:
             return item_of(entries[0], value_type)
         if await self.backend.get_run_head(run_id) is None:
-            raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+            raise await self._not_found(run_id)
         return None
 
     async def stream_heads(
@@ -725,7 +895,9 @@ class Engine:
         """The newest value of each stream of these runs (only the stream `name` when given),
         by run id then stream name, in one read: what `umt runs watch` shows. A run with no
         stream (or no such run) is left out."""
-        ids = list(run_ids) if not isinstance(run_ids, (str, bytes)) else [run_ids]
+        if isinstance(run_ids, UUID):
+            check.refuse("run_ids", "a list of run ids (uuid.UUID)", run_ids, hint="use [run_id]")
+        ids = check.collection(run_ids, "run_ids", expected="a list of run ids (uuid.UUID)")
         checked = [_check_run_id(run_id, "stream_heads") for run_id in ids]
         if name is not None:
             check_name("stream", name, argument="name")
@@ -745,6 +917,7 @@ class Engine:
         poll_interval: timedelta = timedelta(seconds=1),
         shutdown_grace: timedelta = timedelta(seconds=10),
         schedules: bool = True,
+        prune_interval: timedelta = timedelta(minutes=1),
     ) -> Worker:
         """A worker for `versions` (`["name@1", "name@2"]`; all registered when None).
 
@@ -752,6 +925,9 @@ class Engine:
         With `schedules` (the default, on a backend that stores them) it also runs the
         scheduler loop for the tasks it serves: it stores the registry's declared schedules
         of those tasks, then starts the runs of their due ticks every `poll_interval`.
+        With a retention (`connect(retention=...)`, `@task(retention=...)`) it also deletes
+        old finished runs every `prune_interval`, in small batches; when several workers try
+        at once, one deletes and the others skip their turn.
         Use it as `async with engine.worker(...):`. A wrong option (a `concurrency` that is not
         an int in 1..10000, a `lease` under 100 ms, a number where a timedelta goes) raises
         `UsageError` naming it.
@@ -767,9 +943,16 @@ class Engine:
             shutdown_grace=shutdown_grace,
             telemetry=self.telemetry,
             schedules=self.schedules if check.flag(schedules, "schedules") else None,
+            pruner=self._pruner(),
+            prune_interval=prune_interval,
         )
         self._workers.append(worker)
         return worker
+
+    def _pruner(self) -> Pruner | None:
+        if not self.retention.active or not isinstance(self.backend, RetentionStore):
+            return None
+        return Pruner(store=self.backend, policy=self.retention)
 
     async def wait_idle(
         self, run_ids: Iterable[UUID], *, timeout: float = 30.0
@@ -798,6 +981,8 @@ async def connect(
     tracer_provider: TracerProvider | None = None,
     meter_provider: MeterProvider | None = None,
     codec: PayloadCodec | None = None,
+    retention: timedelta | None = None,
+    idempotency_retention: timedelta | None = None,
     **options: Any,
 ) -> Engine:
     """Open an engine on the backend that serves `url` (`memory://`, `postgresql://...`).
@@ -813,6 +998,10 @@ async def connect(
     (see docs/codecs.md). Every process that reads the store needs the same codec (or one
     holding the same keys); idempotency keys compare the plaintext input's hash, so they keep
     working under encryption.
+    `retention` (a timedelta, None: keep for ever): the engine's workers delete finished runs
+    older than that (a task's `@task(retention=...)` wins for its runs), in small batches.
+    `idempotency_retention` (None: for ever): how long the tombstone of a pruned run keeps its
+    idempotency key taken. See docs/retention.md.
     """
     if not isinstance(url, str) or not url:
         raise UsageError(
@@ -843,9 +1032,41 @@ async def connect(
     )
     if codec is not None:
         check_codec(codec)
+    retention = check_retention(retention, "retention")
+    idempotency_retention = check_retention(idempotency_retention, "idempotency_retention")
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
     if codec is not None:
         backend = wrap_backend(backend, codec)
     telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
-    return Engine(backend, registry if registry is not None else Registry(), telemetry=telemetry)
+    try:
+        return Engine(
+            backend,
+            registry if registry is not None else Registry(),
+            telemetry=telemetry,
+            retention=retention,
+            idempotency_retention=idempotency_retention,
+        )
+    except BaseException:
+        await backend.close()
+        raise
+
+
+def _deadline(
+    deadline: object, task_timeout: timedelta | None
+) -> tuple[datetime | None, timedelta | None]:
+    """`enqueue(deadline=...)` and the task's timeout as `NewRun.deadline_at` / `timeout`: a
+    relative deadline counts, like the timeout, from the enqueue on the backend's clock."""
+    if deadline is None:
+        return None, task_timeout
+    if isinstance(deadline, datetime):
+        check.aware_datetime(deadline, "deadline")
+        return deadline, task_timeout
+    relative = check.duration(
+        deadline,
+        "deadline",
+        positive=True,
+        expected="a timezone-aware datetime, or a timedelta > 0 such as timedelta(hours=1), "
+        "or None",
+    )
+    return None, relative if task_timeout is None else min(relative, task_timeout)

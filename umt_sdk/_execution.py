@@ -11,6 +11,7 @@ process is going away. Its telemetry lives behind one seam, `ExecutionTelemetry`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import functools
 import logging
@@ -20,6 +21,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
+
+from attrs import evolve
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import AbortKind, Aborts, Release, Stop, Suspend, Verdict
@@ -44,14 +47,17 @@ from umt_sdk._steps import Steps
 from umt_sdk._streams import StreamWriter
 from umt_sdk._task import TaskDefinition
 from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
+from umt_sdk._timers import wait_until
 from umt_sdk.exceptions import (
     BackendError,
     BackendUnavailableError,
     CanceledError,
     CodecError,
+    DeadlineExceededError,
     FencingError,
     LeaseLostTooOftenError,
     PayloadError,
+    StartDeadlineExceededError,
 )
 
 __all__ = ["Execution"]
@@ -132,6 +138,10 @@ class Execution:
             replaying=lambda: self.replaying,
         )
         self.task: asyncio.Task[None] | None = None
+        # Steps a plain handler's thread runs on the loop (`call_from_thread`): a deadline
+        # cuts them off with the handler.
+        self._from_thread: set[concurrent.futures.Future[Any]] = set()
+        self._deadline_watch: asyncio.Task[None] | None = None
 
     # -- what others read ---------------------------------------------------------------------
 
@@ -259,8 +269,92 @@ class Execution:
             self.loop.call_soon_threadsafe(self.task.cancel)
 
     def check_before_step(self) -> None:
-        """Raise what must happen instead of the next step: stop, the cancel, or release."""
+        """Raise what must happen instead of the next step: stop, the cancel, the deadline
+        (a run past it never starts another step), or release."""
+        deadline = self.claimed.deadline_at
+        if deadline is not None and self.now() >= deadline:
+            self.deadline_came()
         self.aborts.raise_at_boundary(f"run {self.claimed.run_id}")
+
+    # -- the deadline ---------------------------------------------------------------------------
+
+    def deadline_came(self) -> None:
+        """The run's deadline came: fire the abort signal (once), which the step in progress
+        and the next step boundary obey, and cut the handler off after a short grace if it is
+        still running (an async handler is cancelled; a plain one's thread cannot be, so it is
+        left behind and what it does next is refused). Not once the ending write is on its
+        way: that write decides."""
+        deadline = self.claimed.deadline_at
+        if deadline is None or self._letting_go or self.stopped:
+            return
+        if not self.aborts.fire("deadline", f"deadline {deadline.isoformat()} exceeded"):
+            return
+        self.telemetry.event(
+            "umt.deadline", **{"umt.deadline.at": deadline.isoformat(), "umt.deadline.kind": "run"}
+        )
+        self.loop.call_later(self._deadline_grace(), self._cut_off)
+
+    def _deadline_grace(self) -> float:
+        """Real seconds a handler has to obey the deadline's abort signal before it is cut
+        off: a third of the lease, at most a second."""
+        return min(self.lease.duration.total_seconds() / 3, 1.0)
+
+    def _cut_off(self) -> None:
+        if self._letting_go or self.stopped or not self.aborts.expiring:
+            return
+        for future in list(self._from_thread):
+            future.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    async def _watch_deadline(self, deadline: datetime) -> None:
+        await wait_until(self.now, deadline, self.backend.clock)
+        self.deadline_came()
+
+    def _expired_at_claim(self) -> DeadlineExceededError | None:
+        """The claim came after the run's start deadline (its first claim) or its deadline:
+        the error it ends with, without running the handler."""
+        claimed = self.claimed
+        label = f"run {claimed.run_id} of {claimed.task_name}@{claimed.task_version}"
+        start_by = claimed.start_by
+        if start_by is not None and claimed.claims == 1 and claimed.claimed_at > start_by:
+            return StartDeadlineExceededError(
+                f"{label} was not started by its start deadline {start_by.isoformat()} "
+                "(start_within); it never ran",
+                run_id=claimed.run_id,
+                deadline_at=start_by,
+            )
+        if claimed.deadline_at is not None and claimed.claimed_at >= claimed.deadline_at:
+            return self._deadline_error()
+        return None
+
+    def _deadline_error(self) -> DeadlineExceededError:
+        claimed = self.claimed
+        deadline = claimed.deadline_at
+        assert deadline is not None
+        return DeadlineExceededError(
+            f"run {claimed.run_id} of {claimed.task_name}@{claimed.task_version} was not "
+            f"finished by its deadline {deadline.isoformat()}",
+            run_id=claimed.run_id,
+            deadline_at=deadline,
+        )
+
+    async def _finish_expired(self, exc: DeadlineExceededError) -> None:
+        """End the run failed with `exc`: never retried, whatever the task's retry policy."""
+        task = asyncio.current_task()
+        if task is not None:
+            while task.cancelling():  # our own cut-off: the ending write must still run
+                task.uncancel()
+        kind = "start" if isinstance(exc, StartDeadlineExceededError) else "run"
+        if kind == "start" or not self.aborts.expiring:  # the claim found it expired
+            at = exc.deadline_at.isoformat() if exc.deadline_at else ""
+            self.telemetry.event(
+                "umt.deadline", **{"umt.deadline.at": at, "umt.deadline.kind": kind}
+            )
+        await self._end(
+            Ending(status="failed", outcome="failed", error=error_info(exc), count_failure=True)
+        )
+        self._outcome("failed", exc)
 
     def go_live(self) -> None:
         """The first step the last execution did not finish: from here on, logs speak."""
@@ -292,7 +386,14 @@ class Execution:
             wrapped.close()
             coro.close()
             raise
-        return future.result()
+        self._from_thread.add(future)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:  # cut off by the run's deadline
+            self.aborts.raise_at_boundary(f"run {self.claimed.run_id}")
+            raise
+        finally:
+            self._from_thread.discard(future)
 
     async def _as_current(self, coro: Coroutine[Any, Any, T]) -> T:
         token = _CURRENT.set(self)
@@ -338,11 +439,25 @@ class Execution:
         """The one ending write: the SDK's decision, stored by the backend as given."""
         if ending.finishes:
             _probe.reach(self.aborts, "end", ending.status)
+        else:
+            ending = self._until_deadline(ending)
         result = await self.guard(self.backend.end_execution(self.lease, ending), final=True)
         self._letting_go = result == "ended"
         if result == "ended" and ending.step is not None:
             self.history.remember(ending.step)
         return result
+
+    def _until_deadline(self, ending: Ending) -> Ending:
+        """A run parked or handed back is claimable again by its deadline at the latest, to
+        be ended then (`_expired_at_claim`), whatever it waits for."""
+        deadline = self.claimed.deadline_at
+        if deadline is None:
+            return ending
+        if ending.available_at is None:
+            if ending.status == "waiting":  # a fact wait with no timeout of its own
+                return evolve(ending, available_at=deadline)
+            return ending  # handed back: claimable at once
+        return evolve(ending, available_at=min(ending.available_at, deadline))
 
     async def park(
         self,
@@ -387,6 +502,13 @@ class Execution:
     def start(self) -> asyncio.Task[None]:
         """Run `execute()` in a task of its own: the one a lost lease or a crash cancels."""
         self.task = asyncio.create_task(self.execute(), name=f"umt-run-{self.claimed.run_id}")
+        deadline = self.claimed.deadline_at
+        if deadline is not None:
+            watch = asyncio.create_task(
+                self._watch_deadline(deadline), name=f"umt-deadline-{self.claimed.run_id}"
+            )
+            self._deadline_watch = watch
+            self.task.add_done_callback(lambda _: watch.cancel())
         return self.task
 
     async def execute(self) -> None:
@@ -418,6 +540,10 @@ class Execution:
             self.abort("cancel", self.claimed.cancel_reason or "canceled")
             await self._end(Ending(status="canceled", outcome="canceled"))
             self._outcome("canceled")
+            return
+        expired = self._expired_at_claim()
+        if expired is not None:
+            await self._finish_expired(expired)
             return
         if self.claimed.lost_leases >= definition.max_lost_leases:
             await self._fail_lost_leases()
@@ -459,8 +585,16 @@ class Execution:
                 await self._release()
             elif verdict is Verdict.CANCEL:
                 await self._finish_canceled(exc)
+            elif verdict is Verdict.EXPIRE:
+                await self._finish_expired(self._deadline_error())
             else:
                 await self._finish_failed(exc)
+            return
+        deadline = self.claimed.deadline_at
+        if self.aborts.expiring or (deadline is not None and self.now() >= deadline):
+            # It returned once its deadline had come: it was not finished by then.
+            self.deadline_came()
+            await self._finish_expired(self._deadline_error())
             return
         await self._end(Ending(status="completed", outcome="completed", output_json=output_json))
         self._outcome("completed")

@@ -44,6 +44,10 @@ ending, a cancel, a cascade): a run enqueued with `NewRun.parent_fact` stores th
 for it, as `signal` does); a run that finishes `failed` or `canceled` requests the cancel of
 each of its unfinished children enqueued with `cancel_with_parent`, as `cancel` does (reason
 `"parent <id> <status>"`: a child nobody holds ends canceled at once and finishes in turn).
+A member of a child group (`ChildGroupStore`, optional) also counts itself out of its group
+in that write: the group's `remaining` goes down by one; at zero, the group's fact is stored
+for the parent (waking it, as above: the one wake-up of a fan-out); and a member that had been
+let run (not `held` when it finished) lets the group's first held member run (in input order).
 It may not decide anything else: no retry policy, no limits of its own, no rewriting of what it
 was given. What a backend does on its own (its clock, the lease it extends, what it counts) is
 said on each method and record below. `umt_sdk.testing.BackendContract` checks all of this
@@ -67,6 +71,8 @@ __all__ = [
     "Backend",
     "Beat",
     "CancelOutcome",
+    "ChildGroup",
+    "ChildGroupStore",
     "ClaimedRun",
     "Clock",
     "ControllableClock",
@@ -86,6 +92,10 @@ __all__ = [
     "NewRun",
     "OverlapPolicy",
     "PausedTask",
+    "PruneBatch",
+    "PruneQuery",
+    "PrunedRun",
+    "RetentionStore",
     "RunQuery",
     "RunRecord",
     "RunStatus",
@@ -109,6 +119,11 @@ running: leased by a worker (held while its lease has not lapsed); waiting: park
 durable sleep or a fact; completed/failed/canceled: terminal."""
 
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "canceled"})
+
+HELD_WAIT = "umt turn"
+"""The `wait_for` of a member of a child group held back by its `max_concurrency`: `waiting`,
+with no `available_at`, until a member that ran finishes and lets it run. No fact can wake it
+(a fact's name has no space)."""
 
 StepKind = Literal["step", "sleep", "fact"]
 StepStatus = Literal["completed", "failed", "retrying", "waiting"]
@@ -249,6 +264,9 @@ class NewRun:
     """For a fork: the (`name`, `attempt`) of each step record of `forked_from` to copy into
     this run, in the order to record them (the SDK chose them; the store copies them as
     stored, their `output_json`, error, times and token untouched)."""
+    tags: Mapping[str, str] = field(factory=dict)
+    """The caller's labels (`enqueue(..., tags={"tenant": "t7"})`), checked by the SDK: kept
+    as `RunRecord.tags` and matched by `RunQuery.tags`."""
     concurrency_key: str | None = None
     """The run's concurrency key (the SDK computed it from the input): at most
     `concurrency_limit` runs of this task name and key hold a slot at once (see `claim`)."""
@@ -257,6 +275,15 @@ class NewRun:
     count_waiting: bool = False
     """With `concurrency_key`: whether the run keeps its slot while `waiting` (a sleep, a
     wait for a fact); by default a waiting run gives its slot back and needs one again to run."""
+    deadline_at: datetime | None = field(default=None, validator=_tz_aware)
+    """When the run must be finished by (`enqueue(deadline=...)`), as given."""
+    timeout: timedelta | None = None
+    """How long the run may take from its enqueue (`@task(timeout=...)`, a relative
+    `enqueue(deadline=...)`): the backend's clock at the enqueue plus this. The stored
+    deadline (`RunRecord.deadline_at`) is the earlier of the two; None and None: no deadline."""
+    start_within: timedelta | None = None
+    """How long after it becomes claimable (the enqueue plus `delay`) the run may still be
+    started: stored as `RunRecord.start_by`. None: no start deadline."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -279,6 +306,9 @@ class EnqueueResult:
     """When not `created`: the stored input hash of the run the key names. The engine refuses
     the enqueue (`IdempotencyConflictError`) when it is not the new run's: the backend stores
     and reports, the SDK decides. None: the backend does not say."""
+    pruned: bool = False
+    """When not `created`: the key names a run that retention deleted (its tombstone,
+    `PrunedRun`, keeps the key, input hash and version): the key is still taken."""
 
 
 @frozen(kw_only=True)
@@ -345,6 +375,12 @@ class ClaimedRun:
     idempotency_key: str | None = None
     """The run's idempotency key as stored (None without one): a scheduled run's key names
     its tick, which the SDK reads back as `ctx.scheduled_at`."""
+    deadline_at: datetime | None = field(default=None, validator=_tz_aware)
+    """The run's deadline as stored (`RunRecord.deadline_at`): the SDK ends the run failed
+    when it comes (at once, without running the handler, when the claim is past it)."""
+    start_by: datetime | None = field(default=None, validator=_tz_aware)
+    """The run's start deadline as stored (`RunRecord.start_by`): a first claim past it ends
+    the run failed without running the handler."""
 
 
 EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
@@ -488,8 +524,14 @@ class RunRecord:
     """The run this one is a fork of (`NewRun.forked_from`)."""
     forked_at_step: str | None = None
     """The step the fork executed from (`NewRun.forked_at_step`)."""
+    tags: Mapping[str, str] = field(factory=dict)
+    """The labels given at enqueue (`NewRun.tags`)."""
     concurrency_key: str | None = None
     """The run's concurrency key as stored (None without one)."""
+    deadline_at: datetime | None = None
+    """When the run must be finished by (`NewRun.deadline_at` / `timeout`), None: never."""
+    start_by: datetime | None = None
+    """When the run must have been claimed by (`NewRun.start_within`), None: no limit."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)
@@ -499,7 +541,9 @@ class RunRecord:
 
 @frozen(kw_only=True)
 class RunQuery:
-    """Filters for `list_runs`; newest first; `before` is the cursor (a run id from a page)."""
+    """Filters for `list_runs`, all of them at once (None: any); newest first, by run id
+    descending; `before` is the cursor: only runs whose id is smaller (a run id from a page,
+    which need not exist any more)."""
 
     task_name: str | None = None
     task_version: int | None = None
@@ -510,6 +554,18 @@ class RunQuery:
     """Only the runs of this concurrency key."""
     limit: int = 100
     before: UUID | None = None
+    idempotency_key: str | None = None
+    """Only the run(s) enqueued under this key (one per task name)."""
+    tags: Mapping[str, str] = field(factory=dict)
+    """Only runs carrying every one of these tags (key and value equal)."""
+    created_after: datetime | None = field(default=None, validator=_tz_aware)
+    """Only runs created at or after this time (`RunRecord.created_at`)."""
+    created_before: datetime | None = field(default=None, validator=_tz_aware)
+    """Only runs created strictly before this time."""
+    finished_after: datetime | None = field(default=None, validator=_tz_aware)
+    """Only finished runs, finished at or after this time (`RunRecord.finished_at`)."""
+    finished_before: datetime | None = field(default=None, validator=_tz_aware)
+    """Only finished runs, finished strictly before this time."""
 
 
 @frozen(kw_only=True)
@@ -572,7 +628,12 @@ class Backend(Protocol):
         backend cannot join is refused with `UsageError`).
 
         The run is `pending`, claimable from the backend's clock plus `new.delay`
-        (`available_at`). Same idempotency key: same input hash returns the existing run
+        (`available_at`), or from its deadline if that is earlier. It keeps its deadline:
+        `deadline_at`, the earlier of `new.deadline_at` and the clock plus `new.timeout`
+        (None if neither is given), and `start_by`, the clock plus `new.delay` plus
+        `new.start_within` (None without it); the claim hands both out
+        (`ClaimedRun.deadline_at`, `start_by`) and the SDK decides what they mean.
+        Same idempotency key: same input hash returns the existing run
         (`created=False`, with its `task_version`), a different hash raises
         `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
         names another version. A child run keeps `parent_run_id`, `parent_fact` and
@@ -835,6 +896,141 @@ class ScheduleStore(Protocol):
     async def delete_schedule(self, name: str) -> bool:
         """Delete the schedule; False when there was none. Its runs are kept."""
         ...
+
+
+# -- retention ----------------------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class PruneQuery:
+    """Which finished runs a `prune_runs` batch may delete.
+
+    A run is *prunable* when all of these hold, judged by the store's clock at the batch:
+    - it finished (`completed`, `failed`, `canceled`) before the clock minus `older_than`;
+    - its task is in `task_names` (None: any) and not in `exclude_task_names`;
+    - it has no unfinished child (a child's finishing write stores a fact for its parent);
+    - its parent, if it has one that is stored, is finished (a parent still running may
+      read its child's result).
+    Pending, running and waiting runs are never prunable.
+    """
+
+    older_than: timedelta
+    task_names: Sequence[str] | None = None
+    exclude_task_names: Sequence[str] = ()
+    limit: int = 500
+    """The most runs one batch deletes: batches stay small so no statement holds many locks
+    or writes much WAL at once."""
+
+
+@frozen(kw_only=True)
+class PruneBatch:
+    """What one `prune_runs` (or `forget_pruned`) batch did."""
+
+    pruned: int
+    """Rows deleted: runs (with everything stored for them), or tombstones."""
+    busy: bool = False
+    """Another pruner held the store's pruning lock: this batch did nothing (try later)."""
+
+
+@frozen(kw_only=True)
+class PrunedRun:
+    """The tombstone a pruned run leaves: what its idempotency key and `get` still need."""
+
+    run_id: UUID
+    task_name: str
+    task_version: int
+    status: RunStatus
+    idempotency_key: str | None
+    input_hash: str
+    created_at: datetime
+    finished_at: datetime
+    pruned_at: datetime
+
+
+@runtime_checkable
+class RetentionStore(Protocol):
+    """What a backend implements to delete old finished runs (`connect(retention=...)`,
+    `engine.prune`, `umt runs prune`). Optional: on a backend without it those refuse with a
+    `UsageError`, and nothing is ever deleted.
+
+    A pruned run is deleted with everything stored for it (steps, executions, its facts and
+    tags, whatever else the backend keeps per run), and leaves a tombstone (`PrunedRun`) in
+    the same write. Tombstones keep idempotency keys taken: `enqueue` under a key whose run
+    was pruned returns that run (`EnqueueResult.pruned`, with its input hash and version),
+    exactly as if it were still stored, until `forget_pruned` drops the tombstone.
+    """
+
+    async def prune_runs(self, query: PruneQuery) -> PruneBatch:
+        """Delete up to `query.limit` prunable runs (see `PruneQuery`), oldest finished first,
+        each with its tombstone, in one write.
+
+        One pruner at a time: a batch that cannot have the store's pruning lock at once does
+        nothing and says `busy`, so many workers pruning at once delete each run once and do
+        not queue behind each other.
+        """
+        ...
+
+    async def count_prunable(self, query: PruneQuery) -> int:
+        """How many runs are prunable now (`query.limit` ignored): a dry run."""
+        ...
+
+    async def get_pruned(self, run_id: UUID) -> PrunedRun | None:
+        """The tombstone of a pruned run, or None (never pruned, or its tombstone dropped)."""
+        ...
+
+    async def forget_pruned(self, *, older_than: timedelta, limit: int) -> PruneBatch:
+        """Drop up to `limit` tombstones pruned before the store's clock minus `older_than`:
+        their idempotency keys are free again (`connect(idempotency_retention=...)`)."""
+
+
+# -- child groups (fan-out) --------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class ChildGroup:
+    """A group of a parent's child runs awaited together (`ctx.step.map`, `ctx.step.gather`):
+    its last member to finish stores the fact `name` for the parent, once."""
+
+    parent_run_id: UUID
+    name: str
+    """The group's name within its parent, and the fact stored for the parent when its last
+    member finishes (the parent parks on it)."""
+    max_concurrency: int | None = None
+    """`start_group`: at most this many members not finished and not held; None: no limit."""
+
+
+@runtime_checkable
+class ChildGroupStore(Protocol):
+    """What a backend implements for fan-out (`ctx.step.map`, `ctx.step.gather`). Optional: an
+    engine on a backend without it refuses them with a `UsageError` that says so.
+
+    A group row keeps `remaining`, the members not finished; each member's finishing write
+    counts it out (`finishing`, module docstring), so the parent is woken once, by the write
+    that finishes the last member, and nothing polls.
+    """
+
+    async def start_group(
+        self, group: ChildGroup, runs: Sequence[NewRun]
+    ) -> Sequence[EnqueueResult]:
+        """Store the group and its members `runs` (children of `group.parent_run_id`, in input
+        order), atomically. The first `group.max_concurrency` members (all of them without a
+        limit) are `pending` as `enqueue` stores a run; the others are *held*: `waiting`, no
+        `available_at`, `wait_for` `HELD_WAIT`, until a finishing member lets them run.
+        First write wins: when the group exists, nothing is written and its stored members
+        are returned in order (`created=False`, with `task_version` and `input_hash`); the SDK
+        compares. Returns one result per member, in order."""
+        ...
+
+    async def join_group(self, group: ChildGroup, run_ids: Sequence[UUID]) -> int:
+        """Make the children `run_ids` of `group.parent_run_id` (started one by one) the
+        members of `group`, in that order, replacing a group of that name; `remaining` is how
+        many of them are not finished, counted atomically with the membership (a member
+        finishing concurrently is counted exactly once). At zero, the group's fact is stored
+        at once. A run may be a member of one group at a time. Returns `remaining`."""
+        ...
+
+    async def group_runs(self, *, parent_run_id: UUID, name: str) -> Sequence[RunRecord]:
+        """The group's members, in order, without steps and executions (one read)."""
 
 
 # -- streams --------------------------------------------------------------------------------------

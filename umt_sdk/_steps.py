@@ -31,6 +31,8 @@ from umt_sdk._names import check_name, inline_target
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import (
     Backend,
+    ChildGroup,
+    ChildGroupStore,
     ClaimedRun,
     ErrorInfo,
     ExecutionOutcome,
@@ -44,18 +46,22 @@ from umt_sdk._spi import (
 )
 from umt_sdk._streams import StepScope, step_scope
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
+from umt_sdk._timers import wait_until
 from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
+    ChildrenFailedError,
+    DeadlineExceededError,
     FactTimeoutError,
     IdempotencyConflictError,
     PayloadError,
     StepFailedError,
+    StepTimeoutError,
     UsageError,
 )
 
-__all__ = ["StepCall", "StepHost", "Steps", "error_info"]
+__all__ = ["StepCall", "StepHost", "Steps", "error_info", "group_fact"]
 
 T = TypeVar("T")
 
@@ -74,6 +80,8 @@ class StepCall:
     """The step's own retry policy; None: the task's."""
     output_type: Any = Any
     """What the output decodes to, on the first execution and on every replay."""
+    timeout: timedelta | None = None
+    """How long one attempt may run before it fails with `StepTimeoutError`; None: no limit."""
 
     @classmethod
     def inline(
@@ -85,12 +93,14 @@ class StepCall:
         *,
         retry: RetryPolicy | None,
         output_type: Any,
+        timeout: timedelta | None = None,
     ) -> StepCall:
-        """`ctx.step.run(name, fn, *args, retry=..., output_type=..., **kwargs)`: the name
-        checked, and a decorated `fn` replaced by its plain function, its output type and
-        (unless `retry` overrides it) its retry policy (`_names.inline_target`)."""
+        """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
+        the name checked, and a decorated `fn` replaced by its plain function, its output type
+        and (unless `retry` / `timeout` override them) its retry policy and timeout
+        (`_names.inline_target`)."""
         check_name("step", name)
-        fn, declared, retry = inline_target(fn, retry)
+        fn, declared, retry, timeout = inline_target(fn, retry, timeout)
         return cls(
             name=name,
             fn=fn,
@@ -98,6 +108,7 @@ class StepCall:
             kwargs=kwargs,
             retry=retry,
             output_type=declared if output_type is None else output_type,
+            timeout=timeout,
         )
 
 
@@ -148,6 +159,7 @@ class StepHost(Protocol):
 
     def now(self) -> datetime: ...
     def check_before_step(self) -> None: ...
+    def deadline_came(self) -> None: ...
     def go_live(self) -> None: ...
     def fenced(self) -> None: ...
     def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
@@ -275,9 +287,22 @@ class Steps:
         if self._on_step_start is not None:
             self._on_step_start()
         try:
-            value = await self._body(call, full, attempt)
+            if call.timeout is None and self._host.claimed.deadline_at is None:
+                value = await self._body(call, full, attempt)
+            else:
+                value = await self._bounded(call, full, attempt, started)
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
             verdict = self._host.aborts.classify(exc, cancelled_by_worker=_cancelled_by_worker())
+            if verdict is Verdict.EXPIRE:
+                # The run's deadline came: the step is cut off, not recorded; the run fails.
+                step_trace.ended("deadline")
+                if isinstance(exc, DeadlineExceededError):
+                    raise
+                raise DeadlineExceededError(
+                    f"step {full!r} was cut off by the run's deadline",
+                    run_id=self._host.claimed.run_id,
+                    deadline_at=self._host.claimed.deadline_at,
+                ) from None
             if verdict in (Verdict.SUSPEND, Verdict.STOP):
                 if verdict is Verdict.STOP:
                     step_trace.ended(self._stop_outcome())
@@ -389,6 +414,48 @@ class Steps:
         finally:
             step_scope.reset(scope)
 
+    async def _bounded(self, call: StepCall, full: str, attempt: int, started: datetime) -> Any:
+        """The step's body, cut off at its timeout (`StepTimeoutError`) or at the run's
+        deadline (`DeadlineExceededError`), on the backend's clock. An async body is
+        cancelled; a plain one's thread cannot be: it finishes on its own, its result unread.
+        """
+        host = self._host
+        body = asyncio.ensure_future(self._body(call, full, attempt))
+        body.add_done_callback(_consume)
+        clock = host.backend.clock
+        limits: dict[asyncio.Future[Any], str] = {}
+        if call.timeout is not None:
+            limits[asyncio.ensure_future(wait_until(host.now, started + call.timeout, clock))] = (
+                "timeout"
+            )
+        deadline = host.claimed.deadline_at
+        if deadline is not None:
+            limits[asyncio.ensure_future(wait_until(host.now, deadline, clock))] = "deadline"
+        try:
+            done, _ = await asyncio.wait({body, *limits}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for limit in limits:
+                limit.cancel()
+            if not body.done():
+                body.cancel()
+        if body in done:
+            return body.result()
+        if any(limits[limit] == "deadline" for limit in done):
+            host.deadline_came()
+            host.check_before_step()  # raises what the run's abort state says
+        assert call.timeout is not None
+        seconds = call.timeout.total_seconds()
+        cut = (
+            "its body was cancelled"
+            if inspect.iscoroutinefunction(call.fn)
+            else "its thread cannot be killed: it finishes on its own, its result ignored"
+        )
+        raise StepTimeoutError(
+            f"step {full!r} ran past its timeout of {seconds:g} s ({cut})",
+            step_name=full,
+            timeout_seconds=seconds,
+        )
+
     async def start_child(
         self,
         name: str,
@@ -431,6 +498,7 @@ class Steps:
                         parent_fact=child_fact(child_id),
                         cancel_with_parent=cancel_with_parent,
                         **keyed,
+                        timeout=definition.timeout,
                     )
                 )
             )
@@ -509,6 +577,200 @@ class Steps:
                 )
                 raise Suspend
             # The child finished between our look and the park: go round again.
+
+    def _group_store(self, what: str) -> ChildGroupStore:
+        backend = self._host.backend
+        if not isinstance(backend, ChildGroupStore):
+            raise UsageError(
+                f"{what}: the backend {type(backend).__name__} does not store child groups "
+                "(ChildGroupStore); use a backend that does (memory, Postgres), or start the "
+                "children with start_child and await each handle",
+                argument="task" if what.startswith("map") else "handles",
+            )
+        return backend
+
+    async def map(
+        self,
+        name: str,
+        definition: TaskDefinition[Any, Any],
+        inputs: Sequence[Any],
+        *,
+        max_concurrency: int | None,
+        priority: int | None,
+        cancel_with_parent: bool,
+        return_exceptions: bool,
+    ) -> list[Any]:
+        """Start one child of `definition` per input (the step `name`, once: each child's
+        idempotency key is this run, the step's recorded name and the input's index), at most
+        `max_concurrency` of them running or claimable at once (the store lets the next one
+        run in the write that finishes one), then wait, parked, until all of them finished:
+        the last one's finishing write wakes this run, once. Outcomes in input order."""
+        check_name("step", name)
+        store = self._group_store(f"map {name!r}")
+        if definition.concurrency is not None:
+            raise UsageError(
+                f"map {name!r}: task {definition.name!r} has a concurrency key, which map does "
+                "not combine with its own held children; use max_concurrency, or start_child "
+                "and gather",
+                argument="task",
+            )
+        parent = self._host.claimed
+        full = self.history.next_occurrence(name)
+        group = ChildGroup(
+            parent_run_id=parent.run_id, name=group_fact(full), max_concurrency=max_concurrency
+        )
+        encoded = [
+            _serde.encode_input(item, definition.input_type, what=f"input {i} of map {name!r}")
+            for i, item in enumerate(inputs)
+        ]
+        child_priority = parent.priority if priority is None else priority
+
+        async def start_children() -> list[UUID]:
+            runs = [
+                NewRun(
+                    run_id=new_run_id(),
+                    task_name=definition.name,
+                    task_version=definition.version,
+                    input_json=input_json,
+                    input_hash=input_hash,
+                    priority=child_priority,
+                    idempotency_key=f"umt.map:{parent.run_id}:{full}:{i}",
+                    trace_context=Telemetry.inject(),
+                    parent_run_id=parent.run_id,
+                    cancel_with_parent=cancel_with_parent,
+                )
+                for i, (input_json, input_hash) in enumerate(encoded)
+            ]
+            if not runs:
+                return []
+            results = await self._host.guard(store.start_group(group, runs))
+            if len(results) != len(runs):
+                raise IdempotencyConflictError(
+                    f"map {name!r} started {len(results)} children when it ran before a crash, "
+                    f"not {len(runs)}: its inputs must not depend on the clock, randomness or "
+                    "outside state read outside a step",
+                    idempotency_key=runs[0].idempotency_key or "",
+                )
+            for new, result in zip(runs, results, strict=True):
+                if not result.created and result.input_hash not in (None, new.input_hash):
+                    raise IdempotencyConflictError(
+                        f"map {name!r} started child run {result.run_id} with another input "
+                        "when it ran before a crash: the inputs must not depend on the clock, "
+                        "randomness or outside state read outside a step",
+                        idempotency_key=new.idempotency_key or "",
+                        run_id=result.run_id,
+                    )
+            return [result.run_id for result in results]
+
+        child_ids: list[UUID] = await self.run(
+            StepCall(name=name, fn=start_children, output_type=list[UUID], retry=_CHILD_RETRY)
+        )
+        names = [f"{name}[{i}]" for i in range(len(child_ids))]
+        return await self._wait_group(
+            f"{name}.result",
+            group,
+            child_ids,
+            names,
+            definition.output_type,
+            return_exceptions=return_exceptions,
+            join=False,
+        )
+
+    async def gather(
+        self,
+        name: str,
+        handles: Sequence[tuple[str, UUID, Any]],
+        *,
+        return_exceptions: bool,
+    ) -> list[Any]:
+        """Wait, parked, until every child of `handles` (start step name, run id, output
+        type) finished; woken once, by the write that finishes the last one. Outcomes in the
+        order of `handles`. The children join a group `name` (`ChildGroupStore.join_group`)
+        before this run parks; a replay returns or raises from the record."""
+        check_name("step", name)
+        self._group_store(f"gather {name!r}")
+        full = self.history.next_occurrence(name)
+        group = ChildGroup(parent_run_id=self._host.claimed.run_id, name=group_fact(full))
+        return await self._wait_group(
+            name,
+            group,
+            [run_id for _, run_id, _ in handles],
+            [start for start, _, _ in handles],
+            Any,
+            return_exceptions=return_exceptions,
+            join=True,
+            output_types=[t for _, _, t in handles],
+        )
+
+    async def _wait_group(
+        self,
+        result_name: str,
+        group: ChildGroup,
+        child_ids: list[UUID],
+        names: list[str],
+        output_type: Any,
+        *,
+        return_exceptions: bool,
+        join: bool,
+        output_types: list[Any] | None = None,
+    ) -> list[Any]:
+        """Park on the group's fact until its last member finished, then record every
+        member's outcome, in order, as the step `result_name` (kind `fact`) and return them
+        (or raise `ChildrenFailedError`); a replay does the same from the record."""
+        types = output_types or [output_type] * len(child_ids)
+        full = self.history.occurrence(result_name)
+        last = self.history.last(full, "fact")
+        replayed = last is not None and last.status == "completed"
+        _probe.report("call", full, step_kind="fact", replayed=replayed)
+        if last is not None and last.status == "completed":
+            self._telemetry.replayed(last)
+            return _group_outcome(
+                full, child_ids, names, last.output_json, types, return_exceptions
+            )
+        if not child_ids:
+            return []
+        self._host.check_before_step()
+        self._host.go_live()
+        store = self._group_store(f"wait {result_name!r}")
+        started = last.started_at if last is not None and last.started_at else self._host.now()
+        backend = self._host.backend
+        run_id = self._host.claimed.run_id
+        if join:
+            await self._host.guard(store.join_group(group, child_ids))
+        while True:
+            facts = await self._host.guard(backend.get_facts(run_id=run_id, name=group.name))
+            if facts:
+                members = await self._host.guard(
+                    store.group_runs(parent_run_id=run_id, name=group.name)
+                )
+                by_id = {member.run_id: member for member in members}
+                output = "[" + ",".join(_child_envelope(by_id.get(c)) for c in child_ids) + "]"
+                await self._record(
+                    self._step_record(
+                        full,
+                        "fact",
+                        status="completed",
+                        started_at=started,
+                        finished_at=self._host.now(),
+                        output_json=output,
+                    )
+                )
+                return _group_outcome(full, child_ids, names, output, types, return_exceptions)
+            waiting = (
+                None
+                if last is not None
+                else self._step_record(full, "fact", status="waiting", started_at=started)
+            )
+            _probe.reach(self._host.aborts, "park", full, step_kind="fact")
+            if await self._host.park(
+                outcome="waiting", step=waiting, available_at=None, wait_for=group.name
+            ):
+                self._telemetry.event(
+                    "umt.children.wait",
+                    **{"umt.step.name": full, "umt.children.count": len(child_ids)},
+                )
+                raise Suspend
+            # The last child finished between our look and the park: go round again.
 
     async def sleep(self, name: str, duration: timedelta) -> None:
         check_name("sleep", name, argument="name")
@@ -704,7 +966,10 @@ def _child_envelope(child: RunRecord | None) -> str:
 def _child_outcome(
     start_name: str, child_id: UUID, output_json: str | None, output_type: Any
 ) -> Any:
-    raw = json.loads(output_json or "{}")
+    return _child_outcome_of(start_name, child_id, json.loads(output_json or "{}"), output_type)
+
+
+def _child_outcome_of(start_name: str, child_id: UUID, raw: Any, output_type: Any) -> Any:
     status = raw.get("status")
     if status == "completed":
         return _serde.from_raw(
@@ -727,6 +992,51 @@ def _child_outcome(
         error_type=error_type,
         error_message=message,
     )
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Read a cut-off body's ending so asyncio never reports it as unread."""
+    if not task.cancelled():
+        task.exception()
+
+
+def group_fact(full_name: str) -> str:
+    """The fact a child group stores for its parent when its last member finishes: named
+    after the map's or gather's recorded step name. It holds a space, which no fact sent with
+    `signal` can (their names are checked), so only the group's last member can store it."""
+    return f"umt.group {full_name}"
+
+
+def _group_outcome(
+    step_name: str,
+    child_ids: list[UUID],
+    names: list[str],
+    output_json: str | None,
+    output_types: list[Any],
+    return_exceptions: bool,
+) -> list[Any]:
+    envelopes = json.loads(output_json or "[]")
+    results: list[Any] = []
+    errors: dict[int, ChildFailedError | ChildCanceledError] = {}
+    for i, (child_id, start_name, envelope, output_type) in enumerate(
+        zip(child_ids, names, envelopes, output_types, strict=True)
+    ):
+        try:
+            results.append(_child_outcome_of(start_name, child_id, envelope, output_type))
+        except (ChildFailedError, ChildCanceledError) as exc:
+            results.append(exc)
+            errors[i] = exc
+    if errors and not return_exceptions:
+        first = errors[min(errors)]
+        raise ChildrenFailedError(
+            f"{len(errors)} of the {len(results)} children of {step_name!r} did not complete "
+            f"(the first: {first}); the error's `results` has every child's outcome in order, "
+            "its `errors` each failure by index (or pass return_exceptions=True)",
+            step_name=step_name,
+            results=results,
+            errors=errors,
+        )
+    return results
 
 
 def _step_failed(name: str, error: ErrorInfo | None) -> StepFailedError:

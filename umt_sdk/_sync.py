@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from uuid import UUID
 
 from umt_sdk._engine import Engine, connect
 from umt_sdk._export import RunHistory
+from umt_sdk._retention import DEFAULT_BATCH_SIZE, PruneReport
 from umt_sdk._spi import CancelOutcome, Clock, PausedTask, RunStatus, TaskPair
 from umt_sdk._streams import StreamItem
 from umt_sdk._task import Registry, TaskDefinition
@@ -59,6 +60,9 @@ class SyncEngine:
         priority: int = 0,
         delay: timedelta | None = None,
         version: int | None = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> UUID:
         """Enqueue (see `Engine.enqueue`) and return the run id."""
         handle = self._call(
@@ -69,6 +73,9 @@ class SyncEngine:
                 priority=priority,
                 delay=delay,
                 version=version,
+                tags=tags,
+                deadline=deadline,
+                start_within=start_within,
             )
         )
         return handle.run_id
@@ -117,6 +124,12 @@ class SyncEngine:
         parent: UUID | None = None,
         limit: int = 100,
         before: UUID | None = None,
+        idempotency_key: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        created_after: datetime | None = None,
+        created_before: datetime | None = None,
+        finished_after: datetime | None = None,
+        finished_before: datetime | None = None,
     ) -> RunPage:
         return self._call(
             self._engine.list(
@@ -126,6 +139,27 @@ class SyncEngine:
                 parent=parent,
                 limit=limit,
                 before=before,
+                idempotency_key=idempotency_key,
+                tags=tags,
+                created_after=created_after,
+                created_before=created_before,
+                finished_after=finished_after,
+                finished_before=finished_before,
+            )
+        )
+
+    def prune(
+        self,
+        *,
+        older_than: timedelta,
+        task: str | Sequence[str] | None = None,
+        dry_run: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> PruneReport:
+        """Delete old finished runs now (see `Engine.prune`)."""
+        return self._call(
+            self._engine.prune(
+                older_than=older_than, task=task, dry_run=dry_run, batch_size=batch_size
             )
         )
 

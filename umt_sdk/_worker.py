@@ -24,6 +24,7 @@ from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import BackendError, BackendUnavailableError
 
 if TYPE_CHECKING:
+    from umt_sdk._retention import Pruner
     from umt_sdk._schedules import Schedules
 
 __all__ = ["Worker"]
@@ -112,6 +113,8 @@ class Worker:
         shutdown_grace: timedelta = timedelta(seconds=10),
         telemetry: Telemetry | None = None,
         schedules: Schedules[Any] | None = None,
+        pruner: Pruner | None = None,
+        prune_interval: timedelta = timedelta(minutes=1),
     ) -> None:
         check.integer(
             concurrency,
@@ -140,6 +143,7 @@ class Worker:
                 )
         check.duration(poll_interval, "poll_interval", positive=True, where="worker")
         check.duration(shutdown_grace, "shutdown_grace", where="worker")
+        check.duration(prune_interval, "prune_interval", positive=True, where="worker")
         self.backend = backend
         self.telemetry = telemetry or Telemetry()
         self.registry = registry
@@ -170,6 +174,9 @@ class Worker:
         self.crashed = False
         self.schedules = schedules if schedules is not None and schedules.supported else None
         """Whose due ticks this worker starts (the scheduler loop), for the tasks it serves."""
+        self.pruner = pruner
+        """What deletes old finished runs in the background (None: no retention)."""
+        self.prune_interval = prune_interval
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -200,6 +207,12 @@ class Worker:
             self._tasks.append(
                 asyncio.create_task(
                     self._schedule_loop(self.schedules), name=f"umt-schedules-{self.worker_id}"
+                )
+            )
+        if self.pruner is not None:
+            self._tasks.append(
+                asyncio.create_task(
+                    self._prune_loop(self.pruner), name=f"umt-prune-{self.worker_id}"
                 )
             )
 
@@ -452,6 +465,47 @@ class Worker:
                     if self._stopping:
                         return
                     delay = outage.backoff()
+                    outage.failed(exc, delay)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await moved.wait()
+                moved.clear()
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+
+    async def _prune_loop(self, pruner: Pruner) -> None:
+        """The retention loop: a pass every `prune_interval` (at once when a test's clock
+        moves). Every worker runs it; the store lets one pruner at a time delete, and a
+        worker that finds another at work skips its turn."""
+        outage = _Outage("deleting old finished runs")
+        moved = asyncio.Event()
+        clock = self.backend.clock
+        loop = asyncio.get_running_loop()
+        unsubscribe = None
+
+        def wake() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(moved.set)
+
+        if isinstance(clock, ControllableClock):
+            unsubscribe = clock.subscribe(wake)
+        try:
+            while not self._stopping:
+                delay = self.prune_interval.total_seconds()
+                try:
+                    done = await pruner.run_pass()
+                    if done["pruned"] or done["forgotten"]:
+                        _log.info(
+                            "retention deleted %d finished runs and %d tombstones",
+                            done["pruned"],
+                            done["forgotten"],
+                        )
+                    outage.succeeded()
+                except Exception as exc:
+                    if self._stopping:
+                        return
+                    delay = max(delay, outage.backoff())
                     outage.failed(exc, delay)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):

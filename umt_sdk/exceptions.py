@@ -14,16 +14,21 @@ UmtError
 ├── FencingError             this attempt no longer holds the run (lease lost): never retry
 ├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
+│   └── RunPrunedError       the run existed and retention deleted it (its tombstone says so)
 ├── ScheduleNotFoundError    (also LookupError) no schedule with that name
 ├── NonDeterminismError      the code no longer matches the run's recorded history
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
+├── StepTimeoutError         (also TimeoutError) a step attempt ran past its timeout
+├── DeadlineExceededError    (also TimeoutError) the run was not finished at its deadline
+│   └── StartDeadlineExceededError  the run was not started before its start deadline
 ├── CanceledError            the run was canceled (raised inside the handler)
 ├── RunFailedError           engine.result(): the run ended failed
 │   └── ChildFailedError     a child run's result, in its parent: the child ended failed
 ├── RunCanceledError         engine.result(): the run ended canceled
 │   └── ChildCanceledError   a child run's result, in its parent: the child ended canceled
+├── ChildrenFailedError      a map or gather in a parent: some children failed or were canceled
 └── ResultTimeoutError       (also TimeoutError) engine.result() waited longer than asked
 ```
 
@@ -38,6 +43,7 @@ execution (umt does, for its own writes and for `with_attempt_token`).
 
 from __future__ import annotations
 
+from datetime import datetime
 from uuid import UUID
 
 __all__ = [
@@ -47,7 +53,9 @@ __all__ = [
     "CanceledError",
     "ChildCanceledError",
     "ChildFailedError",
+    "ChildrenFailedError",
     "CodecError",
+    "DeadlineExceededError",
     "FactTimeoutError",
     "FencingError",
     "IdempotencyConflictError",
@@ -59,8 +67,11 @@ __all__ = [
     "RunCanceledError",
     "RunFailedError",
     "RunNotFoundError",
+    "RunPrunedError",
     "ScheduleNotFoundError",
+    "StartDeadlineExceededError",
     "StepFailedError",
+    "StepTimeoutError",
     "TaskDefinitionError",
     "UmtError",
     "UnknownTaskError",
@@ -181,6 +192,24 @@ class RunNotFoundError(UmtError, LookupError):
         self.run_id = run_id
 
 
+class RunPrunedError(RunNotFoundError):
+    """The run finished and was deleted by retention; only its tombstone is left."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        status: str = "",
+        finished_at: datetime | None = None,
+        pruned_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message, run_id=run_id)
+        self.status = status
+        self.finished_at = finished_at
+        self.pruned_at = pruned_at
+
+
 class ScheduleNotFoundError(UmtError, LookupError):
     """No schedule with this name exists."""
 
@@ -269,6 +298,40 @@ class FactTimeoutError(UmtError, TimeoutError):
         self.fact_name = fact_name
 
 
+class StepTimeoutError(UmtError, TimeoutError):
+    """A step attempt ran past its timeout: an async body was cancelled, a plain one (a
+    thread, which cannot be killed) was left to finish on its own and its result ignored. The
+    attempt failed; the step's retry policy decides whether another one runs."""
+
+    def __init__(
+        self, message: str | None = None, *, step_name: str = "", timeout_seconds: float = 0.0
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.timeout_seconds = timeout_seconds
+
+
+class DeadlineExceededError(UmtError, TimeoutError):
+    """The run was not finished at its deadline (`@task(timeout=...)`,
+    `enqueue(deadline=...)`): it ended failed, never retried, whatever it was doing."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        deadline_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.deadline_at = deadline_at
+
+
+class StartDeadlineExceededError(DeadlineExceededError):
+    """The run was not claimed before its start deadline (`enqueue(start_within=...)`): it
+    ended failed without running."""
+
+
 class CanceledError(UmtError):
     """The run was canceled."""
 
@@ -336,6 +399,31 @@ class ChildCanceledError(RunCanceledError):
     ) -> None:
         super().__init__(message, run_id=run_id, reason=reason)
         self.step_name = step_name
+
+
+class ChildrenFailedError(UmtError):
+    """Some children of a fan-out (`ctx.step.map`, `ctx.step.gather`) failed or were canceled
+    (raised in the parent once all of them finished, on every replay too).
+
+    `results` holds every child's outcome in input order: its output, or the
+    `ChildFailedError` / `ChildCanceledError` it ended with; `errors` maps the index of each
+    child that did not complete to that error. `step_name` is the map's or gather's name.
+    """
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        step_name: str = "",
+        results: list[object] | None = None,
+        errors: dict[int, ChildFailedError | ChildCanceledError] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.results: list[object] = results if results is not None else []
+        self.errors: dict[int, ChildFailedError | ChildCanceledError] = (
+            errors if errors is not None else {}
+        )
 
 
 class ResultTimeoutError(UmtError, TimeoutError):

@@ -10,18 +10,23 @@ wrote; the worker that takes the run over runs the step again and finds them (no
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
-from tests._procs.support import Process, Spawner
+from tests._procs.support import Process, Spawner, q
 from tests.integration.stream_tasks import TASKS, Progress, progress
 from umt_backend_pg import _wakeups as wakeups
+from umt_backend_pg._sql import queries, render
 from umt_sdk import Engine, Registry, StreamItem, connect
 from umt_sdk import _streams as streams
+from umt_sdk.backend import NewRun, TaskPair, new_run_id
 
 pytestmark = pytest.mark.slow
 
@@ -116,3 +121,59 @@ async def test_a_step_run_again_after_sigkill_does_not_write_twice(
     info = await engine.get(handle.run_id)
     assert info.status == "completed"
     assert info.lease_expirations == 1
+
+
+async def test_an_append_reads_as_much_at_the_first_value_as_at_the_ten_thousandth(
+    engine: Engine, pg_url: str, pg_schema: str
+) -> None:
+    """Work, not time: the buffers one append touches (EXPLAIN (ANALYZE, BUFFERS), the run's
+    row, the stream's row, the key and seq indexes) do not grow with the stream's length
+    beyond an index level; the figures are in docs/performance.md."""
+    backend = engine.backend
+    run_id = new_run_id()
+    await backend.enqueue(
+        NewRun(run_id=run_id, task_name="streams.bench", task_version=1, input_json="null",
+               input_hash="bench")
+    )  # fmt: skip
+    (claimed,) = await backend.claim(
+        worker_id="bench", pairs=[TaskPair(name="streams.bench", version=1)], limit=1,
+        lease=timedelta(seconds=60),
+    )  # fmt: skip
+    statement = render(queries()["append_stream"], pg_schema)
+
+    async def buffers(key: str) -> int:
+        params = {"run_id": run_id, "token": claimed.fencing_token, "name": "progress",
+                  "key": key, "value": '{"done": 1, "total": 2}'}  # fmt: skip
+        async with await psycopg.AsyncConnection.connect(pg_url) as conn:
+            cur = await conn.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement,  # our own statement
+                params,
+            )
+            ((plan,),) = await cur.fetchall()
+            await conn.commit()
+        top = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+        return int(top["Shared Hit Blocks"] + top["Shared Read Blocks"])
+
+    await buffers("warm-up")  # the catalog and the first pages, read once
+    first = await buffers("first")
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+        await conn.execute(
+            q(
+                "INSERT INTO {schema}.stream_entries (run_id, name, seq, key, value)"
+                " SELECT %s, 'progress', g, 'filler:' || g, '{{\"done\": 1}}'::jsonb"
+                " FROM generate_series(3, 10002) AS g",
+                pg_schema,
+            ),
+            (run_id,),
+        )
+        await conn.execute(
+            q("UPDATE {schema}.streams SET last_seq = 10002 WHERE run_id = %s", pg_schema),
+            (run_id,),
+        )
+        await conn.execute(q("ANALYZE {schema}.stream_entries", pg_schema))
+    later = await buffers("later")
+    print(f"buffers per append: {first} at the 2nd value, {later} at the 10,003rd")
+    assert later <= first + 8, (first, later)  # a scan of the stream would be 100s
+    items = [item async for item in engine.stream(run_id, "progress", follow=False)]
+    assert [item.seq for item in items[:2]] == [1, 2]
+    assert items[-1].seq == 10003

@@ -54,6 +54,7 @@ from tests.strategies import (
     FlowInput,
     clock_steps,
     crash_points,
+    deadlines,
     fact_payloads,
     flow_inputs,
     pair_subsets,
@@ -396,6 +397,7 @@ class RunModel:
     fact: int | None = None
     canceled_at_once: bool = False
     cancel_requested: bool = False
+    deadline: timedelta | None = None
 
 
 @attrs.define
@@ -537,6 +539,24 @@ class EngineMachine(RuleBasedStateMachine):
             assert (handle.task_name, handle.task_version) == (pair.name, pair.version)
             self.models[handle.run_id] = RunModel(pair=pair, spec=spec)
             self.order[handle.run_id] = len(self.order)
+            await self._settle()
+            return handle.run_id
+
+        return self._run(go())
+
+    @precondition(lambda self: len(self.models) < MAX_RUNS)
+    @rule(target=runs, pair=st.sampled_from(PAIRS), spec=flow_inputs(), deadline=deadlines)
+    def enqueue_with_deadline(self, pair: TaskPair, spec: FlowInput, deadline: timedelta) -> UUID:
+        """A run that must be finished within `deadline`: past it, it ends failed with
+        `DeadlineExceededError` wherever it is (running, parked, pending) and starts no step."""
+
+        async def go() -> UUID:
+            handle = await self.engine.enqueue(str(pair), spec, deadline=deadline)
+            self.models[handle.run_id] = RunModel(pair=pair, spec=spec, deadline=deadline)
+            self.order[handle.run_id] = len(self.order)
+            record = await self.backend.get_run(handle.run_id)
+            assert record is not None
+            assert record.deadline_at == record.created_at + deadline
             await self._settle()
             return handle.run_id
 
@@ -714,6 +734,15 @@ class EngineMachine(RuleBasedStateMachine):
             steps_before = {(s.name, s.attempt): s for s in record.steps}
             self.obs.gates[(run_id, token, where)].set()
             await self._settle()
+            # Released from a gate in the handler, it may run the next step's body before it
+            # writes anything (its heartbeats are frozen): let it through its later gates too.
+            for _ in range(4):  # at most one gate of each kind
+                later = [k for k in self.obs.blocked if k[:2] == (run_id, token)]
+                if not later:
+                    break
+                for key in later:
+                    self.obs.gates[key].set()
+                await self._settle()
             assert not [k for k in self.obs.blocked if k[:2] == (run_id, token)], (
                 "the superseded execution stops at its first write"
             )
@@ -820,6 +849,19 @@ class EngineMachine(RuleBasedStateMachine):
                         f"{newer[0].claimed_at} while {previous.fencing_token}'s lease ran "
                         f"until {previous.lease_expires_at}"
                     )
+        # A run past its deadline never starts a step (its handler may still be unwinding),
+        # and a parked or pending one is claimable by then, to be ended.
+        if run.deadline_at is not None:
+            for s in run.steps:
+                assert s.started_at is None or s.started_at < run.deadline_at, (
+                    f"run {rid}: step {s.name!r} started at {s.started_at}, past the run's "
+                    f"deadline {run.deadline_at}"
+                )
+            if run.status in ("pending", "waiting"):
+                assert run.available_at is not None, f"run {rid} parked past its deadline"
+                assert run.available_at <= run.deadline_at, (rid, run.available_at)
+            if run.status == "completed":
+                assert executions[-1].claimed_at < run.deadline_at, (rid, run.deadline_at)
         # No lost wake-up: a run parked on a fact that exists must have been woken: claimable
         # now (it keeps `wait_for` until a claim takes it, on both backends).
         if run.status == "waiting" and run.wait_for is not None:
@@ -907,6 +949,8 @@ class EngineMachine(RuleBasedStateMachine):
             return
         for run in records:
             event(f"run ended {run.status}")
+            if run.error is not None and run.error.type == "umt_sdk.DeadlineExceededError":
+                event("a run ended at its deadline")
             if len(run.executions) > 1 and any(e.outcome == "interrupted" for e in run.executions):
                 event("a run was taken over")
         event(f"crashes fired: {min(len(self.crashes), 3)}")
@@ -936,6 +980,14 @@ class EngineMachine(RuleBasedStateMachine):
             for late in lost[limit:]:
                 assert late.current_step is None, (what, run.executions)
             assert run.executions[-1].outcome == "failed", (what, run.executions)
+            return
+        if run.error is not None and run.error.type == "umt_sdk.DeadlineExceededError":
+            assert model.deadline is not None, what
+            assert run.status == "failed", what
+            assert run.deadline_at is not None
+            assert run.finished_at is not None
+            assert run.finished_at >= run.deadline_at, what
+            assert not model.canceled_at_once, what
             return
         if model.canceled_at_once:
             assert run.status == "canceled", what

@@ -52,7 +52,9 @@ from umt_sdk import (
     RunHandle,
     RunHistory,
     StepApi,
+    StreamApi,
     SyncStepApi,
+    SyncStreamApi,
     TaskContext,
     TaskPair,
     Worker,
@@ -63,6 +65,7 @@ from umt_sdk import (
     with_attempt_token,
 )
 from umt_sdk._context import Runner
+from umt_sdk._streams import StreamWriter
 from umt_sdk.exceptions import UsageError
 from umt_sdk.testing import (
     FakeClock,
@@ -225,6 +228,8 @@ class Env:
         self.worker: Worker = self.engine.worker()  # never started
         self.step = StepApi(cast(Runner, _Unreachable()))
         self.sync_step = SyncStepApi(cast(Runner, _Unreachable()))
+        self.stream = StreamApi(cast(StreamWriter, _Unreachable()))
+        self.sync_stream = SyncStreamApi(cast(StreamWriter, _Unreachable()), _Unreachable())
         self.clock = FakeClock()
         self.store = MemoryStore()
         self.registry = Registry([job])
@@ -452,6 +457,40 @@ CASES: list[Case] = [
         either(none, seconds),
         lambda env, v: env.handle.result(timeout=v),
     ),
+    Case("Engine.stream", "run_id", RUN_ID, lambda env, v: env.engine.stream(v, "progress")),
+    Case("Engine.stream", "name", NAME, lambda env, v: env.engine.stream(env.handle.run_id, v)),
+    Case(
+        "Engine.stream",
+        "since",
+        integer(0),
+        lambda env, v: env.engine.stream(env.handle.run_id, "progress", since=v),
+    ),
+    Case(
+        "Engine.stream",
+        "follow",
+        flag,
+        lambda env, v: env.engine.stream(env.handle.run_id, "progress", follow=v),
+    ),
+    Case("Engine.stream_last", "run_id", RUN_ID, lambda env, v: env.engine.stream_last(v, "p")),
+    Case(
+        "Engine.stream_last",
+        "name",
+        NAME,
+        lambda env, v: env.engine.stream_last(env.handle.run_id, v),
+    ),
+    Case("Engine.stream_heads", "run_ids", iterable, lambda env, v: env.engine.stream_heads(v)),
+    Case(
+        "Engine.stream_heads([...])",
+        "run_id",
+        RUN_ID,
+        lambda env, v: env.engine.stream_heads([v]),
+    ),
+    Case(
+        "Engine.stream_heads",
+        "name",
+        either(none, NAME),
+        lambda env, v: env.engine.stream_heads([], name=v),
+    ),
     Case("Engine.wait_idle", "run_ids", iterable, lambda env, v: env.engine.wait_idle(v)),
     Case("Engine.wait_idle([...])", "run_id", RUN_ID, lambda env, v: env.engine.wait_idle([v])),
     Case(
@@ -561,6 +600,8 @@ CASES: list[Case] = [
             ),
         )
     ),
+    Case("ctx.stream.write", "name", NAME, lambda env, v: env.stream.write(v, 1)),
+    Case("sync ctx.stream.write", "name", NAME, lambda env, v: env.sync_stream.write(v, 1)),
     Case(
         "with_attempt_token",
         "op_key",

@@ -421,6 +421,33 @@ async def test_a_failed_run_replays_its_failure() -> None:
     assert (result.outcome, result.steps_matched) == ("finished", 1)
 
 
+@task("shop.report", version=1)
+async def reporting(ctx: TaskContext[str]) -> int:
+    await ctx.stream.write("progress", {"done": 0})
+    found = await ctx.step.run("fetch", fetch, ctx.input)
+    await ctx.stream.write("progress", {"done": 1})
+    await ctx.step.sleep("cool-down", timedelta(hours=1))
+    seq: int = await ctx.stream.write("progress", {"done": 2})
+    return seq + found["amount"]
+
+
+@task("shop.report", version=1)
+async def reporting_now(ctx: TaskContext[str]) -> int:
+    await ctx.stream.write("progress", {"done": 0})
+    found = await ctx.step.run("fetch", never("fetch"), ctx.input)
+    await ctx.stream.write("progress", {"done": 1})
+    await ctx.step.sleep("cool-down", timedelta(hours=1))
+    seq: int = await ctx.stream.write("progress", {"done": 2})
+    return seq + found["amount"]
+
+
+async def test_stream_writes_replay_without_being_stored() -> None:
+    history = await record(reporting, "o-6")
+    assert history.output == 3 + 12
+    result = await Replayer(Registry([reporting_now])).replay(history)
+    assert (result.ok, result.outcome, result.steps_matched) == (True, "finished", 2)
+
+
 # -- export errors --------------------------------------------------------------------------------
 
 

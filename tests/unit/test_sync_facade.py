@@ -43,7 +43,14 @@ async def other(ctx: TaskContext[Ticket]) -> str:
     return ctx.input.key
 
 
-REGISTRY = Registry([approval, other])
+@task("sync.report")
+async def report(ctx: TaskContext[Ticket]) -> int:
+    await ctx.stream.write("progress", 1)
+    await ctx.step.wait_for_fact("go")
+    return await ctx.stream.write("progress", 2)
+
+
+REGISTRY = Registry([approval, other, report])
 
 
 def _loop_threads() -> list[threading.Thread]:
@@ -110,6 +117,33 @@ def test_a_worker_on_the_facades_loop_finishes_a_run_signaled_from_plain_code() 
         facade.close()
     assert not facade._thread.is_alive()
     assert worker.running_runs == []
+
+
+def test_streams_are_read_and_followed_from_plain_code() -> None:
+    facade = connect_sync("memory://", registry=REGISTRY)
+    try:
+        worker = facade.engine.worker(
+            versions=["sync.report@1"], poll_interval=timedelta(milliseconds=50)
+        )
+        asyncio.run_coroutine_threadsafe(worker.start(), facade._loop).result(timeout=5)
+        run_id = facade.enqueue(report, Ticket(key="s"))
+        items = facade.stream(run_id, "progress")
+        assert next(items).value == 1
+        last = facade.stream_last(run_id, "progress")
+        assert last is not None
+        assert (last.seq, last.value) == (1, 1)
+        assert facade.signal(run_id, "go")
+        assert [item.value for item in items] == [2], "followed until the run ended"
+        assert facade.result(run_id, timeout=5) == 2
+        assert facade.stream_heads([run_id])[run_id]["progress"].seq == 2
+        early = facade.stream(run_id, "progress", since=1)
+        assert next(early).seq == 2
+        early.close()  # left early: its async iterator is closed on the facade's loop
+        assert facade.stream_last(run_id, "log") is None
+        with pytest.raises(RunNotFoundError):
+            facade.stream_last(uuid4(), "progress")
+    finally:
+        facade.close()
 
 
 def test_a_closed_facade_refuses_calls_cleanly() -> None:

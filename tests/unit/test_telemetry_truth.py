@@ -287,6 +287,40 @@ async def test_a_step_cut_off_by_a_shutdown_is_released_not_failed() -> None:
     assert execution.status.status_code == StatusCode.UNSET
 
 
+@task("tel.late", version=1, timeout=timedelta(minutes=5))
+async def late(ctx: TaskContext[Key]) -> None:
+    async def forever() -> None:
+        _signal("started").set()
+        await asyncio.Event().wait()
+
+    await ctx.step.run("forever", forever)
+
+
+async def test_a_step_cut_off_by_the_run_deadline_is_a_deadline_and_the_run_fails() -> None:
+    otel = Otel()
+    clock = FakeClock()
+    engine = await otel.engine(late, clock=clock)
+    handle = await engine.enqueue(late, Key("d"))
+    never = await engine.enqueue(late, Key("s"), start_within=timedelta(minutes=1))
+    async with engine.worker(concurrency=1):
+        await asyncio.wait_for(_signal("started").wait(), 10)
+        clock.advance(timedelta(minutes=5))
+        infos = await engine.wait_idle([handle.run_id, never.run_id], timeout=10)
+    await engine.close()
+    assert [i.status for i in infos] == ["failed", "failed"]
+    (step,) = otel.spans("umt.step forever")
+    assert attrs_of(step)["umt.step.outcome"] == "deadline"
+    assert events(step, "exception") == []
+    first, second = otel.spans("umt.run tel.late")
+    assert attrs_of(first)["umt.outcome"] == "failed"
+    (came,) = events(first, "umt.deadline")
+    assert came["umt.deadline.kind"] == "run"
+    assert came["umt.deadline.at"] == infos[0].deadline_at.isoformat()  # type: ignore[union-attr]
+    (start,) = events(second, "umt.deadline")
+    assert start["umt.deadline.kind"] == "start"
+    assert otel.total("umt.runs.failed", umt__task__name="tel.late") == 2
+
+
 # -- a lost lease: counted once, by each process for what it saw -----------------------------------
 
 

@@ -16,26 +16,41 @@
 -- would keep its slots from being truncated); a run with a concurrency key never is (it waits
 -- for a slot: runs_claim_keyed), and its key's row counts it (`queued`) and takes the limit it
 -- was enqueued with.
+-- A keyed run is not inserted when the key's run was pruned (its tombstone in `pruned_runs`,
+-- one index probe, only for keyed runs); its tags (if any) go to `run_tags`.
+-- Its deadline is the earlier of %(deadline_at)s and now() + %(timeout)s (NULL: none given),
+-- and it is claimable from its deadline if that comes before its delay ends (the SDK ends it
+-- then); its start deadline is when it becomes claimable plus %(start_within)s.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
         cancel_with_parent, rerun_of, forked_from, forked_at_step, concurrency_key,
-        count_waiting
+        count_waiting, tags, deadline_at, start_by
     )
-    VALUES (
+    SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
-        now() + %(delay)s::interval, %(idempotency_key)s, %(input_hash)s, %(trace_context)s,
-        %(input)s::jsonb,
+        least(now() + %(delay)s::interval, d.deadline_at), %(idempotency_key)s::text,
+        %(input_hash)s, %(trace_context)s, %(input)s::jsonb,
         %(delay)s::interval <= interval '0' AND %(concurrency_key)s::text IS NULL
         AND NOT EXISTS (
             SELECT 1 FROM {schema}.paused_tasks z
             WHERE z.task_name = %(task_name)s AND z.task_version IN (0, %(task_version)s)),
-        %(parent_run_id)s, %(parent_fact)s, %(cancel_with_parent)s, %(rerun_of)s,
-        %(forked_from)s, %(forked_at_step)s, %(concurrency_key)s, %(count_waiting)s
+        %(parent_run_id)s::uuid, %(parent_fact)s::text, %(cancel_with_parent)s,
+        %(rerun_of)s::uuid, %(forked_from)s::uuid, %(forked_at_step)s::text,
+        %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb, d.deadline_at,
+        now() + %(delay)s::interval + %(start_within)s::interval
+    FROM (SELECT least(%(deadline_at)s::timestamptz, now() + %(timeout)s::interval)
+              AS deadline_at) AS d
+    WHERE %(idempotency_key)s::text IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {schema}.pruned_runs t
+        WHERE t.task_name = %(task_name)s AND t.idempotency_key = %(idempotency_key)s::text
     )
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, task_name, task_version, priority, available_at, queued, concurrency_key
+), tagged AS (
+    INSERT INTO {schema}.run_tags (run_id, key, value)
+    SELECT i.id, t.key, t.value FROM inserted i CROSS JOIN jsonb_each_text(%(tags)s::jsonb) AS t
 ), queued AS (
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
@@ -81,8 +96,14 @@ SELECT (SELECT count(*) FROM steps) AS steps, (SELECT count(*) FROM facts) AS fa
        EXISTS (SELECT 1 FROM {schema}.runs r WHERE r.id = %(source)s) AS source_found;
 
 -- name: find_idempotent_run
-SELECT id, input_hash, task_version FROM {schema}.runs
-WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s;
+-- The run the key names: the stored one, else the tombstone of the pruned one.
+SELECT id, input_hash, task_version, false AS pruned FROM {schema}.runs
+WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s
+UNION ALL
+(SELECT run_id, input_hash, task_version, true FROM {schema}.pruned_runs
+ WHERE task_name = %(task_name)s AND idempotency_key = %(idempotency_key)s
+ ORDER BY pruned_at DESC LIMIT 1)
+ORDER BY pruned LIMIT 1;
 
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s);
@@ -146,7 +167,8 @@ WITH served AS (
             AND r.available_at <= now()
             AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name))
     ORDER BY k.claimed_at
-    LIMIT %(scan)s
+    -- Each key offers at least one due run: %(limit)s keys can fill the batch.
+    LIMIT %(limit)s
     FOR NO KEY UPDATE OF k SKIP LOCKED
 ), keyed_runs AS (
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
@@ -245,7 +267,8 @@ WITH served AS (
               l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked, l.keyed,
               r.concurrency_key,
               CASE WHEN r.cancel_requested_at IS NOT NULL
-                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
+                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason,
+              r.deadline_at, r.start_by
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING claimed c WHERE q.run_id = c.id
 ), key_slots AS (
@@ -280,7 +303,8 @@ WITH served AS (
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left, t.paused,
+       c.cancel_reason, c.idempotency_key, c.deadline_at, c.start_by, t.timers_from,
+       t.timers_left, t.paused,
        -- A fork's first claim replays the step records it kept.
        CASE WHEN c.claims > 1 OR c.forked THEN (
            SELECT json_agg(json_build_object(
@@ -468,7 +492,7 @@ WITH locked AS (
         lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
     FROM go g WHERE r.id = g.id
     RETURNING r.id, r.parent_run_id, r.parent_fact, r.task_name, r.task_version,
-              r.concurrency_key, r.count_waiting
+              r.concurrency_key, r.count_waiting, r.child_group
 ), key_slot AS (
     -- A run with a key held a slot while running: it gives it back unless it waits holding
     -- it (`count_waiting`), and wants one again when handed back or parked without it. Runs
@@ -513,6 +537,13 @@ WITH locked AS (
     INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at, {schema}.ready_slot()
     FROM parent_woken w WHERE w.woken AND w.holds
+), group_ended AS (
+    -- A member of a child group counts itself out (see child_group_ended in schema.sql): it
+    -- ran, so it also lets the group's next held member run. Nothing for other runs.
+    SELECT {schema}.child_group_ended(x.parent_run_id, x.child_group, true, %(channel)s)
+    FROM ended_run x
+    WHERE x.child_group IS NOT NULL
+      AND %(status)s::text IN ('completed', 'failed', 'canceled')
 )
 SELECT (SELECT count(*) FROM owned) AS owned,
        (SELECT count(*) FROM ended_run) AS ended,
@@ -521,7 +552,8 @@ SELECT (SELECT count(*) FROM owned) AS owned,
         FROM parent_woken w WHERE w.woken HAVING count(*) > 0) AS notified,
        -- A slot freed with runs of the key waiting for it: workers look now.
        (SELECT pg_notify(%(channel)s, string_agg(s.task_name || '@' || s.task_version, ','))
-        FROM key_slot s WHERE s.opened HAVING count(*) > 0) AS slot_notified;
+        FROM key_slot s WHERE s.opened HAVING count(*) > 0) AS slot_notified,
+       (SELECT count(*) FROM group_ended) AS group_ended;
 
 -- name: insert_fact
 -- The fact, and (if it is new) the runs waiting for it woken: claimable now, queued in `ready`.
@@ -572,7 +604,9 @@ WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 WITH target AS (
     SELECT r.id, r.status, r.fencing_token, n.lapsed,
            r.status IN ('pending', 'waiting') OR n.lapsed AS ends,
-           r.task_name, r.task_version, r.concurrency_key, r.count_waiting
+           r.task_name, r.task_version, r.concurrency_key, r.count_waiting,
+           r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
+               AS held
     FROM {schema}.runs r
     CROSS JOIN LATERAL (
         SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
@@ -618,7 +652,8 @@ WITH target AS (
 SELECT c.status,
        -- A slot freed with runs of the key waiting for it: workers look now.
        (SELECT pg_notify(%(channel)s, s.task_name || '@' || s.task_version)
-        FROM key_slot s WHERE s.opened) AS slot_notified
+        FROM key_slot s WHERE s.opened) AS slot_notified,
+       t.held
 FROM target t LEFT JOIN changed c ON c.id = t.id;
 
 -- name: lock_run
@@ -658,6 +693,17 @@ WITH child AS MATERIALIZED (
 SELECT (SELECT pg_notify(%(channel)s, string_agg(w.task_name || '@' || w.task_version, ','))
         FROM woken w WHERE w.woken HAVING count(*) > 0) AS notified;
 
+-- name: group_member_canceled
+-- What a cancel that finished a member of a child group also does, in its transaction: it
+-- counts itself out of its group (child_group_ended), letting the next held member run unless
+-- it was held itself (%(held)s, as cancel_run found it).
+WITH member AS MATERIALIZED (
+    SELECT parent_run_id, child_group, status FROM {schema}.runs WHERE id = %(run_id)s
+)
+SELECT {schema}.child_group_ended(m.parent_run_id, m.child_group, NOT %(held)s, %(channel)s)
+FROM member m
+WHERE m.child_group IS NOT NULL AND m.status = 'canceled';
+
 -- name: cancel_children
 -- A run that finished failed or canceled requests the cancel of its unfinished children that
 -- asked for it (`cancel_with_parent`), as cancel_run does: a child nobody holds (pending,
@@ -695,7 +741,7 @@ WITH parents AS (
     FROM judged j
     WHERE r.id = j.id
     RETURNING r.id, j.ends, j.lapsed, j.fencing_token, r.parent_run_id, r.parent_fact,
-              r.cancel_reason
+              r.cancel_reason, r.child_group
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.ends
 ), key_slots AS (
@@ -728,11 +774,17 @@ WITH parents AS (
     SELECT c.parent_run_id::text, c.parent_fact, c.parent_run_id, 'null'::jsonb
     FROM changed c WHERE c.ends AND c.parent_fact IS NOT NULL
     ON CONFLICT (scope, name) DO NOTHING
+), grouped AS (
+    -- Members of a child group count themselves out; none lets another run (its parent
+    -- finished: the cascade cancels the held ones too, or they were abandoned).
+    SELECT {schema}.child_group_ended(c.parent_run_id, c.child_group, false, %(work_channel)s)
+    FROM changed c WHERE c.ends AND c.child_group IS NOT NULL
 )
 SELECT c.id, c.ends,
        CASE WHEN NOT c.ends
             THEN pg_notify(%(cancel_channel)s, left(c.id || ':' || c.cancel_reason, 7000)) END,
-       (SELECT count(*) FROM slot_notified) AS slot_notified
+       (SELECT count(*) FROM slot_notified) AS slot_notified,
+       (SELECT count(*) FROM grouped) AS grouped
 FROM changed c;
 
 -- name: get_run
@@ -740,7 +792,8 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, concurrency_key, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -753,19 +806,56 @@ SELECT fencing_token, worker_id, claimed_at, ended_at, outcome, current_step, st
 FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
 
 -- name: list_runs
+-- A page of runs, newest first, keyset-paginated by id: the primary key read backwards from the
+-- cursor (or runs_by_task, runs_children, runs_idempotency when the filter names a task, a parent
+-- or a key), stopping after %(limit)s matches. A filter by tag uses list_runs_tagged instead.
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, concurrency_key, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
   AND (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(parent_run_id)s::uuid IS NULL OR parent_run_id = %(parent_run_id)s)
   AND (%(concurrency_key)s::text IS NULL OR concurrency_key = %(concurrency_key)s)
+  AND (%(idempotency_key)s::text IS NULL OR idempotency_key = %(idempotency_key)s)
+  AND (%(created_after)s::timestamptz IS NULL OR created_at >= %(created_after)s)
+  AND (%(created_before)s::timestamptz IS NULL OR created_at < %(created_before)s)
+  AND (%(finished_after)s::timestamptz IS NULL OR finished_at >= %(finished_after)s)
+  AND (%(finished_before)s::timestamptz IS NULL OR finished_at < %(finished_before)s)
   AND (%(before)s::uuid IS NULL OR id < %(before)s)
 ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: list_runs_tagged
+-- list_runs for a filter with tags: run_tags_lookup read backwards from the cursor for the first
+-- tag (%(tag_key)s = %(tag_value)s), each run then read by its key and checked against the other
+-- filters (every tag: `tags @>`); it stops after %(limit)s matches.
+SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
+       r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
+       r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
+       r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason, r.wait_for,
+       r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from, r.forked_at_step,
+       r.concurrency_key, r.tags, r.deadline_at, r.start_by, now() AS db_now
+FROM {schema}.run_tags t
+JOIN {schema}.runs r ON r.id = t.run_id
+WHERE t.key = %(tag_key)s AND t.value = %(tag_value)s
+  AND (%(before)s::uuid IS NULL OR t.run_id < %(before)s)
+  AND r.tags @> %(tags)s::jsonb
+  AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
+  AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
+  AND (%(status)s::text IS NULL OR r.status = %(status)s)
+  AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
+  AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
+  AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
+  AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
+  AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
+  AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
+  AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
+ORDER BY t.run_id DESC
 LIMIT %(limit)s;
 
 -- name: ledger_here
@@ -919,6 +1009,86 @@ RETURNING version;
 -- name: delete_schedule
 DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
 
+-- name: prune_runs
+-- One retention batch, one pruner at a time: the statement takes the schema's pruning lock if
+-- it is free (`held`; else it does nothing and the caller reports `busy`), picks up to
+-- %(limit)s prunable runs, oldest finished first (runs_finished), leaves a tombstone for each
+-- and deletes it; its steps, executions, facts, tags and streams (every table that references
+-- runs ON DELETE CASCADE) and its child groups go with it. Prunable: finished before
+-- now() - %(older_than)s, of the tasks asked for, with no unfinished child (its finishing write
+-- stores a fact for its parent) and no unfinished parent (which may still read its result).
+WITH lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
+), batch AS MATERIALIZED (
+    SELECT r.id FROM {schema}.runs r
+    WHERE (SELECT held FROM lock)
+      AND r.status IN ('completed', 'failed', 'canceled')
+      AND r.finished_at < now() - %(older_than)s::interval
+      AND (%(task_names)s::text[] IS NULL OR r.task_name = ANY (%(task_names)s::text[]))
+      AND NOT (r.task_name = ANY (%(exclude_task_names)s::text[]))
+      AND NOT EXISTS (
+          SELECT 1 FROM {schema}.runs c
+          WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled')
+      )
+      AND NOT EXISTS (
+          SELECT 1 FROM {schema}.runs p
+          WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
+            AND p.status NOT IN ('completed', 'failed', 'canceled')
+      )
+    ORDER BY r.finished_at
+    LIMIT %(limit)s
+    FOR UPDATE OF r SKIP LOCKED
+), tombstones AS (
+    INSERT INTO {schema}.pruned_runs (
+        run_id, task_name, task_version, status, idempotency_key, input_hash, created_at,
+        finished_at
+    )
+    SELECT r.id, r.task_name, r.task_version, r.status, r.idempotency_key, r.input_hash,
+           r.created_at, r.finished_at
+    FROM {schema}.runs r JOIN batch b ON b.id = r.id
+), groups AS (
+    DELETE FROM {schema}.child_groups g USING batch b WHERE g.parent_run_id = b.id
+), deleted AS (
+    DELETE FROM {schema}.runs r USING batch b WHERE r.id = b.id RETURNING r.id
+)
+SELECT (SELECT held FROM lock) AS held, (SELECT count(*) FROM deleted) AS pruned;
+
+-- name: count_prunable
+-- How many runs prune_runs would delete now, all batches together (a dry run).
+SELECT count(*) AS prunable FROM {schema}.runs r
+WHERE r.status IN ('completed', 'failed', 'canceled')
+  AND r.finished_at < now() - %(older_than)s::interval
+  AND (%(task_names)s::text[] IS NULL OR r.task_name = ANY (%(task_names)s::text[]))
+  AND NOT (r.task_name = ANY (%(exclude_task_names)s::text[]))
+  AND NOT EXISTS (
+      SELECT 1 FROM {schema}.runs c
+      WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled')
+  )
+  AND NOT EXISTS (
+      SELECT 1 FROM {schema}.runs p
+      WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
+        AND p.status NOT IN ('completed', 'failed', 'canceled')
+  );
+
+-- name: get_pruned
+SELECT run_id, task_name, task_version, status, idempotency_key, input_hash, created_at,
+       finished_at, pruned_at
+FROM {schema}.pruned_runs WHERE run_id = %(run_id)s;
+
+-- name: forget_pruned
+-- Drop up to %(limit)s tombstones older than %(older_than)s (their keys are free again), under
+-- the same lock as prune_runs.
+WITH lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
+), old AS MATERIALIZED (
+    SELECT run_id FROM {schema}.pruned_runs
+    WHERE (SELECT held FROM lock) AND pruned_at < now() - %(older_than)s::interval
+    ORDER BY pruned_at
+    LIMIT %(limit)s
+), deleted AS (
+    DELETE FROM {schema}.pruned_runs t USING old o WHERE t.run_id = o.run_id RETURNING 1
+)
+SELECT (SELECT held FROM lock) AS held, (SELECT count(*) FROM deleted) AS pruned;
 -- Streams (see migrations/0008_streams.sql): the SDK keys each write, these store and number.
 
 -- name: append_stream
@@ -1007,3 +1177,99 @@ FROM resumed;
 -- name: list_paused_tasks
 SELECT task_name, task_version, paused_at FROM {schema}.paused_tasks
 ORDER BY task_name, task_version;
+
+-- name: start_group
+-- A map's children, in one statement: the group (first write wins: nothing else is written when
+-- it exists, and the caller reads its members with group_members), and each child as insert_run
+-- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready`, the
+-- rest held (waiting for their turn, outside every claim index).
+WITH grp AS (
+    INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining, max_concurrency)
+    VALUES (%(parent_run_id)s, %(name)s, cardinality(%(ids)s::uuid[]),
+            cardinality(%(ids)s::uuid[]), %(max_concurrency)s)
+    ON CONFLICT (parent_run_id, name) DO NOTHING
+    RETURNING 1
+), items AS (
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.idempotency_key, i.input_hash,
+           i.input, i.ord - 1 AS group_index,
+           %(max_concurrency)s::integer IS NOT NULL AND i.ord > %(max_concurrency)s AS held
+    FROM unnest(%(ids)s::uuid[], %(task_names)s::text[], %(task_versions)s::integer[],
+                %(priorities)s::smallint[], %(keys)s::text[], %(hashes)s::text[],
+                %(inputs)s::text[])
+         WITH ORDINALITY AS i (id, task_name, task_version, priority, idempotency_key,
+                               input_hash, input, ord)
+    WHERE EXISTS (SELECT 1 FROM grp)
+), inserted AS (
+    INSERT INTO {schema}.runs (
+        id, task_name, task_version, status, priority, available_at, idempotency_key,
+        input_hash, trace_context, input, queued, parent_run_id, parent_fact,
+        cancel_with_parent, wait_for, child_group, group_index
+    )
+    SELECT i.id, i.task_name, i.task_version,
+           CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
+           CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
+           %(trace_context)s, i.input::jsonb, NOT i.held, %(parent_run_id)s, NULL,
+           %(cancel_with_parent)s, CASE WHEN i.held THEN 'umt turn' END, %(name)s,
+           i.group_index
+    FROM items i
+    ORDER BY i.group_index
+    ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, task_name, task_version, priority, available_at, queued
+), queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
+    FROM inserted i WHERE i.queued
+)
+SELECT (SELECT count(*) FROM grp) AS created,
+       (SELECT count(*) FROM inserted) AS inserted,
+       (SELECT pg_notify(%(channel)s, string_agg(DISTINCT i.task_name || '@' || i.task_version,
+                                                 ','))
+        FROM inserted i WHERE i.queued HAVING count(*) > 0) AS notified;
+
+-- name: group_members
+-- A group's members in order (what a second start_group returns, and group_runs' ids).
+SELECT r.id, r.input_hash, r.task_version FROM {schema}.runs r
+WHERE r.parent_run_id = %(parent_run_id)s AND r.child_group = %(name)s
+ORDER BY r.group_index;
+
+-- name: join_group
+-- gather: the given children of the parent become the members of the group, in that order,
+-- their rows locked (a member finishing concurrently either committed first and is counted as
+-- finished, or waits for this write and then counts itself out); `remaining` is how many are
+-- not finished, replacing a group of that name; at zero the group's fact is stored at once.
+WITH wanted AS (
+    SELECT w.id, w.ord - 1 AS group_index
+    FROM unnest(%(ids)s::uuid[]) WITH ORDINALITY AS w (id, ord)
+), members AS (
+    UPDATE {schema}.runs r SET child_group = %(name)s, group_index = w.group_index
+    FROM wanted w
+    WHERE r.id = w.id AND r.parent_run_id = %(parent_run_id)s
+    RETURNING r.id, r.status
+), counted AS (
+    SELECT count(*) FILTER (WHERE m.status NOT IN ('completed', 'failed', 'canceled')) AS left_over,
+           count(*) AS found
+    FROM members m
+), grp AS (
+    INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining)
+    SELECT %(parent_run_id)s, %(name)s, c.found, c.left_over FROM counted c
+    ON CONFLICT (parent_run_id, name) DO UPDATE SET
+        total = EXCLUDED.total, remaining = EXCLUDED.remaining
+    RETURNING remaining
+), fact AS (
+    INSERT INTO {schema}.facts (scope, name, run_id, payload)
+    SELECT %(parent_run_id)s::text, %(name)s, %(parent_run_id)s, 'null'::jsonb
+    FROM grp g WHERE g.remaining = 0
+    ON CONFLICT (scope, name) DO NOTHING
+)
+SELECT c.found, c.left_over FROM counted c, grp g;
+
+-- name: group_runs
+-- A group's members in order, as get_run_head reads a run.
+SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
+       input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
+       lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
+       cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
+       deadline_at, start_by, now() AS db_now
+FROM {schema}.runs
+WHERE parent_run_id = %(parent_run_id)s AND child_group = %(name)s
+ORDER BY group_index;

@@ -41,10 +41,19 @@ CREATE TABLE {schema}.runs (
     -- The run's concurrency key, and whether it keeps its slot while waiting (migration 0009).
     concurrency_key     text,
     count_waiting       boolean NOT NULL DEFAULT false,
+    -- When the run must be finished by, and started by (migration 0010): the SDK ends it
+    -- failed past either; `available_at` is never later than `deadline_at`.
+    deadline_at         timestamptz,
+    start_by            timestamptz,
     -- A run started again: the run it reruns, or forks and the step it forks from (0011).
     rerun_of            uuid,
     forked_from         uuid,
-    forked_at_step      text
+    forked_at_step      text,
+    -- The labels given at enqueue; one row each in run_tags (migration 0012).
+    tags                jsonb NOT NULL DEFAULT '{{}}',
+    -- A member of a child group of its parent (map, gather), and its place in it (0013).
+    child_group         text,
+    group_index         integer
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -335,3 +344,111 @@ CREATE TABLE {schema}.paused_tasks (
     paused_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (task_name, task_version)
 );
+-- Tags one a row, for listing by a tag in run-id order (see migrations/0012_retention_and_tags.sql).
+CREATE TABLE {schema}.run_tags (
+    run_id  uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    key     text NOT NULL,
+    value   text NOT NULL,
+    PRIMARY KEY (run_id, key)
+);
+CREATE INDEX run_tags_lookup ON {schema}.run_tags (key, value, run_id);
+
+-- The tombstones of runs deleted by retention: their idempotency keys stay taken.
+CREATE TABLE {schema}.pruned_runs (
+    run_id          uuid PRIMARY KEY,
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL,
+    status          text NOT NULL,
+    idempotency_key text,
+    input_hash      text NOT NULL,
+    created_at      timestamptz NOT NULL,
+    finished_at     timestamptz NOT NULL,
+    pruned_at       timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);
+
+-- Fan-out: groups of a parent's children awaited together (see
+-- migrations/0013_child_groups.sql).
+CREATE TABLE {schema}.child_groups (
+    parent_run_id   uuid NOT NULL,
+    name            text NOT NULL,
+    total           integer NOT NULL,
+    remaining       integer NOT NULL,
+    max_concurrency integer,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (parent_run_id, name)
+);
+
+-- The held members of a group, in input order: the next one to let run is the first entry.
+CREATE INDEX runs_group_held ON {schema}.runs (parent_run_id, child_group, group_index)
+    WHERE status = 'waiting' AND wait_for = 'umt turn' AND available_at IS NULL;
+
+-- A member of group `grp` of run `parent` finished: one fewer remaining; at zero the group's
+-- fact for the parent, waking it if it waits for it; and, when the member had been let run
+-- (`released`), the first held member lets run (claimable now, queued in `ready`). Its own
+-- statements each read a fresh snapshot, so it counts on the group row as it is after the
+-- lock, and a held member let run by a concurrent ending (committed meanwhile) is not taken
+-- again; held members locked by another write (a cancel) are skipped, not waited for. The
+-- parent is read by id alone and tested afterwards (see the note atop queries.sql). Returns
+-- the members remaining (NULL: no such group).
+CREATE FUNCTION {schema}.child_group_ended(parent uuid, grp text, released boolean, channel text)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    left_over integer;
+    next_id uuid;
+    pair text;
+    waiter record;
+BEGIN
+    UPDATE {schema}.child_groups SET remaining = remaining - 1
+    WHERE parent_run_id = parent AND name = grp
+    RETURNING remaining INTO left_over;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF released THEN
+        SELECT r.id INTO next_id FROM {schema}.runs r
+        WHERE r.parent_run_id = parent AND r.child_group = grp
+          AND r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
+        ORDER BY r.group_index
+        LIMIT 1
+        FOR NO KEY UPDATE SKIP LOCKED;
+        IF next_id IS NOT NULL THEN
+            UPDATE {schema}.runs SET available_at = now(), wait_for = NULL, updated_at = now()
+            WHERE id = next_id;
+            INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at,
+                                        slot)
+            SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
+                   {schema}.ready_slot()
+            FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
+            RETURNING task_name || '@' || task_version INTO pair;
+            PERFORM pg_notify(channel, COALESCE(pair, ''));
+        END IF;
+    END IF;
+    IF left_over = 0 THEN
+        INSERT INTO {schema}.facts (scope, name, run_id, payload)
+        VALUES (parent::text, grp, parent, 'null'::jsonb)
+        ON CONFLICT (scope, name) DO NOTHING;
+        IF FOUND THEN
+            SELECT r.id, r.status, r.wait_for, r.task_name, r.task_version, r.priority,
+                   r.concurrency_key IS NULL OR r.count_waiting AS holds
+            INTO waiter FROM {schema}.runs r WHERE r.id = parent
+            FOR NO KEY UPDATE;
+            IF FOUND AND waiter.status = 'waiting' AND waiter.wait_for = grp THEN
+                UPDATE {schema}.runs SET available_at = now(), updated_at = now()
+                WHERE id = parent;
+                -- A keyed parent that gave its slot back is claimed through its key instead.
+                IF waiter.holds THEN
+                    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority,
+                                                available_at, slot)
+                    VALUES (parent, waiter.task_name, waiter.task_version, waiter.priority,
+                            now(), {schema}.ready_slot());
+                END IF;
+                PERFORM pg_notify(channel, waiter.task_name || '@' || waiter.task_version);
+            END IF;
+        END IF;
+    END IF;
+    RETURN left_over;
+END
+$$;

@@ -457,6 +457,12 @@ def _limit_option(default: int) -> Callable[[Callable[..., Any]], Callable[..., 
 @click.option(
     "--before", callback=_run_id, metavar="RUN", help="Runs older than this one (paging)."
 )
+@click.option(
+    "--key",
+    "concurrency_key",
+    metavar="KEY",
+    help="Only runs of this concurrency key (with --task: keys are per task).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one array).")
 @click.pass_context
 @pass_config
@@ -467,6 +473,7 @@ def runs_list(
     status: Any,
     limit: int,
     before: UUID | None,
+    concurrency_key: str | None,
     as_json: bool,
 ) -> None:
     """List runs, newest first."""
@@ -475,7 +482,12 @@ def runs_list(
     async def go() -> None:
         async with open_engine(cfg) as engine:
             page = await engine.list(
-                task_name=name, version=version, status=status, limit=limit, before=before
+                task_name=name,
+                version=version,
+                status=status,
+                limit=limit,
+                before=before,
+                concurrency_key=concurrency_key,
             )
         if as_json:
             click.echo(_dump([_run_json(r, detail=False) for r in page.runs]))
@@ -485,20 +497,25 @@ def runs_list(
             return
         click.echo(_list_text(page.runs))
         if page.next_cursor is not None:
-            click.echo(
-                f"(more: {_next_page(ctx, task, status, limit, page.next_cursor)})", err=True
-            )
+            more = _next_page(ctx, task, status, limit, page.next_cursor, concurrency_key)
+            click.echo(f"(more: {more})", err=True)
 
     run(go(), cfg)
 
 
 def _next_page(
-    ctx: click.Context, task: str | None, status: str | None, limit: int, cursor: UUID
+    ctx: click.Context,
+    task: str | None,
+    status: str | None,
+    limit: int,
+    cursor: UUID,
+    concurrency_key: str | None = None,
 ) -> str:
     """The command that lists the next page: every filter of this one repeated."""
     words = ["runs", "list"]
     words += ["--task", task] if task is not None else []
     words += ["--status", status] if status is not None else []
+    words += ["--key", concurrency_key] if concurrency_key is not None else []
     command, left_out = typed_command(ctx, *words, "--limit", str(limit), "--before", str(cursor))
     return f"{command}, with your --database-url" if left_out else command
 

@@ -194,6 +194,8 @@ def _show_text(
         fields.append(("parent", f"{info.parent_run_id}  (umt runs show {info.parent_run_id})"))
     if info.idempotency_key is not None:
         fields.append(("idempotency key", info.idempotency_key))
+    if info.concurrency_key is not None:
+        fields.append(("concurrency key", info.concurrency_key))
     if info.status == "waiting" and info.waiting_for:
         fields.append(("waiting for", f"fact {info.waiting_for!r}"))
     if info.status in ("pending", "waiting") and info.available_at is not None:
@@ -307,6 +309,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "error": _error_json(info.error),
         "output": info.output,
         "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
+        "concurrency_key": info.concurrency_key,
     }
     if detail:
         data["input"] = info.input

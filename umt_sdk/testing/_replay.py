@@ -50,6 +50,8 @@ from umt_sdk._spi import (
     RunRecord,
     StepKind,
     StepRecord,
+    StreamAppend,
+    StreamEntry,
     TaskPair,
 )
 from umt_sdk._task import Registry
@@ -256,11 +258,14 @@ def _refuse(what: str) -> _RefusedError:
 
 class _ReplayBackend:
     """Writes nothing. The one write a replay reaches, the handler's ending, is kept to be
-    compared with the recorded run; anything else means live code ran, and is refused."""
+    compared with the recorded run; stream writes (`ctx.stream.write`, which the handler's
+    own code makes between steps as it replays) are answered without being stored; anything
+    else means live code ran, and is refused."""
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self.ending: Ending | None = None
+        self._stream_keys: dict[str, dict[str, int]] = {}
 
     @property
     def clock(self) -> Clock | None:
@@ -272,6 +277,38 @@ class _ReplayBackend:
 
     async def enqueue(self, new: NewRun, *, conn: Any = None) -> EnqueueResult:
         raise _refuse("enqueue a run")
+
+    async def append_stream(
+        self, lease: Lease, appends: Iterable[StreamAppend]
+    ) -> list[StreamEntry]:
+        """What a store would answer (the seq of each key, in the order first written), with
+        nothing stored: a replay has no side effects, and the run's values are stored already."""
+        entries = []
+        for append in appends:
+            keys = self._stream_keys.setdefault(append.stream, {})
+            seq = keys.setdefault(append.key, len(keys) + 1)
+            entries.append(
+                StreamEntry(
+                    run_id=lease.run_id,
+                    stream=append.stream,
+                    seq=seq,
+                    key=append.key,
+                    value_json=append.value_json,
+                    written_at=self._clock.now(),
+                )
+            )
+        return entries
+
+    async def read_stream(self, run_id: Any, stream: str, *, after: int, limit: int) -> Any:
+        raise _refuse(f"read stream {stream!r}")
+
+    async def last_stream_entries(self, run_ids: Any, stream: str | None = None) -> Any:
+        raise _refuse("read streams")
+
+    async def wait_for_stream(
+        self, run_id: Any, stream: str, *, after: int, timeout: float
+    ) -> None:
+        raise _refuse(f"wait for stream {stream!r}")
 
     async def claim(
         self, *, worker_id: str, pairs: Any, limit: int, lease: timedelta

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import attrs
 
-from umt_sdk import Registry, RetryPolicy, SyncTaskContext, TaskContext, task
+from umt_sdk import Concurrency, Registry, RetryPolicy, SyncTaskContext, TaskContext, task
 
 
 @attrs.frozen
@@ -114,5 +114,13 @@ async def sync_all(ctx: TaskContext[Count]) -> list[int]:
     return [await handle.result() for handle in handles]
 
 
-registry = Registry([greet, greet_v2, nap, approval, boom, plain_nested, sync_tenant, sync_all])
+@task("order_report", version=1, concurrency=Concurrency(key=lambda o: o.order_id, limit=1))
+async def order_report(ctx: TaskContext[Order]) -> str:
+    """One report of an order at a time (its concurrency key is the order)."""
+    return ctx.input.order_id
+
+
+registry = Registry(
+    [greet, greet_v2, nap, approval, boom, plain_nested, sync_tenant, sync_all, order_report]
+)
 not_a_registry = [greet]

@@ -388,6 +388,18 @@ def test_runs_list_filters_and_pages(umt: Umt) -> None:
     assert bad.exit_code == 2
 
 
+def test_runs_list_and_show_a_runs_concurrency_key(umt: Umt) -> None:
+    first = umt.enqueue("order_report", {"order_id": "o1"})
+    umt.enqueue("order_report", {"order_id": "o2"})
+    second = umt.enqueue("order_report", {"order_id": "o1"})
+    listed = umt.ok("runs", "list", "--json", "--task", "order_report", "--key", "o1").stdout
+    assert [r["run_id"] for r in json.loads(listed)] == [second, first]
+    assert umt.show(first)["concurrency_key"] == "o1"
+    assert "concurrency key    o1" in umt.ok("runs", "show", first).stdout
+    page = umt.ok("runs", "list", "--task", "order_report", "--key", "o1", "--limit", "1")
+    assert f"--key o1 --limit 1 --before {second})" in page.stderr
+
+
 def test_runs_show_a_failed_run_with_its_error(umt: Umt) -> None:
     run_id = umt.enqueue("boom", {"order_id": "o1"})
     assert work_until(umt, run_id, {"failed"}) == "failed"

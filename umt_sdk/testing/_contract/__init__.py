@@ -12,10 +12,12 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_replay`: replay by step name, non-determinism, plain tasks and steps
 - `_facts`: durable sleeps and facts
 - `_children`: child runs, their results, and the cancels a parent's end cascades
+- `_fanout`: `map` and `gather`: order, partial failure, `max_concurrency`, one wake-up
 - `_user_code`: handlers and steps as users write them
 - `_arguments`: argument checks
 - `_aborts`: the abort table (shutdown and cancel against each handler shape)
 - `_cancel`: cancel
+- `_deadlines`: step timeouts, run deadlines and start deadlines
 - `_claims`: claim order, priority, the pairs a worker serves
 - `_retries`: step and handler retries
 - `_leases`: leases, takeover and fencing, lost leases
@@ -25,6 +27,8 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
 - `_codecs`: a payload codec in front of the backend: every payload sealed at rest, read back
+- `_listing`: tags, and listing by key, tag, time range and cursor
+- `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
@@ -44,11 +48,15 @@ from umt_sdk.testing._contract import (
     _claims,
     _codecs,
     _concurrency,
+    _deadlines,
     _facts,
+    _fanout,
     _leases,
     _ledger,
     _lifecycle,
+    _listing,
     _payloads,
+    _pruning,
     _replay,
     _retries,
     _runs,
@@ -67,6 +75,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_replay.TASKS,
     *_facts.TASKS,
     *_children.TASKS,
+    *_fanout.TASKS,
     *_user_code.TASKS,
     *_arguments.TASKS,
     *_aborts.TASKS,
@@ -79,9 +88,12 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_timeline.TASKS,
     *_schedules.TASKS,
     *_codecs.TASKS,
+    *_listing.TASKS,
+    *_pruning.TASKS,
     *_streams.TASKS,
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
+    *_deadlines.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -93,6 +105,7 @@ class BackendContract(
     _replay.ReplayContract,
     _facts.FactsContract,
     _children.ChildrenContract,
+    _fanout.FanOutContract,
     _user_code.UserCodeContract,
     _arguments.ArgumentsContract,
     _aborts.AbortsContract,
@@ -106,9 +119,12 @@ class BackendContract(
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
     _codecs.CodecsContract,
+    _listing.ListingContract,
+    _pruning.PruningContract,
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
+    _deadlines.DeadlinesContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import inspect
 import json
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -37,8 +38,10 @@ from umt_sdk._codec import PayloadCodec, open_json
 from umt_sdk._codec_backend import CodecBackend, wrap_backend
 from umt_sdk._spi import (
     Backend,
+    ChildGroupStore,
     Lease,
     LifecycleStore,
+    RetentionStore,
     RunQuery,
     ScheduleQuery,
     ScheduleStore,
@@ -92,7 +95,24 @@ async def codec_flow_task(ctx: TaskContext[Job]) -> dict[str, Any]:
     return finished
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (codec_task, codec_failing_task, codec_flow_task)
+@task("contract.codec_child", version=1)
+async def codec_child_task(ctx: TaskContext[Job]) -> str:
+    return f"{ctx.input.key}:{ctx.input.n}"
+
+
+@task("contract.codec_fan_out", version=1)
+async def codec_fan_out_task(ctx: TaskContext[Job]) -> list[str]:
+    jobs = [Job(key=f"{ctx.input.key}-{SECRET}", n=n) for n in range(3)]
+    return await ctx.step.map("children", codec_child_task, jobs, max_concurrency=1)
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (
+    codec_task,
+    codec_failing_task,
+    codec_flow_task,
+    codec_child_task,
+    codec_fan_out_task,
+)
 """The tasks of this topic that the suite's engine registers."""
 
 
@@ -334,6 +354,40 @@ class CodecsContract:
         assert _clear(head.input_json) == []
         assert (await sealed.get(rerun.run_id)).input == {"key": "f1", "n": 3}
 
+    async def test_fanned_out_children_are_sealed(
+        self, sealed: Engine, harness: BackendHarness
+    ) -> None:
+        raw = self._raw(sealed)
+        if not isinstance(raw, ChildGroupStore):
+            pytest.fail("the backend under test has no child groups: drop this test for it")
+        handle = await sealed.enqueue(codec_fan_out_task, Job(key="p"))
+        async with sealed.worker(concurrency=2, lease=harness.lease):
+            outputs = await handle.result(timeout=30)
+        assert outputs == [f"p-{SECRET}:{n}" for n in range(3)]
+        members = await raw.list_runs(RunQuery(parent_run_id=handle.run_id, limit=10))
+        assert len(members) == 3
+        assert [_clear(m.input_json, m.output_json) for m in members] == [[]] * 3
+        opened = await sealed.backend.list_runs(RunQuery(parent_run_id=handle.run_id, limit=10))
+        assert sorted(json.loads(m.input_json)["n"] for m in opened) == [0, 1, 2]
+
+    async def test_a_pruned_runs_key_still_matches_its_input(
+        self, sealed: Engine, harness: BackendHarness
+    ) -> None:
+        if not isinstance(self._raw(sealed), RetentionStore):
+            pytest.fail("the backend under test prunes nothing: drop this test for it")
+        first = await sealed.enqueue(codec_child_task, Job(key=SECRET), idempotency_key="kept")
+        async with sealed.worker(concurrency=1, lease=harness.lease):
+            await first.result(timeout=20)
+        await harness.advance(timedelta(seconds=1))
+        report = await sealed.prune(older_than=timedelta(0), task="contract.codec_child")
+        assert report.pruned >= 1
+        # The tombstone keeps the plaintext's hash: the same input under the key still
+        # finds the pruned run, another input is still refused.
+        again = await sealed.enqueue(codec_child_task, Job(key=SECRET), idempotency_key="kept")
+        assert (again.run_id, again.created) == (first.run_id, False)
+        with pytest.raises(IdempotencyConflictError):
+            await sealed.enqueue(codec_child_task, Job(key="other"), idempotency_key="kept")
+
     async def test_every_method_with_payloads_is_sealed(self, sealed: Engine) -> None:
         """Every public coroutine method of the backend has a sealing twin on the wrapper's
         class (a method added to the SPI later is covered by its `_json` names), and the
@@ -346,7 +400,8 @@ class CodecsContract:
             ):
                 continue
             assert name in vars(wrapper) or name in vars(CodecBackend), name
-        for protocol in (ScheduleStore, StreamStore, LifecycleStore):
+        protocols = (ScheduleStore, StreamStore, LifecycleStore, RetentionStore, ChildGroupStore)
+        for protocol in protocols:
             assert isinstance(sealed.backend, protocol) == isinstance(raw, protocol), protocol
 
 

@@ -342,6 +342,17 @@ class ConcurrencyContract:
         assert head is not None
         assert head.concurrency_key == "tenant-7"
 
+    async def test_engine_lists_runs_by_key_and_shows_it(self, engine: Engine) -> None:
+        first = await engine.enqueue(keyed_task, Job(key="lister:1"))
+        await engine.enqueue(keyed_task, Job(key="other:1"))
+        second = await engine.enqueue(keyed_task, Job(key="lister:2"))
+        page = await engine.list(task_name=keyed_task.name, concurrency_key="lister")
+        assert [r.run_id for r in page.runs] == [second.run_id, first.run_id]
+        assert {r.concurrency_key for r in page.runs} == {"lister"}
+        assert (await engine.get(first.run_id)).concurrency_key == "lister"
+        with pytest.raises(UsageError, match="concurrency_key"):
+            await engine.list(concurrency_key="")
+
     # -- end to end -------------------------------------------------------------------------
 
     async def test_workers_run_at_most_the_limit_of_a_key_and_every_run_completes(

@@ -1,0 +1,141 @@
+"""Concurrency keys across real worker processes on Postgres (issue 16, part 2).
+
+Eight worker processes (four slots each) serve `t_keyed` (limit 2 per tenant) while three
+tenants' runs pour in. A sampler reads the database as fast as it can for the whole test: in
+every snapshot, no tenant has more than two runs running, and the key's stored counter agrees
+with the runs (`concurrency_keys.running` is what the claim trusts). Halfway through, one
+worker is SIGKILLed mid-run: its runs keep their slots until their leases lapse and another
+worker takes them over. Every run completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from tests._procs.support import Spawner, eventually, q
+from tests.integration.keyed_tasks import LIMIT, KeyedJob, t_keyed
+from umt_sdk import Engine, Registry, connect
+
+pytestmark = pytest.mark.slow
+
+TENANTS = ("acme", "globex", "initech")
+WORKERS = 8
+RUNS_PER_TENANT = 30
+
+SAMPLE = """
+SELECT r.concurrency_key AS key, count(*) FILTER (WHERE r.status = 'running') AS running,
+       count(*) FILTER (WHERE r.status IN ('pending', 'waiting')) AS wanting,
+       (SELECT k.running FROM {schema}.concurrency_keys k
+        WHERE k.task_name = 't_keyed' AND k.concurrency_key = r.concurrency_key) AS counted,
+       (SELECT k.queued FROM {schema}.concurrency_keys k
+        WHERE k.task_name = 't_keyed' AND k.concurrency_key = r.concurrency_key) AS queued
+FROM {schema}.runs r
+WHERE r.task_name = 't_keyed' AND r.status NOT IN ('completed', 'failed', 'canceled')
+GROUP BY r.concurrency_key
+"""
+
+
+@pytest.fixture
+async def engine(pg_url: str, pg_schema: str) -> AsyncIterator[Engine]:
+    client = await connect(
+        pg_url, registry=Registry([t_keyed]), schema=pg_schema, run_migrations=False
+    )
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_eight_worker_processes_never_run_more_than_the_limit_of_a_tenant(
+    engine: Engine, pg_url: str, pg_schema: str, tmp_path: Path
+) -> None:
+    rng = random.Random(16)
+    with Spawner.under(
+        tmp_path, tasks="tests.integration.keyed_tasks", url=pg_url, schema=pg_schema, poll=0.2
+    ) as spawner:
+        workers = [spawner.start(lease=1.0, concurrency=4) for _ in range(WORKERS)]
+        for worker in workers:
+            await worker.wait_ready()
+
+        samples = 0
+        most: Counter[str] = Counter()
+        broken: list[str] = []
+        stop = asyncio.Event()
+
+        async def sampler() -> None:
+            nonlocal samples
+            query = q(SAMPLE, pg_schema)
+            async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+                cur = conn.cursor(row_factory=dict_row)
+                while not stop.is_set():
+                    await cur.execute(query)  # one statement: one snapshot of committed state
+                    for row in await cur.fetchall():
+                        samples += 1
+                        most[row["key"]] = max(most[row["key"]], row["running"])
+                        if row["running"] > LIMIT:
+                            broken.append(f"{row['key']}: {row['running']} running")
+                        counters = (row["counted"], row["queued"])
+                        if counters != (row["running"], row["wanting"]):
+                            broken.append(
+                                f"{row['key']}: counters {counters}, "
+                                f"{row['running']} running, {row['wanting']} wanting a slot"
+                            )
+
+        sampling = asyncio.create_task(sampler())
+        handles = []
+        for i in range(RUNS_PER_TENANT):
+            for tenant in TENANTS:
+                job = KeyedJob(key=f"{tenant}:{i}", delay=rng.uniform(0.02, 0.12), nap=i % 3 == 0)
+                handles.append(await engine.enqueue(t_keyed, job))
+            if i == RUNS_PER_TENANT // 2:
+                victim = workers[rng.randrange(WORKERS)]
+
+                async def holds_a_run(pid: int = victim.pid) -> bool:
+                    rows = await _running_of(pg_url, pg_schema, pid)
+                    return rows > 0
+
+                await eventually(holds_a_run, timeout=30, what="the victim to hold a run")
+                victim.signal(signal.SIGKILL)
+            await asyncio.sleep(0.01)
+        infos = await engine.wait_idle([h.run_id for h in handles], timeout=240)
+        stop.set()
+        await sampling
+
+    assert not broken, broken[:10]
+    assert samples > 100, f"the sampler read only {samples} rows"
+    assert set(most) == set(TENANTS)
+    assert max(most.values()) == LIMIT, f"the limit was never reached: {dict(most)}"
+    assert [i.status for i in infos] == ["completed"] * len(handles)
+    keys = await _key_rows(pg_url, pg_schema)
+    assert keys == dict.fromkeys(TENANTS, (0, 0)), "every slot given back, nothing left queued"
+
+
+async def _running_of(url: str, schema: str, pid: int) -> int:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(
+            q(
+                "SELECT count(*) FROM {schema}.runs WHERE status = 'running'"
+                " AND lease_owner LIKE %s",
+                schema,
+            ),
+            (f"%-{pid}",),
+        )
+        row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+
+async def _key_rows(url: str, schema: str) -> dict[str, tuple[int, int]]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(
+            q("SELECT concurrency_key, running, queued FROM {schema}.concurrency_keys", schema)
+        )
+        return {key: (running, queued) for key, running, queued in await cur.fetchall()}
