@@ -679,7 +679,8 @@ class Engine:
             task_name: only runs of this task (`version`: of this version).
             status: only runs in this status.
             parent: only the children of this run.
-            idempotency_key: only the run enqueued under this key (one per task).
+            idempotency_key: only the run enqueued under this key; keys are per task, so it
+                needs `task_name` too (`UsageError` otherwise).
             tags: only runs carrying all of these tags (`enqueue(..., tags=...)`).
             concurrency_key: only runs of this concurrency key (`@task(concurrency=...)`);
                 keys are per task, so give `task_name` too.
@@ -707,6 +708,12 @@ class Engine:
         if idempotency_key is not None:
             check.text(idempotency_key, "idempotency_key", empty=False, max_length=512)
             _serde.check_text(idempotency_key, what="idempotency_key")
+            if task_name is None:
+                raise UsageError(
+                    "list(idempotency_key=...) needs task_name=... too: a key names one run "
+                    "of one task (and is found through that task's index of keys)",
+                    argument="idempotency_key",
+                )
         wanted_tags = check_tags(tags, where="list()")
         if concurrency_key is not None:
             check.text(concurrency_key, "concurrency_key", empty=False, max_length=255)

@@ -832,29 +832,37 @@ LIMIT %(limit)s;
 
 -- name: list_runs_tagged
 -- list_runs for a filter with tags: run_tags_lookup read backwards from the cursor for the first
--- tag (%(tag_key)s = %(tag_value)s), each run then read by its key and checked against the other
--- filters (every tag: `tags @>`); it stops after %(limit)s matches.
-SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
-       r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
-       r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
-       r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason, r.wait_for,
-       r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from, r.forked_at_step,
-       r.concurrency_key, r.tags, r.deadline_at, r.start_by, now() AS db_now
+-- tag (%(tag_key)s = %(tag_value)s), each of its runs then read by its key and checked against
+-- the other filters (every tag: `tags @>`), until %(limit)s match. The LIMIT 1 of the lateral
+-- read keeps it a nested loop in run-id order (a join the planner may not turn into a scan of
+-- all runs and a sort).
+SELECT r.*
 FROM {schema}.run_tags t
-JOIN {schema}.runs r ON r.id = t.run_id
+CROSS JOIN LATERAL (
+    SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
+           r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
+           r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
+           r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason,
+           r.wait_for, r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from,
+           r.forked_at_step, r.concurrency_key, r.tags, r.deadline_at, r.start_by,
+           now() AS db_now
+    FROM {schema}.runs r
+    WHERE r.id = t.run_id
+      AND r.tags @> %(tags)s::jsonb
+      AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
+      AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
+      AND (%(status)s::text IS NULL OR r.status = %(status)s)
+      AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
+      AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
+      AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
+      AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
+      AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
+      AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
+      AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
+    LIMIT 1
+) AS r
 WHERE t.key = %(tag_key)s AND t.value = %(tag_value)s
   AND (%(before)s::uuid IS NULL OR t.run_id < %(before)s)
-  AND r.tags @> %(tags)s::jsonb
-  AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
-  AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
-  AND (%(status)s::text IS NULL OR r.status = %(status)s)
-  AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
-  AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
-  AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
-  AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
-  AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
-  AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
-  AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
 ORDER BY t.run_id DESC
 LIMIT %(limit)s;
 

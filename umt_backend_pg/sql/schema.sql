@@ -368,6 +368,8 @@ CREATE TABLE {schema}.pruned_runs (
 CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);
+-- A deleted run's facts, found by the ON DELETE CASCADE (0012).
+CREATE INDEX facts_by_run ON {schema}.facts (run_id) WHERE run_id IS NOT NULL;
 
 -- Fan-out: groups of a parent's children awaited together (see
 -- migrations/0013_child_groups.sql).

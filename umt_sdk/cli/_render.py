@@ -194,6 +194,8 @@ def _show_text(
         fields.append(("parent", f"{info.parent_run_id}  (umt runs show {info.parent_run_id})"))
     if info.idempotency_key is not None:
         fields.append(("idempotency key", info.idempotency_key))
+    if info.tags:
+        fields.append(("tags", ", ".join(f"{k}={v}" for k, v in sorted(info.tags.items()))))
     if info.concurrency_key is not None:
         fields.append(("concurrency key", info.concurrency_key))
     if info.status == "waiting" and info.waiting_for:
@@ -309,6 +311,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "error": _error_json(info.error),
         "output": info.output,
         "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
+        "tags": dict(info.tags),
         "concurrency_key": info.concurrency_key,
     }
     if detail:

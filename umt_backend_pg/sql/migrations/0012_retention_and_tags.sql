@@ -9,6 +9,10 @@
 -- executions, facts and tags, which cascade): its idempotency key stays taken (the enqueue's
 -- statement looks here before it inserts a keyed run) and `get` can say the run was pruned,
 -- until `forget_pruned` drops the tombstone (`connect(idempotency_retention=...)`).
+--
+-- `facts_by_run`: deleting a run makes Postgres delete its facts (ON DELETE CASCADE) by a
+-- query on `facts.run_id`, once per deleted run; without an index each one would read the
+-- whole facts table.
 
 ALTER TABLE {schema}.runs ADD COLUMN tags jsonb NOT NULL DEFAULT '{{}}';
 
@@ -34,3 +38,5 @@ CREATE TABLE {schema}.pruned_runs (
 CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);
+
+CREATE INDEX facts_by_run ON {schema}.facts (run_id) WHERE run_id IS NOT NULL;
