@@ -74,7 +74,7 @@ CREATE UNIQUE INDEX runs_idempotency ON {schema}.runs (task_name, idempotency_ke
 CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
     WHERE status = 'waiting' AND wait_for IS NOT NULL;
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
-CREATE INDEX runs_finished ON {schema}.runs (finished_at)
+CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
 CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
 -- Runs that want a slot of their concurrency key, in the claim's order within the key (see

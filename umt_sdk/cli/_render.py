@@ -60,6 +60,8 @@ def _error_text(error: ErrorInfo | None) -> str:
 def _note(info: RunInfo) -> str:
     if info.status == "waiting":
         return f"waiting for fact {info.waiting_for!r}" if info.waiting_for else "sleeping"
+    if info.deadline_passed:
+        return "past its deadline: a worker of its task ends it failed when it claims it"
     if info.cancel_requested and info.status not in ("canceled",):
         return f"cancel requested: {info.cancel_reason or ''}".rstrip(": ")
     if info.status == "canceled":
@@ -202,6 +204,11 @@ def _show_text(
         fields.append(("waiting for", f"fact {info.waiting_for!r}"))
     if info.status in ("pending", "waiting") and info.available_at is not None:
         fields.append(("next attempt", _when(info.available_at)))
+    if info.deadline_at is not None:
+        passed = "  (passed: a worker of its task ends it failed)" if info.deadline_passed else ""
+        fields.append(("deadline", _when(info.deadline_at) + passed))
+    if info.start_by is not None:
+        fields.append(("start by", _when(info.start_by)))
     if info.lease_expired:
         fields.append(
             ("lease", f"expired {_when(info.lease_expires_at)}; waiting for a worker to claim it")
@@ -313,6 +320,9 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
         "tags": dict(info.tags),
         "concurrency_key": info.concurrency_key,
+        "deadline_at": _iso(info.deadline_at),
+        "start_by": _iso(info.start_by),
+        "deadline_passed": info.deadline_passed,
     }
     if detail:
         data["input"] = info.input
