@@ -535,12 +535,12 @@ class Engine:
         lifecycle_store(self.backend, "fork")
         record = await self._finished_record(run_id, full=True)
         run_on = restartable(record, version, "fork")
-        plan = await self.fork_plan(record, from_step)
+        plan = await self._fork_plan(record, from_step)
         if isinstance(plan, str):
             raise UsageError(f"fork(): {plan}", argument="from_step")
         return await self._start_again(record, run_on, rerun=False, plan=plan)
 
-    async def fork_plan(self, record: RunRecord, from_step: str) -> ForkPlan | str:
+    async def _fork_plan(self, record: RunRecord, from_step: str) -> ForkPlan | str:
         """What a fork of `record` (read with its steps) from `from_step` keeps, or why it
         cannot be forked from there (for a dry run)."""
         children = await children_of(self.backend, record.run_id)

@@ -367,6 +367,7 @@ async def test_priority_order_over_a_backlog(
         f"{priorities[keys.index(order[mismatch])]}), expected {expected[mismatch]} (priority "
         f"{priorities[keys.index(expected[mismatch])]})"
     )
+
     # The last run's outside write commits before its ending does: wait for the endings.
     async def all_ended() -> Counter[str]:
         statuses = Counter(r.status for r in await engine.list(limit=1000))

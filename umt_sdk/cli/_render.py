@@ -194,6 +194,16 @@ def _show_text(
         fields.append(("finished", _when(info.finished_at)))
     if info.parent_run_id is not None:
         fields.append(("parent", f"{info.parent_run_id}  (umt runs show {info.parent_run_id})"))
+    if info.rerun_of is not None:
+        fields.append(("rerun of", f"{info.rerun_of}  (umt runs show {info.rerun_of})"))
+    if info.forked_from is not None:
+        fields.append(
+            (
+                "forked from",
+                f"{info.forked_from} at step {info.forked_at_step!r}  "
+                f"(umt runs show {info.forked_from})",
+            )
+        )
     if info.idempotency_key is not None:
         fields.append(("idempotency key", info.idempotency_key))
     if info.tags:
@@ -323,6 +333,9 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "deadline_at": _iso(info.deadline_at),
         "start_by": _iso(info.start_by),
         "deadline_passed": info.deadline_passed,
+        "rerun_of": None if info.rerun_of is None else str(info.rerun_of),
+        "forked_from": None if info.forked_from is None else str(info.forked_from),
+        "forked_at_step": info.forked_at_step,
     }
     if detail:
         data["input"] = info.input
