@@ -961,8 +961,10 @@ class RetentionStore(Protocol):
     """
 
     async def prune_runs(self, query: PruneQuery) -> PruneBatch:
-        """Delete up to `query.limit` prunable runs (see `PruneQuery`), oldest finished first,
-        each with its tombstone, in one write.
+        """Delete up to `query.limit` prunable runs (see `PruneQuery`), each with its
+        tombstone, in one write; fewer only when no more are prunable. Which ones a batch takes
+        is the backend's choice (the memory backend: the oldest finished; Postgres: task by
+        task, the oldest of each first), since every prunable run goes in the end.
 
         One pruner at a time: a batch that cannot have the store's pruning lock at once does
         nothing and says `busy`, so many workers pruning at once delete each run once and do

@@ -5,8 +5,9 @@ gate the test opens, a fenced side effect through `with_attempt_token`, a durabl
 wait for a run-scoped fact, a flaky step that retries), and interleaves at random: facts
 signalled before or after their waiter gets there, cancels, crashes of one execution at a
 chosen backend operation (the memory backend's `crash_hook`), crashes of whole workers,
-graceful stops, version-filtered workers, moves of the virtual clock, and a frozen worker that
-resumes after another worker took its runs over.
+graceful stops, version-filtered workers, moves of the virtual clock, a frozen worker that
+resumes after another worker took its runs over, and pauses and resumes of tasks (one version
+or all): a paused pair never starts a new execution, and the drain resumes everything first.
 
 After every rule it checks the backend's records against the rules of leases, fencing and
 replay (see `_check_state`); at the end it drains every run with a worker serving all pairs
@@ -68,6 +69,7 @@ from umt_sdk import (
     RetryPolicy,
     TaskContext,
     TaskPair,
+    UsageError,
     Worker,
     connect,
     task,
@@ -87,6 +89,7 @@ FLAKY_RETRY = RetryPolicy(max_attempts=3, initial=timedelta(seconds=1), backoff=
 COMMITS = "commits"
 MAX_LIVE_WORKERS = 4
 MAX_RUNS = 8
+PAUSE_TARGETS = ("prop.flow", "prop.flow@1", "prop.flow@2", "prop.other@1")
 SETTLE_ROUNDS = 50
 TIME_SLICE = timedelta(milliseconds=500)
 HUNG_AFTER = 600.0  # seconds the loop may skip ahead on its own within one rule
@@ -441,6 +444,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.worker_numbers = itertools.count(1)
         self.snapshots: dict[UUID, Snapshot] = {}
         self.seen_commits: set[Any] = set()
+        self.paused: set[tuple[str, int | None]] = set()
+        """The pauses the rules stored: (task name, version or None for every version)."""
+        self.resumed_at_drain = False
+        self.executions_at_pause: dict[UUID, int] = {}
+        """For each run of a paused pair: its executions when the pause began (or 0 when it
+        was enqueued paused). While the pause lasts, no claim may add one."""
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -539,6 +548,8 @@ class EngineMachine(RuleBasedStateMachine):
             assert (handle.task_name, handle.task_version) == (pair.name, pair.version)
             self.models[handle.run_id] = RunModel(pair=pair, spec=spec)
             self.order[handle.run_id] = len(self.order)
+            if self._is_paused(pair):
+                self.executions_at_pause[handle.run_id] = 0
             await self._settle()
             return handle.run_id
 
@@ -662,6 +673,59 @@ class EngineMachine(RuleBasedStateMachine):
 
         self._run(go())
 
+    def _is_paused(self, pair: TaskPair) -> bool:
+        return (pair.name, None) in self.paused or (pair.name, pair.version) in self.paused
+
+    @rule(which=st.sampled_from(PAUSE_TARGETS))
+    def pause(self, which: str) -> None:
+        """Pause a task (one version, or every version): its runs wait, running ones go on."""
+
+        async def go() -> None:
+            name, _, version = which.partition("@")
+            key = (name, int(version) if version else None)
+            for run in self.backend.runs():  # before the pause: nothing moves in between
+                if self.models[run.run_id].pair not in self._paused_pairs():
+                    self.executions_at_pause.setdefault(run.run_id, len(run.executions))
+            stored = await self.engine.pause(which)
+            assert stored == (key not in self.paused), "a pause is stored once"
+            self.paused.add(key)
+            for run in self.backend.runs():
+                if not self._is_paused(self.models[run.run_id].pair):
+                    self.executions_at_pause.pop(run.run_id, None)
+            await self._settle()
+
+        self._run(go())
+
+    def _paused_pairs(self) -> set[TaskPair]:
+        return {p for p in PAIRS if self._is_paused(p)}
+
+    @precondition(lambda self: self.paused)
+    @rule(which=st.sampled_from(PAUSE_TARGETS))
+    def resume(self, which: str) -> None:
+        """Resume a task: `name` lifts every pause of it; `name@version` that version's, and
+        is refused while the whole task is paused."""
+
+        async def go() -> None:
+            name, _, version = which.partition("@")
+            if version and (name, None) in self.paused:
+                with contextlib.suppress(UsageError):
+                    await self.engine.resume(which)
+                    raise AssertionError(f"resume({which!r}) of a task paused as a whole")
+                return
+            removed = {
+                k
+                for k in self.paused
+                if k[0] == name and (not version or k == (name, int(version)))
+            }
+            assert await self.engine.resume(which) == bool(removed)
+            self.paused -= removed
+            for run_id in list(self.executions_at_pause):
+                if not self._is_paused(self.models[run_id].pair):
+                    del self.executions_at_pause[run_id]
+            await self._settle()
+
+        self._run(go())
+
     @rule(delta=clock_steps)
     def pass_time(self, delta: timedelta) -> None:
         """Time passes for everyone: live workers heartbeat, their leases hold."""
@@ -722,6 +786,9 @@ class EngineMachine(RuleBasedStateMachine):
             assert record is not None
             if record.status in TERMINAL_STATUSES:
                 continue  # a canceled run is finished by the claim instead
+            if self._is_paused(self.models[run_id].pair):
+                assert record.fencing_token == token, "a paused pair's lapsed lease waits"
+                continue
             assert record.fencing_token > token, "an expired lease is taken over"
             if not stale_first:
                 # The new holder goes first, as far as its next gate.
@@ -787,6 +854,12 @@ class EngineMachine(RuleBasedStateMachine):
             all_tokens.extend(e.fencing_token for e in run.executions)
         assert len(all_tokens) == len(set(all_tokens)), "fencing tokens are never reused"
         self._check_commits(records)
+        for run in records:
+            frozen = self.executions_at_pause.get(run.run_id)
+            assert frozen is None or len(run.executions) <= frozen, (
+                f"run {run.run_id} of paused pair {self.models[run.run_id].pair} was claimed "
+                f"while paused: {run.executions}"
+            )
         for run in records:
             self.snapshots[run.run_id] = Snapshot(
                 status=run.status,
@@ -919,6 +992,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.armed.clear()
         self.countdowns.clear()
         self.obs.draining = True
+        if self.paused:
+            self.resumed_at_drain = True
+        for name in sorted({name for name, _ in self.paused}):
+            assert await self.engine.resume(name)  # resume lets them all run (checked below)
+        self.paused.clear()
+        self.executions_at_pause.clear()
         for gate in self.obs.gates.values():
             gate.set()
         await self._start_worker(list(PAIRS), concurrency=16, label="drain")
@@ -957,6 +1036,8 @@ class EngineMachine(RuleBasedStateMachine):
         event(f"runs: {min(len(records), 4)}")
         if self.frozen:
             event("a worker was frozen")
+        if self.resumed_at_drain:
+            event("paused runs were resumed by the drain")
 
     def _check_final(self, run: RunRecord) -> None:
         model = self.models[run.run_id]

@@ -1030,32 +1030,52 @@ DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
 -- name: prune_runs
 -- One retention batch, one pruner at a time: the statement takes the schema's pruning lock if
 -- it is free (`held`; else it does nothing and the caller reports `busy`), picks up to
--- %(limit)s prunable runs, oldest finished first (runs_finished), leaves a tombstone for each
--- and deletes it; its steps, executions, facts, tags and streams (every table that references
--- runs ON DELETE CASCADE) and its child groups go with it. Prunable: finished before
--- now() - %(older_than)s, of the tasks asked for, with no unfinished child (its finishing write
--- stores a fact for its parent) and no unfinished parent (which may still read its result).
-WITH lock AS MATERIALIZED (
+-- %(limit)s prunable runs, leaves a tombstone for each and deletes it;
+-- its steps, executions, facts, tags and streams (every table that references runs ON DELETE
+-- CASCADE) and its child groups go with it. Prunable: finished before now() - %(older_than)s,
+-- of the tasks asked for, with no unfinished child (its finishing write stores a fact for its
+-- parent) and no unfinished parent (which may still read its result).
+-- The batch reads runs_finished (task, finishing time) task by task, in name order, oldest
+-- first within a task, and stops once it has %(limit)s: the task names come from a skip over
+-- the index (one probe each, only as far as the batch goes), each task's runs from its own
+-- range, so the runs of a task kept longer are never read by the batches of the others, and
+-- only the runs the batch deletes are read and locked.
+WITH RECURSIVE lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
+), names (task_name) AS (
+    SELECT min(r.task_name) FROM {schema}.runs r
+    WHERE r.status IN ('completed', 'failed', 'canceled') AND (SELECT held FROM lock)
+    UNION ALL
+    SELECT (SELECT min(r.task_name) FROM {schema}.runs r
+            WHERE r.status IN ('completed', 'failed', 'canceled') AND r.task_name > n.task_name)
+    FROM names n WHERE n.task_name IS NOT NULL
 ), batch AS MATERIALIZED (
-    SELECT r.id FROM {schema}.runs r
-    WHERE (SELECT held FROM lock)
-      AND r.status IN ('completed', 'failed', 'canceled')
-      AND r.finished_at < now() - %(older_than)s::interval
-      AND (%(task_names)s::text[] IS NULL OR r.task_name = ANY (%(task_names)s::text[]))
-      AND NOT (r.task_name = ANY (%(exclude_task_names)s::text[]))
-      AND NOT EXISTS (
-          SELECT 1 FROM {schema}.runs c
-          WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled')
-      )
-      AND NOT EXISTS (
-          SELECT 1 FROM {schema}.runs p
-          WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
-            AND p.status NOT IN ('completed', 'failed', 'canceled')
-      )
-    ORDER BY r.finished_at
+    SELECT c.id FROM names n
+    CROSS JOIN LATERAL (
+        SELECT r.id FROM {schema}.runs r
+        WHERE r.task_name = n.task_name
+          AND r.status IN ('completed', 'failed', 'canceled')
+          AND r.finished_at < now() - %(older_than)s::interval
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs c
+              WHERE c.parent_run_id = r.id
+                AND c.status NOT IN ('completed', 'failed', 'canceled')
+          )
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs p
+              WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
+                AND p.status NOT IN ('completed', 'failed', 'canceled')
+          )
+        ORDER BY r.finished_at
+        LIMIT %(limit)s
+        -- The statement's snapshot may predate the commit of the pruner that held the lock
+        -- before: the row lock reads each run again and skips one it deleted.
+        FOR UPDATE OF r SKIP LOCKED
+    ) AS c
+    WHERE n.task_name IS NOT NULL
+      AND (%(task_names)s::text[] IS NULL OR n.task_name = ANY (%(task_names)s::text[]))
+      AND NOT (n.task_name = ANY (%(exclude_task_names)s::text[]))
     LIMIT %(limit)s
-    FOR UPDATE OF r SKIP LOCKED
 ), tombstones AS (
     INSERT INTO {schema}.pruned_runs (
         run_id, task_name, task_version, status, idempotency_key, input_hash, created_at,

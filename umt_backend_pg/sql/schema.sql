@@ -74,7 +74,7 @@ CREATE UNIQUE INDEX runs_idempotency ON {schema}.runs (task_name, idempotency_ke
 CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
     WHERE status = 'waiting' AND wait_for IS NOT NULL;
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
-CREATE INDEX runs_finished ON {schema}.runs (finished_at)
+CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
 CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
 -- Runs that want a slot of their concurrency key, in the claim's order within the key (see
@@ -399,17 +399,19 @@ CREATE FUNCTION {schema}.child_group_ended(parent uuid, grp text, released boole
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     left_over integer;
+    limited integer;
     next_id uuid;
     pair text;
     waiter record;
 BEGIN
     UPDATE {schema}.child_groups SET remaining = remaining - 1
     WHERE parent_run_id = parent AND name = grp
-    RETURNING remaining INTO left_over;
+    RETURNING remaining, max_concurrency INTO left_over, limited;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    IF released THEN
+    -- Only a map with a max_concurrency holds members back: no other group looks for one.
+    IF released AND limited IS NOT NULL THEN
         SELECT r.id INTO next_id FROM {schema}.runs r
         WHERE r.parent_run_id = parent AND r.child_group = grp
           AND r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL

@@ -321,6 +321,20 @@ def _tags(ctx: click.Context, param: click.Parameter, value: Any) -> dict[str, s
     help="Do not start before this much time (e.g. 5m).",
 )
 @click.option(
+    "--deadline",
+    callback=_duration,
+    metavar="DURATION",
+    help="End the run failed (DeadlineExceededError) if it is not finished this long from "
+    "now (e.g. 30m); the task's own timeout, if sooner, wins.",
+)
+@click.option(
+    "--start-within",
+    callback=_duration,
+    metavar="DURATION",
+    help="End the run failed without running it if no worker starts it this long after it "
+    "becomes claimable (e.g. 5m).",
+)
+@click.option(
     "--tag",
     "tags",
     multiple=True,
@@ -338,6 +352,8 @@ def enqueue(
     idempotency_key: str | None,
     priority: int,
     delay: timedelta | None,
+    deadline: timedelta | None,
+    start_within: timedelta | None,
     tags: dict[str, str],
     as_json: bool,
 ) -> None:
@@ -373,6 +389,8 @@ def enqueue(
                 idempotency_key=idempotency_key,
                 priority=priority,
                 delay=delay,
+                deadline=deadline,
+                start_within=start_within,
                 tags=tags,
             )
         if as_json:
