@@ -156,20 +156,30 @@ WITH served AS (
 ), pairs AS (
     SELECT s.name, s.version FROM served s WHERE NOT s.paused
 ), open_keys AS (
-    SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
-    FROM {schema}.concurrency_keys k
-    WHERE k.task_name = ANY (%(names)s::text[]) AND k.queued > 0 AND k.running < k.slot_limit
-      AND EXISTS (
-          SELECT 1 FROM {schema}.runs r
-          WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
-            AND r.concurrency_key IS NOT NULL
-            AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
-            AND r.available_at <= now()
-            AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name))
-    ORDER BY k.claimed_at
-    -- Each key offers at least one due run: %(limit)s keys can fill the batch.
-    LIMIT %(limit)s
-    FOR NO KEY UPDATE OF k SKIP LOCKED
+    -- Per task, its open keys in turn (concurrency_keys_open gives them in that order), each
+    -- tested for a due run as it comes, until %(limit)s keys are locked (each offers a due run:
+    -- enough to fill the batch). The test is a scalar subquery in the claim's order, not an
+    -- EXISTS: the planner cannot turn it into a join, so it probes runs_claim_keyed (the key's
+    -- runs wanting a slot) for the keys it reaches only, never the key's finished runs.
+    SELECT o.task_name, o.concurrency_key, o.free
+    FROM (SELECT DISTINCT p.name FROM pairs p) AS n
+    CROSS JOIN LATERAL (
+        SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
+        FROM {schema}.concurrency_keys k
+        WHERE k.task_name = n.name AND k.queued > 0 AND k.running < k.slot_limit
+          AND (
+              SELECT r.id FROM {schema}.runs r
+              WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
+                AND r.concurrency_key IS NOT NULL
+                AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
+                AND r.available_at <= now()
+                AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
+              ORDER BY r.priority DESC, r.available_at
+              LIMIT 1) IS NOT NULL
+        ORDER BY k.claimed_at
+        LIMIT %(limit)s
+        FOR NO KEY UPDATE OF k SKIP LOCKED
+    ) AS o
 ), keyed_runs AS (
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
     FROM open_keys k
