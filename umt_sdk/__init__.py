@@ -8,6 +8,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._codec import AesGcmCodec, CodecChain, PayloadCodec, ZlibCodec
 from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
     ChildError,
@@ -44,6 +45,7 @@ from umt_sdk.exceptions import (
     ChildCanceledError,
     ChildFailedError,
     ChildrenFailedError,
+    CodecError,
     DeadlineExceededError,
     FactTimeoutError,
     FencingError,
@@ -64,6 +66,7 @@ from umt_sdk.exceptions import (
 )
 
 __all__ = [
+    "AesGcmCodec",
     "AsyncStep",
     "AttemptInfo",
     "BackendError",
@@ -73,6 +76,8 @@ __all__ = [
     "ChildFailedError",
     "ChildHandle",
     "ChildrenFailedError",
+    "CodecChain",
+    "CodecError",
     "Concurrency",
     "ConcurrencyStrategy",
     "DeadlineExceededError",
@@ -88,6 +93,7 @@ __all__ = [
     "OverlapPolicy",
     "ParentClose",
     "PausedTask",
+    "PayloadCodec",
     "PayloadError",
     "PruneReport",
     "Registry",
@@ -125,6 +131,7 @@ __all__ = [
     "UmtError",
     "UsageError",
     "Worker",
+    "ZlibCodec",
     "connect",
     "connect_sync",
     "step",

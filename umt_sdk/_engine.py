@@ -19,6 +19,8 @@ from opentelemetry.trace import TracerProvider
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._codec import PayloadCodec, check_codec
+from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
@@ -147,6 +149,11 @@ class Engine:
             backend=backend, registry=registry, start=self._start_tick, cancel=self._cancel_for
         )
         """Create, list, pause, resume, delete, trigger and backfill schedules."""
+
+    @property
+    def codec(self) -> PayloadCodec | None:
+        """The codec every stored payload passes through (`connect(..., codec=...)`), or None."""
+        return codec_of(self.backend)
 
     async def __aenter__(self) -> Engine:
         return self
@@ -965,6 +972,7 @@ async def connect(
     plugins: Iterable[object] = (),
     tracer_provider: TracerProvider | None = None,
     meter_provider: MeterProvider | None = None,
+    codec: PayloadCodec | None = None,
     retention: timedelta | None = None,
     idempotency_retention: timedelta | None = None,
     **options: Any,
@@ -976,6 +984,12 @@ async def connect(
     `tracer_provider` / `meter_provider` default to the global OpenTelemetry ones; other
     keyword arguments go to the backend.
 
+    `codec` (a `PayloadCodec` such as `AesGcmCodec`, `ZlibCodec` or a `CodecChain` of them)
+    encodes every payload before it is stored and decodes it when it is read: inputs, outputs,
+    step records, facts, schedules' inputs, ledger results, error messages and tracebacks
+    (see docs/codecs.md). Every process that reads the store needs the same codec (or one
+    holding the same keys); idempotency keys compare the plaintext input's hash, so they keep
+    working under encryption.
     `retention` (a timedelta, None: keep for ever): the engine's workers delete finished runs
     older than that (a task's `@task(retention=...)` wins for its runs), in small batches.
     `idempotency_retention` (None: for ever): how long the tombstone of a pruned run keeps its
@@ -1008,10 +1022,14 @@ async def connect(
         "an OpenTelemetry MeterProvider",
         where="connect()",
     )
+    if codec is not None:
+        check_codec(codec)
     retention = check_retention(retention, "retention")
     idempotency_retention = check_retention(idempotency_retention, "idempotency_retention")
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
+    if codec is not None:
+        backend = wrap_backend(backend, codec)
     telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
     try:
         return Engine(

@@ -52,6 +52,7 @@ from umt_sdk.exceptions import (
     BackendError,
     BackendUnavailableError,
     CanceledError,
+    CodecError,
     DeadlineExceededError,
     FencingError,
     LeaseLostTooOftenError,
@@ -64,6 +65,10 @@ __all__ = ["Execution"]
 T = TypeVar("T")
 
 _log = logging.getLogger("umt.worker")
+
+UNREADABLE_BACKOFF = timedelta(seconds=30)
+"""How long a run whose payloads this worker cannot read (`CodecError`) waits before it is
+claimable again."""
 
 _ANOTHER_HOLDS = "lease lost: another attempt holds the run"
 
@@ -546,6 +551,9 @@ class Execution:
         try:
             try:
                 value = _serde.decode(self.claimed.input_json, definition.input_type, what="input")
+            except CodecError as exc:
+                await self._hand_back_unreadable(exc)
+                return
             except PayloadError as exc:
                 await self._finish_failed(exc)
                 return
@@ -559,6 +567,9 @@ class Execution:
             ):  # what result() will decode: if that would fail, fail the run now
                 _serde.decode(output_json, definition.output_type, what="task output")
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
+            if isinstance(exc, CodecError):  # a step record it cannot read, on replay
+                await self._hand_back_unreadable(exc)
+                return
             task = asyncio.current_task()
             verdict = self.aborts.classify(
                 exc, cancelled_by_worker=task is not None and task.cancelling() > 0
@@ -587,6 +598,28 @@ class Execution:
             return
         await self._end(Ending(status="completed", outcome="completed", output_json=output_json))
         self._outcome("completed")
+
+    async def _hand_back_unreadable(self, exc: CodecError) -> None:
+        """This worker cannot read the run's payloads (it has no codec, or lacks the key they
+        name): hand the run back uncharged, claimable again after `UNREADABLE_BACKOFF`, rather
+        than fail it. A misconfigured worker must not destroy the runs it cannot read; one
+        that has the codec will take it."""
+        _log.error(
+            "run %s: cannot read its payloads, handing it back for %s: %s",
+            self.claimed.run_id,
+            UNREADABLE_BACKOFF,
+            exc,
+        )
+        ending = Ending(
+            status="pending",
+            outcome="released",
+            available_at=self.claimed.claimed_at + UNREADABLE_BACKOFF,
+        )
+        if await self._end(ending) == "ended":
+            self._outcome("released")
+            return
+        await self._end(Ending(status="canceled", outcome="canceled"))
+        self._outcome("canceled")
 
     async def _release(self) -> None:
         """The worker is going away: hand the run back at once, uncharged. A run whose cancel

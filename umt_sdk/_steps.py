@@ -638,6 +638,7 @@ class Steps:
                     trace_context=Telemetry.inject(),
                     parent_run_id=parent.run_id,
                     cancel_with_parent=cancel_with_parent,
+                    timeout=definition.timeout,
                 )
                 for i, (input_json, input_hash) in enumerate(encoded)
             ]
@@ -719,13 +720,14 @@ class Steps:
         (or raise `ChildrenFailedError`); a replay does the same from the record."""
         types = output_types or [output_type] * len(child_ids)
         full = self.history.occurrence(result_name)
+        label = full.removesuffix(".result")  # the map's or gather's name, as errors say it
         last = self.history.last(full, "fact")
         replayed = last is not None and last.status == "completed"
         _probe.report("call", full, step_kind="fact", replayed=replayed)
         if last is not None and last.status == "completed":
             self._telemetry.replayed(last)
             return _group_outcome(
-                full, child_ids, names, last.output_json, types, return_exceptions
+                label, child_ids, names, last.output_json, types, return_exceptions
             )
         if not child_ids:
             return []
@@ -755,7 +757,7 @@ class Steps:
                         output_json=output,
                     )
                 )
-                return _group_outcome(full, child_ids, names, output, types, return_exceptions)
+                return _group_outcome(label, child_ids, names, output, types, return_exceptions)
             waiting = (
                 None
                 if last is not None

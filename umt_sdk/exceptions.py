@@ -7,6 +7,7 @@ UmtError
 │   │   └── UnknownTaskError (also LookupError) no such (name, version) is registered
 │   └── NotInTaskError       a step or the context was used outside a running task
 ├── PayloadError             (also ValueError) an input/output/payload does not fit its type
+├── CodecError               a stored payload cannot be decoded (tampered, unknown key, no codec)
 ├── BackendError             the backend failed; the operation may be retried
 │   ├── BackendNotFoundError no installed backend plugin serves the URL
 │   └── BackendUnavailableError  the database could not be reached (restart, lost connection)
@@ -53,6 +54,7 @@ __all__ = [
     "ChildCanceledError",
     "ChildFailedError",
     "ChildrenFailedError",
+    "CodecError",
     "DeadlineExceededError",
     "FactTimeoutError",
     "FencingError",
@@ -116,6 +118,16 @@ class PayloadError(UmtError, ValueError):
     def __init__(self, message: str | None = None, *, field: str = "") -> None:
         super().__init__(message)
         self.field = field
+
+
+class CodecError(UmtError):
+    """A stored payload cannot be decoded: it was changed after it was stored, it names a key
+    or a codec this engine does not have, or it is sealed and the engine has no codec
+    (`connect(..., codec=...)`, `umt --codec`). Retrying does not help; fix the codec."""
+
+    def __init__(self, message: str | None = None, *, codec: str = "") -> None:
+        super().__init__(message)
+        self.codec = codec
 
 
 class BackendError(UmtError):

@@ -156,20 +156,30 @@ WITH served AS (
 ), pairs AS (
     SELECT s.name, s.version FROM served s WHERE NOT s.paused
 ), open_keys AS (
-    SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
-    FROM {schema}.concurrency_keys k
-    WHERE k.task_name = ANY (%(names)s::text[]) AND k.queued > 0 AND k.running < k.slot_limit
-      AND EXISTS (
-          SELECT 1 FROM {schema}.runs r
-          WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
-            AND r.concurrency_key IS NOT NULL
-            AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
-            AND r.available_at <= now()
-            AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name))
-    ORDER BY k.claimed_at
-    -- Each key offers at least one due run: %(limit)s keys can fill the batch.
-    LIMIT %(limit)s
-    FOR NO KEY UPDATE OF k SKIP LOCKED
+    -- Per task, its open keys in turn (concurrency_keys_open gives them in that order), each
+    -- tested for a due run as it comes, until %(limit)s keys are locked (each offers a due run:
+    -- enough to fill the batch). The test is a scalar subquery in the claim's order, not an
+    -- EXISTS: the planner cannot turn it into a join, so it probes runs_claim_keyed (the key's
+    -- runs wanting a slot) for the keys it reaches only, never the key's finished runs.
+    SELECT o.task_name, o.concurrency_key, o.free
+    FROM (SELECT DISTINCT p.name FROM pairs p) AS n
+    CROSS JOIN LATERAL (
+        SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
+        FROM {schema}.concurrency_keys k
+        WHERE k.task_name = n.name AND k.queued > 0 AND k.running < k.slot_limit
+          AND (
+              SELECT r.id FROM {schema}.runs r
+              WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
+                AND r.concurrency_key IS NOT NULL
+                AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
+                AND r.available_at <= now()
+                AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
+              ORDER BY r.priority DESC, r.available_at
+              LIMIT 1) IS NOT NULL
+        ORDER BY k.claimed_at
+        LIMIT %(limit)s
+        FOR NO KEY UPDATE OF k SKIP LOCKED
+    ) AS o
 ), keyed_runs AS (
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
     FROM open_keys k
@@ -1231,15 +1241,23 @@ WITH grp AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, wait_for, child_group, group_index
+        cancel_with_parent, wait_for, child_group, group_index, deadline_at
     )
     SELECT i.id, i.task_name, i.task_version,
            CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
            CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
-           %(trace_context)s, i.input::jsonb, NOT i.held, %(parent_run_id)s, NULL,
-           %(cancel_with_parent)s, CASE WHEN i.held THEN 'umt turn' END, %(name)s,
-           i.group_index
+           %(trace_context)s, i.input::jsonb, NOT i.held AND NOT z.paused,
+           %(parent_run_id)s, NULL, %(cancel_with_parent)s,
+           CASE WHEN i.held THEN 'umt turn' END, %(name)s, i.group_index,
+           now() + %(timeout)s::interval
     FROM items i
+    -- As insert_run: a paused task's runs hold no `ready` rows.
+    CROSS JOIN LATERAL (
+        SELECT EXISTS (
+            SELECT 1 FROM {schema}.paused_tasks p
+            WHERE p.task_name = i.task_name AND p.task_version IN (0, i.task_version)
+        ) AS paused
+    ) AS z
     ORDER BY i.group_index
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, task_name, task_version, priority, available_at, queued

@@ -188,6 +188,7 @@ def _show_text(
         ("lease expirations", str(info.lease_expirations)),
         ("created", _when(info.created_at)),
         ("updated", _when(info.updated_at)),
+        ("input", _shorten(info.input_json, 200)),
     ]
     if info.finished_at is not None:
         fields.append(("finished", _when(info.finished_at)))
@@ -337,6 +338,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "forked_at_step": info.forked_at_step,
     }
     if detail:
+        data["input"] = info.input
         data["interrupted_attempts"] = info.interrupted_attempts
         data["timeline"] = [
             {

@@ -26,6 +26,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_timeline`: the timeline of runs that did not end well
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
+- `_codecs`: a payload codec in front of the backend: every payload sealed at rest, read back
 - `_listing`: tags, and listing by key, tag, time range and cursor
 - `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
@@ -45,6 +46,7 @@ from umt_sdk.testing._contract import (
     _cancel,
     _children,
     _claims,
+    _codecs,
     _concurrency,
     _deadlines,
     _facts,
@@ -85,6 +87,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_payloads.TASKS,
     *_timeline.TASKS,
     *_schedules.TASKS,
+    *_codecs.TASKS,
     *_listing.TASKS,
     *_pruning.TASKS,
     *_streams.TASKS,
@@ -115,6 +118,7 @@ class BackendContract(
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
+    _codecs.CodecsContract,
     _listing.ListingContract,
     _pruning.PruningContract,
     _streams.StreamsContract,
