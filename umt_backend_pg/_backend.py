@@ -702,6 +702,7 @@ class PostgresBackend:
             "inputs": [new.input_json for new in runs],
             "trace_context": Jsonb(dict(runs[0].trace_context) if runs else {}),
             "cancel_with_parent": bool(runs) and runs[0].cancel_with_parent,
+            "timeout": runs[0].timeout if runs else None,
             "channel": self.work_channel,
         }
         with wrap_exceptions():

@@ -1017,7 +1017,8 @@ class ChildGroupStore(Protocol):
         """Store the group and its members `runs` (children of `group.parent_run_id`, in input
         order), atomically. The first `group.max_concurrency` members (all of them without a
         limit) are `pending` as `enqueue` stores a run; the others are *held*: `waiting`, no
-        `available_at`, `wait_for` `HELD_WAIT`, until a finishing member lets them run.
+        `available_at`, `wait_for` `HELD_WAIT`, until a finishing member lets them run (a
+        held member's deadline, `NewRun.timeout`, is enforced when its turn comes).
         First write wins: when the group exists, nothing is written and its stored members
         are returned in order (`created=False`, with `task_version` and `input_hash`); the SDK
         compares. Returns one result per member, in order."""

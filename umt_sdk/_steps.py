@@ -638,6 +638,7 @@ class Steps:
                     trace_context=Telemetry.inject(),
                     parent_run_id=parent.run_id,
                     cancel_with_parent=cancel_with_parent,
+                    timeout=definition.timeout,
                 )
                 for i, (input_json, input_hash) in enumerate(encoded)
             ]

@@ -1241,15 +1241,23 @@ WITH grp AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, wait_for, child_group, group_index
+        cancel_with_parent, wait_for, child_group, group_index, deadline_at
     )
     SELECT i.id, i.task_name, i.task_version,
            CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
            CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
-           %(trace_context)s, i.input::jsonb, NOT i.held, %(parent_run_id)s, NULL,
-           %(cancel_with_parent)s, CASE WHEN i.held THEN 'umt turn' END, %(name)s,
-           i.group_index
+           %(trace_context)s, i.input::jsonb, NOT i.held AND NOT z.paused,
+           %(parent_run_id)s, NULL, %(cancel_with_parent)s,
+           CASE WHEN i.held THEN 'umt turn' END, %(name)s, i.group_index,
+           now() + %(timeout)s::interval
     FROM items i
+    -- As insert_run: a paused task's runs hold no `ready` rows.
+    CROSS JOIN LATERAL (
+        SELECT EXISTS (
+            SELECT 1 FROM {schema}.paused_tasks p
+            WHERE p.task_name = i.task_name AND p.task_version IN (0, i.task_version)
+        ) AS paused
+    ) AS z
     ORDER BY i.group_index
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, task_name, task_version, priority, available_at, queued

@@ -120,3 +120,15 @@ def test_a_bad_codec_is_one_line(umt: Umt, ref: str, code: int, message: str) ->
     assert result.exit_code == code, result.output
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_rerun_needs_the_codec(umt: Umt, greeted: str) -> None:
+    refused = umt("runs", "rerun", greeted)
+    assert refused.exit_code == 1, refused.output
+    assert "cannot write" in refused.stderr
+    assert "--codec" in refused.stderr
+    assert "Ada" not in refused.output
+    new_id = umt.ok("--codec", CODEC, "runs", "rerun", greeted).stdout.strip()
+    shown = json.loads(umt.ok("--codec", CODEC, "runs", "show", new_id, "--json").stdout)
+    assert shown["input"] == {"name": "Ada Lovelace", "times": 1}
+    assert json.loads(umt.ok("runs", "show", new_id, "--json").stdout)["input"] == SEALED

@@ -64,6 +64,9 @@ BEGIN
             SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
                    {schema}.ready_slot()
             FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
+              AND NOT EXISTS (  -- a paused task's runs hold no `ready` rows (the claim's
+                  SELECT 1 FROM {schema}.paused_tasks p  -- timers find it when resumed)
+                  WHERE p.task_name = r.task_name AND p.task_version IN (0, r.task_version))
             RETURNING task_name || '@' || task_version INTO pair;
             PERFORM pg_notify(channel, COALESCE(pair, ''));
         END IF;
