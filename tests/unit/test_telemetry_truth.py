@@ -510,6 +510,40 @@ async def test_waiting_on_a_child_is_an_event_naming_the_child() -> None:
     assert [attrs_of(s)["umt.outcome"] for s in runs] == ["parked", "completed"]
 
 
+@task("tel.fan", version=1)
+async def tel_fan(ctx: TaskContext[Key]) -> list[str]:
+    return await ctx.step.map("kids", tel_child, [Key("a"), Key("b"), Key("c")])
+
+
+async def test_waiting_on_a_fan_out_is_one_event_counting_the_children() -> None:
+    otel = Otel()
+    engine = await otel.engine(tel_fan, tel_child, clock=FakeClock(auto_advance=True))
+    handle = await engine.enqueue(tel_fan, Key("f"))
+    async with engine.worker():
+        assert await handle.result(timeout=10) == ["A", "B", "C"]
+    await engine.close()
+    runs = otel.spans("umt.run tel.fan")
+    waits = [e for s in runs for e in events(s, "umt.children.wait")]
+    assert waits == [{"umt.step.name": "kids.result", "umt.children.count": 3}]
+    assert [attrs_of(s)["umt.outcome"] for s in runs] == ["parked", "completed"]
+
+
+async def test_pause_and_resume_are_client_spans_naming_the_task() -> None:
+    otel = Otel()
+    engine = await otel.engine(noop, clock=FakeClock())
+    assert await engine.pause("tel.noop@1") is True
+    assert await engine.pause("tel.noop@1") is False
+    assert await engine.resume("tel.noop") is True
+    await engine.close()
+    pauses = otel.spans("umt.pause")
+    assert [(s.kind, attrs_of(s)["umt.task.name"]) for s in pauses] == [
+        (SpanKind.CLIENT, "tel.noop@1"),
+        (SpanKind.CLIENT, "tel.noop@1"),
+    ]
+    (resume,) = otel.spans("umt.resume")
+    assert (resume.kind, attrs_of(resume)["umt.task.name"]) == (SpanKind.CLIENT, "tel.noop")
+
+
 async def test_the_queue_depth_gauge_counts_the_pending_runs_a_worker_serves() -> None:
     otel = Otel()
     engine = await otel.engine(noop, clock=FakeClock())
