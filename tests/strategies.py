@@ -106,6 +106,10 @@ clock_steps = st.sampled_from(
 )
 fact_payloads = st.integers(min_value=-1000, max_value=1000)
 priorities = st.integers(min_value=-2, max_value=2)
+deadlines = st.sampled_from(
+    [timedelta(milliseconds=500), timedelta(seconds=2), timedelta(seconds=7), timedelta(seconds=40)]
+)
+"""Run deadlines, from before a first claim to after the longest sleep (`enqueue(deadline=)`)."""
 
 
 # -- payloads -------------------------------------------------------------------------------------

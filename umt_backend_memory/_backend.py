@@ -111,6 +111,10 @@ def _tells_time(clock: object) -> bool:
     return isinstance(sample, datetime) and sample.utcoffset() is not None
 
 
+def _after(when: datetime, duration: timedelta | None) -> datetime | None:
+    return None if duration is None else when + duration
+
+
 @define(eq=False)
 class _Execution:
     fencing_token: int
@@ -161,6 +165,8 @@ class _Run:
     tags: dict[str, str] = field(factory=dict)
     concurrency_key: str | None = None
     count_waiting: bool = False
+    deadline_at: datetime | None = None
+    start_by: datetime | None = None
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
 
@@ -659,6 +665,8 @@ class MemoryBackend:
             forked_at_step=run.forked_at_step,
             tags=dict(run.tags),
             concurrency_key=run.concurrency_key,
+            deadline_at=run.deadline_at,
+            start_by=run.start_by,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,
@@ -717,6 +725,11 @@ class MemoryBackend:
         """Store a new run, under the lock: pending (or `held`: a group member waiting for
         its turn)."""
         now = self.clock.now()
+        available_at = None if held else now + (new.delay or timedelta(0))
+        deadlines = [d for d in (new.deadline_at, _after(now, new.timeout)) if d is not None]
+        deadline_at = min(deadlines) if deadlines else None
+        if deadline_at is not None and available_at is not None:
+            available_at = min(available_at, deadline_at)  # claimable then, to be ended
         run = _Run(
             run_id=new.run_id,
             seq=next(self._seq),
@@ -730,7 +743,7 @@ class MemoryBackend:
             status="waiting" if held else "pending",
             created_at=now,
             updated_at=now,
-            available_at=None if held else now + (new.delay or timedelta(0)),
+            available_at=available_at,
             wait_for=HELD_WAIT if held else None,
             parent_run_id=new.parent_run_id,
             parent_fact=new.parent_fact,
@@ -742,6 +755,8 @@ class MemoryBackend:
             concurrency_key=new.concurrency_key,
             count_waiting=new.count_waiting,
             tags=dict(new.tags),
+            deadline_at=deadline_at,
+            start_by=_after(now + (new.delay or timedelta(0)), new.start_within),
         )
         if source is not None:  # a fork: its kept records and the old run's facts, as stored
             run.steps = {key: source.steps[key] for key in new.kept_steps}
@@ -883,6 +898,8 @@ class MemoryBackend:
             lost_leases=lost_leases,
             cancel_reason=(None if run.cancel_requested_at is None else (run.cancel_reason or "")),
             idempotency_key=run.idempotency_key,
+            deadline_at=run.deadline_at,
+            start_by=run.start_by,
         )
 
     @staticmethod

@@ -272,6 +272,9 @@ class PostgresBackend:
             "concurrency_key": new.concurrency_key,
             "concurrency_limit": new.concurrency_limit,
             "count_waiting": new.count_waiting,
+            "deadline_at": new.deadline_at,
+            "timeout": new.timeout,
+            "start_within": new.start_within,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -399,6 +402,8 @@ class PostgresBackend:
                     lost_leases=row["lost_leases"],
                     cancel_reason=row["cancel_reason"],
                     idempotency_key=row["idempotency_key"],
+                    deadline_at=row["deadline_at"],
+                    start_by=row["start_by"],
                 )
             )
         return claimed
@@ -646,9 +651,17 @@ class PostgresBackend:
             # Driven by the tag index (run_tags_lookup) of the first tag, in run-id order.
             tag_key, tag_value = min(query.tags.items())
             params |= {"tag_key": tag_key, "tag_value": tag_value, "tags": Jsonb(dict(query.tags))}
-            rows = await self._all("list_runs_tagged", params)
+            name = "list_runs_tagged"
         else:
-            rows = await self._all("list_runs", params)
+            name = "list_runs"
+        # Never prepared: each page is planned with its values, so a filter left out (NULL)
+        # costs nothing and the index of the filters given is used (tests/integration/
+        # test_listing_plans.py); a generic plan would have to serve every filter at once.
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = conn.cursor(row_factory=dict_row)
+                await cur.execute(self._q[name], params, prepare=False)
+                rows = await cur.fetchall()
         return [_record(r) for r in rows]
 
     async def queue_depths(self, pairs: Sequence[TaskPair]) -> dict[TaskPair, int]:
@@ -689,6 +702,7 @@ class PostgresBackend:
             "inputs": [new.input_json for new in runs],
             "trace_context": Jsonb(dict(runs[0].trace_context) if runs else {}),
             "cancel_with_parent": bool(runs) and runs[0].cancel_with_parent,
+            "timeout": runs[0].timeout if runs else None,
             "channel": self.work_channel,
         }
         with wrap_exceptions():

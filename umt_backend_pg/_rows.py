@@ -120,6 +120,8 @@ def _record(
         forked_at_step=row.get("forked_at_step"),
         tags=row.get("tags") or {},
         concurrency_key=row.get("concurrency_key"),
+        deadline_at=row.get("deadline_at"),
+        start_by=row.get("start_by"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,

@@ -8,6 +8,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._codec import AesGcmCodec, CodecChain, PayloadCodec, ZlibCodec
 from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
     ChildError,
@@ -44,6 +45,8 @@ from umt_sdk.exceptions import (
     ChildCanceledError,
     ChildFailedError,
     ChildrenFailedError,
+    CodecError,
+    DeadlineExceededError,
     FactTimeoutError,
     FencingError,
     IdempotencyConflictError,
@@ -55,12 +58,15 @@ from umt_sdk.exceptions import (
     RunNotFoundError,
     RunPrunedError,
     ScheduleNotFoundError,
+    StartDeadlineExceededError,
     StepFailedError,
+    StepTimeoutError,
     UmtError,
     UsageError,
 )
 
 __all__ = [
+    "AesGcmCodec",
     "AsyncStep",
     "AttemptInfo",
     "BackendError",
@@ -70,8 +76,11 @@ __all__ = [
     "ChildFailedError",
     "ChildHandle",
     "ChildrenFailedError",
+    "CodecChain",
+    "CodecError",
     "Concurrency",
     "ConcurrencyStrategy",
+    "DeadlineExceededError",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -84,6 +93,7 @@ __all__ = [
     "OverlapPolicy",
     "ParentClose",
     "PausedTask",
+    "PayloadCodec",
     "PayloadError",
     "PruneReport",
     "Registry",
@@ -101,8 +111,10 @@ __all__ = [
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",
+    "StartDeadlineExceededError",
     "StepApi",
     "StepFailedError",
+    "StepTimeoutError",
     "StepView",
     "StreamApi",
     "StreamItem",
@@ -119,6 +131,7 @@ __all__ = [
     "UmtError",
     "UsageError",
     "Worker",
+    "ZlibCodec",
     "connect",
     "connect_sync",
     "step",

@@ -1,11 +1,16 @@
 """An execution's abort state, and the one rule for what a handler's or a step's exception means.
 
-Four states, in order of precedence (a state is only ever left for a stronger one):
+Five states, in order of precedence (a state is only ever left for a stronger one):
 
 - RUNNING: from the claim. The handler runs; the execution ends as the handler does.
 - RELEASING: the worker is shutting down (`shutdown`). The handler is asked to stop
   (`abort_event`); at the next step boundary, or when the handler unwinds, the run is handed
   back uncharged for another worker to finish.
+- EXPIRING: the run's deadline came (`deadline`). The handler is asked to stop, the step
+  in progress is cut off (an async body cancelled, a thread's result ignored) and the run ends
+  failed with `DeadlineExceededError`, whatever else the handler raises. Stronger than a
+  shutdown (a run past its deadline is never handed back to start again), weaker than a
+  cancel (a run whose cancel was asked for ends canceled).
 - CANCELING: the run's cancel was read from the store (`cancel`). The handler is asked to stop;
   the run ends canceled, keeping the handler's error if it raised another one.
 - STOPPED: the lease is lost or the process is going away (`lease_lost`, `crash`). The handler
@@ -22,7 +27,7 @@ import enum
 from typing import ClassVar, Literal
 
 from umt_sdk._spi import SimulatedCrash
-from umt_sdk.exceptions import CanceledError, FencingError
+from umt_sdk.exceptions import CanceledError, DeadlineExceededError, FencingError
 
 __all__ = [
     "AbortKind",
@@ -34,7 +39,7 @@ __all__ = [
     "Verdict",
 ]
 
-AbortKind = Literal["cancel", "lease_lost", "shutdown", "crash"]
+AbortKind = Literal["cancel", "deadline", "lease_lost", "shutdown", "crash"]
 
 
 class Suspend(BaseException):
@@ -58,12 +63,14 @@ class AbortState(enum.IntEnum):
 
     RUNNING = 0
     RELEASING = 1
-    CANCELING = 2
-    STOPPED = 3
+    EXPIRING = 2
+    CANCELING = 3
+    STOPPED = 4
 
 
 _STATE_OF: dict[AbortKind, AbortState] = {
     "shutdown": AbortState.RELEASING,
+    "deadline": AbortState.EXPIRING,
     "cancel": AbortState.CANCELING,
     "lease_lost": AbortState.STOPPED,
     "crash": AbortState.STOPPED,
@@ -78,6 +85,7 @@ class Verdict(enum.Enum):
     FENCED = "fenced"  # a write was refused: another attempt holds the run; stop
     RELEASE = "release"  # hand the run back, uncharged
     CANCEL = "cancel"  # end canceled
+    EXPIRE = "expire"  # the run's deadline came: end failed with DeadlineExceededError
     FAIL = "fail"  # a failure of the user's code: the retry policy decides
 
 
@@ -117,16 +125,23 @@ class Aborts:
         return self.state is AbortState.CANCELING
 
     @property
+    def expiring(self) -> bool:
+        return self.state is AbortState.EXPIRING
+
+    @property
     def releasing(self) -> bool:
         return self.state is AbortState.RELEASING
 
     def raise_at_boundary(self, run_label: str) -> None:
-        """What must happen instead of the next step: stop, the cancel, or release."""
+        """What must happen instead of the next step: stop, the cancel, the deadline, or
+        release."""
         if self.state is AbortState.STOPPED:
             raise Stop
         if self.state is AbortState.CANCELING:
             reason = self.reason or "canceled"
             raise CanceledError(f"{run_label} canceled: {reason}", reason=reason)
+        if self.state is AbortState.EXPIRING:
+            raise DeadlineExceededError(f"{run_label}: {self.reason or 'deadline exceeded'}")
         if self.state is AbortState.RELEASING:
             raise Release
 
@@ -147,6 +162,8 @@ class Aborts:
             return Verdict.FAIL
         if self.state is AbortState.CANCELING:
             return Verdict.CANCEL
+        if self.state is AbortState.EXPIRING:
+            return Verdict.EXPIRE
         if self.state is AbortState.RELEASING or isinstance(exc, Release):
             return Verdict.RELEASE
         if isinstance(exc, asyncio.CancelledError):

@@ -25,7 +25,12 @@ from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
 from umt_sdk._streams import StreamApi, StreamWriter, SyncStreamApi
-from umt_sdk.exceptions import CanceledError, ChildCanceledError, ChildFailedError
+from umt_sdk.exceptions import (
+    CanceledError,
+    ChildCanceledError,
+    ChildFailedError,
+    DeadlineExceededError,
+)
 
 __all__ = [
     "ChildError",
@@ -93,6 +98,7 @@ class StepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -104,6 +110,7 @@ class StepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def run(
@@ -114,6 +121,7 @@ class StepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
@@ -121,11 +129,16 @@ class StepApi:
         The step returns what its record decodes to, the same on every execution: the output
         type is `fn`'s return annotation, or `output_type` (for a lambda); without either, only
         JSON's own types (str, int, float, bool, None, list, dict) may be returned.
-        The keywords `retry` and `output_type` are taken by umt; pass a lambda if `fn` has a
-        parameter of either name.
+        `timeout`: how long one attempt may run; past it an async `fn` is cancelled, a plain
+        one (a thread cannot be killed) is left to finish on its own and its result ignored,
+        and the attempt fails with `StepTimeoutError`, retried per the step's policy.
+        The keywords `retry`, `output_type` and `timeout` are taken by umt; pass a lambda if
+        `fn` has a parameter of one of those names.
         """
-        check_run_arguments(name, fn, retry, output_type)
-        call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name, fn, args, kwargs, retry=retry, output_type=output_type, timeout=timeout
+        )
         return self._steps.run(call)
 
     async def sleep(self, name: str, duration: timedelta) -> None:
@@ -392,12 +405,15 @@ class SyncStepApi:
         *args: Any,
         retry: RetryPolicy | None = None,
         output_type: Any = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
-        check_run_arguments(name, fn, retry, output_type)
-        call = StepCall.inline(name, fn, args, kwargs, retry=retry, output_type=output_type)
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name, fn, args, kwargs, retry=retry, output_type=output_type, timeout=timeout
+        )
         value: R = self._steps.from_thread(self._steps.run(call))
         return value
 
@@ -606,13 +622,15 @@ class _BaseContext(Generic[I]):
 
     @property
     def abort_event(self) -> asyncio.Event:
-        """Set when the abort signal fires (the run's cancel, a lost lease, or the worker
-        shutting down): await it to react at once, then call `throw_if_canceled()`."""
+        """Set when the abort signal fires (the run's cancel, its deadline, a lost lease, or
+        the worker shutting down): await it to react at once, then call
+        `throw_if_canceled()`."""
         return self._execution.aborts.event
 
     def throw_if_canceled(self) -> None:
         """Stop the handler if the abort signal has fired: `CanceledError` (with the reason)
-        when the run's cancel was requested or this attempt lost its lease. When the worker
+        when the run's cancel was requested or this attempt lost its lease,
+        `DeadlineExceededError` when the run's deadline came. When the worker
         is shutting down it raises the engine's release signal instead (a `BaseException`:
         let it through), and the run is handed back, uncharged, for another worker to
         finish."""
@@ -622,6 +640,10 @@ class _BaseContext(Generic[I]):
         if aborts.state >= AbortState.CANCELING:
             reason = aborts.reason or "canceled"
             raise CanceledError(f"run {self.run_id} aborted: {reason}", reason=reason)
+        if aborts.state is AbortState.EXPIRING:
+            raise DeadlineExceededError(
+                f"run {self.run_id}: {aborts.reason or 'deadline exceeded'}", run_id=self.run_id
+            )
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.task_name}@{self.task_version} run={self.run_id}>"

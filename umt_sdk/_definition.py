@@ -42,6 +42,8 @@ class TaskDefinition(Generic[I, O]):
     None: the engine's `connect(retention=...)`."""
     concurrency: Concurrency[Any] | None = None
     """At most `limit` runs of a key running at once (see `Concurrency`); None: no limit."""
+    timeout: timedelta | None = None
+    """How long a run may take from its enqueue before it fails (see `task`); None: no limit."""
 
     @property
     def pair(self) -> TaskPair:

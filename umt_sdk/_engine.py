@@ -19,6 +19,8 @@ from opentelemetry.trace import TracerProvider
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._check import shown
+from umt_sdk._codec import PayloadCodec, check_codec
+from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
@@ -40,6 +42,7 @@ from umt_sdk._retention import (
     RetentionPolicy,
     check_retention,
     check_tags,
+    missing_run,
     retention_store,
 )
 from umt_sdk._schedules import Schedules, scheduler_enqueue
@@ -68,7 +71,6 @@ from umt_sdk.exceptions import (
     RunCanceledError,
     RunFailedError,
     RunNotFoundError,
-    RunPrunedError,
     UsageError,
 )
 
@@ -148,6 +150,11 @@ class Engine:
         )
         """Create, list, pause, resume, delete, trigger and backfill schedules."""
 
+    @property
+    def codec(self) -> PayloadCodec | None:
+        """The codec every stored payload passes through (`connect(..., codec=...)`), or None."""
+        return codec_of(self.backend)
+
     async def __aenter__(self) -> Engine:
         return self
 
@@ -175,6 +182,8 @@ class Engine:
         version: int | None = None,
         conn: Any = None,
         tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -188,6 +197,8 @@ class Engine:
         version: int | None = None,
         conn: Any = None,
         tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -200,6 +211,8 @@ class Engine:
         version: int | None = None,
         conn: Any = None,
         tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -215,6 +228,13 @@ class Engine:
                 result) until its tombstone is dropped (`connect(idempotency_retention=)`).
             priority: higher runs first (-32768..32767); FIFO among equals.
             delay: do not start before this much time has passed.
+            deadline: when the run must be finished by: a timezone-aware datetime, or a
+                timedelta from now (the backend's clock). Past it the run ends `failed` with
+                `DeadlineExceededError`, whatever it is doing; the task's own `timeout`, if
+                earlier, wins. None: only the task's timeout.
+            start_within: how long after it becomes claimable (now, plus `delay`) the run may
+                still start: a run not claimed by then ends `failed` with
+                `StartDeadlineExceededError` without running. None: no limit.
             conn: the caller's open database transaction: the run exists if and only if it
                 commits (backends that support it).
             tags: labels to find the run by (`list(tags={"tenant": "t7"})`): at most 16 keys
@@ -244,6 +264,14 @@ class Engine:
         if delay is not None:
             check.duration(delay, "delay")
         run_tags = check_tags(tags)
+        deadline_at, timeout = _deadline(deadline, definition.timeout)
+        if start_within is not None:
+            check.duration(
+                start_within,
+                "start_within",
+                positive=True,
+                expected="a timedelta > 0 such as timedelta(minutes=5), or None",
+            )
         input_json, input_hash = _serde.encode_input(input, definition.input_type, what="input")
         keyed = key_fields(
             definition.concurrency,
@@ -279,6 +307,9 @@ class Engine:
                 trace_context=self.telemetry.inject(),
                 tags=run_tags,
                 **keyed,
+                deadline_at=deadline_at,
+                timeout=timeout,
+                start_within=start_within,
             )
             result = await self.backend.enqueue(new, conn=conn)
             # On the caller's transaction the run exists only if that commits, which the SDK
@@ -504,12 +535,12 @@ class Engine:
         lifecycle_store(self.backend, "fork")
         record = await self._finished_record(run_id, full=True)
         run_on = restartable(record, version, "fork")
-        plan = await self.fork_plan(record, from_step)
+        plan = await self._fork_plan(record, from_step)
         if isinstance(plan, str):
             raise UsageError(f"fork(): {plan}", argument="from_step")
         return await self._start_again(record, run_on, rerun=False, plan=plan)
 
-    async def fork_plan(self, record: RunRecord, from_step: str) -> ForkPlan | str:
+    async def _fork_plan(self, record: RunRecord, from_step: str) -> ForkPlan | str:
         """What a fork of `record` (read with its steps) from `from_step` keeps, or why it
         cannot be forked from there (for a dry run)."""
         children = await children_of(self.backend, record.run_id)
@@ -570,6 +601,9 @@ class Engine:
                 kept_steps=() if plan is None else plan.kept_steps,
                 tags=dict(record.tags),  # found by the same tags as the run it starts again
                 **keyed,
+                # A new run: the task's timeout counts from now (a definition this process
+                # does not register sets none).
+                timeout=definition.timeout if definition is not None else None,
             )
             result = await self.backend.enqueue(new)
             span.set_attribute("umt.run.id", str(result.run_id))
@@ -594,22 +628,7 @@ class Engine:
         return build_run_info(record)
 
     async def _not_found(self, run_id: UUID) -> RunNotFoundError:
-        """The error for a run the store does not hold: `RunPrunedError` when retention
-        deleted it (its tombstone says when), else `RunNotFoundError`."""
-        if isinstance(self.backend, RetentionStore):
-            tombstone = await self.backend.get_pruned(run_id)
-            if tombstone is not None:
-                return RunPrunedError(
-                    f"run {run_id} ({tombstone.task_name}@{tombstone.task_version}) finished "
-                    f"{tombstone.status} at {tombstone.finished_at.isoformat()} and was deleted "
-                    f"by retention at {tombstone.pruned_at.isoformat()}; only its tombstone "
-                    "is kept (see docs/retention.md)",
-                    run_id=run_id,
-                    status=tombstone.status,
-                    finished_at=tombstone.finished_at,
-                    pruned_at=tombstone.pruned_at,
-                )
-        return RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        return await missing_run(self.backend, run_id)
 
     async def export_history(self, run_id: UUID) -> RunHistory:
         """The run's recorded history (task, version, input, status, each step record) as a
@@ -645,7 +664,8 @@ class Engine:
             task_name: only runs of this task (`version`: of this version).
             status: only runs in this status.
             parent: only the children of this run.
-            idempotency_key: only the run enqueued under this key (one per task).
+            idempotency_key: only the run enqueued under this key; keys are per task, so it
+                needs `task_name` too (`UsageError` otherwise).
             tags: only runs carrying all of these tags (`enqueue(..., tags=...)`).
             concurrency_key: only runs of this concurrency key (`@task(concurrency=...)`);
                 keys are per task, so give `task_name` too.
@@ -673,6 +693,12 @@ class Engine:
         if idempotency_key is not None:
             check.text(idempotency_key, "idempotency_key", empty=False, max_length=512)
             _serde.check_text(idempotency_key, what="idempotency_key")
+            if task_name is None:
+                raise UsageError(
+                    "list(idempotency_key=...) needs task_name=... too: a key names one run "
+                    "of one task (and is found through that task's index of keys)",
+                    argument="idempotency_key",
+                )
         wanted_tags = check_tags(tags, where="list()")
         if concurrency_key is not None:
             check.text(concurrency_key, "concurrency_key", empty=False, max_length=255)
@@ -946,6 +972,7 @@ async def connect(
     plugins: Iterable[object] = (),
     tracer_provider: TracerProvider | None = None,
     meter_provider: MeterProvider | None = None,
+    codec: PayloadCodec | None = None,
     retention: timedelta | None = None,
     idempotency_retention: timedelta | None = None,
     **options: Any,
@@ -957,6 +984,12 @@ async def connect(
     `tracer_provider` / `meter_provider` default to the global OpenTelemetry ones; other
     keyword arguments go to the backend.
 
+    `codec` (a `PayloadCodec` such as `AesGcmCodec`, `ZlibCodec` or a `CodecChain` of them)
+    encodes every payload before it is stored and decodes it when it is read: inputs, outputs,
+    step records, facts, schedules' inputs, ledger results, error messages and tracebacks
+    (see docs/codecs.md). Every process that reads the store needs the same codec (or one
+    holding the same keys); idempotency keys compare the plaintext input's hash, so they keep
+    working under encryption.
     `retention` (a timedelta, None: keep for ever): the engine's workers delete finished runs
     older than that (a task's `@task(retention=...)` wins for its runs), in small batches.
     `idempotency_retention` (None: for ever): how long the tombstone of a pruned run keeps its
@@ -989,10 +1022,14 @@ async def connect(
         "an OpenTelemetry MeterProvider",
         where="connect()",
     )
+    if codec is not None:
+        check_codec(codec)
     retention = check_retention(retention, "retention")
     idempotency_retention = check_retention(idempotency_retention, "idempotency_retention")
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
+    if codec is not None:
+        backend = wrap_backend(backend, codec)
     telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
     try:
         return Engine(
@@ -1005,3 +1042,23 @@ async def connect(
     except BaseException:
         await backend.close()
         raise
+
+
+def _deadline(
+    deadline: object, task_timeout: timedelta | None
+) -> tuple[datetime | None, timedelta | None]:
+    """`enqueue(deadline=...)` and the task's timeout as `NewRun.deadline_at` / `timeout`: a
+    relative deadline counts, like the timeout, from the enqueue on the backend's clock."""
+    if deadline is None:
+        return None, task_timeout
+    if isinstance(deadline, datetime):
+        check.aware_datetime(deadline, "deadline")
+        return deadline, task_timeout
+    relative = check.duration(
+        deadline,
+        "deadline",
+        positive=True,
+        expected="a timezone-aware datetime, or a timedelta > 0 such as timedelta(hours=1), "
+        "or None",
+    )
+    return None, relative if task_timeout is None else min(relative, task_timeout)

@@ -11,6 +11,7 @@ process is going away. Its telemetry lives behind one seam, `ExecutionTelemetry`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import functools
 import logging
@@ -20,6 +21,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
+
+from attrs import evolve
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import AbortKind, Aborts, Release, Stop, Suspend, Verdict
@@ -44,13 +47,17 @@ from umt_sdk._steps import Steps
 from umt_sdk._streams import StreamWriter
 from umt_sdk._task import TaskDefinition
 from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
+from umt_sdk._timers import wait_until
 from umt_sdk.exceptions import (
     BackendError,
     BackendUnavailableError,
     CanceledError,
+    CodecError,
+    DeadlineExceededError,
     FencingError,
     LeaseLostTooOftenError,
     PayloadError,
+    StartDeadlineExceededError,
 )
 
 __all__ = ["Execution"]
@@ -58,6 +65,10 @@ __all__ = ["Execution"]
 T = TypeVar("T")
 
 _log = logging.getLogger("umt.worker")
+
+UNREADABLE_BACKOFF = timedelta(seconds=30)
+"""How long a run whose payloads this worker cannot read (`CodecError`) waits before it is
+claimable again."""
 
 _ANOTHER_HOLDS = "lease lost: another attempt holds the run"
 
@@ -127,6 +138,10 @@ class Execution:
             replaying=lambda: self.replaying,
         )
         self.task: asyncio.Task[None] | None = None
+        # Steps a plain handler's thread runs on the loop (`call_from_thread`): a deadline
+        # cuts them off with the handler.
+        self._from_thread: set[concurrent.futures.Future[Any]] = set()
+        self._deadline_watch: asyncio.Task[None] | None = None
 
     # -- what others read ---------------------------------------------------------------------
 
@@ -254,8 +269,92 @@ class Execution:
             self.loop.call_soon_threadsafe(self.task.cancel)
 
     def check_before_step(self) -> None:
-        """Raise what must happen instead of the next step: stop, the cancel, or release."""
+        """Raise what must happen instead of the next step: stop, the cancel, the deadline
+        (a run past it never starts another step), or release."""
+        deadline = self.claimed.deadline_at
+        if deadline is not None and self.now() >= deadline:
+            self.deadline_came()
         self.aborts.raise_at_boundary(f"run {self.claimed.run_id}")
+
+    # -- the deadline ---------------------------------------------------------------------------
+
+    def deadline_came(self) -> None:
+        """The run's deadline came: fire the abort signal (once), which the step in progress
+        and the next step boundary obey, and cut the handler off after a short grace if it is
+        still running (an async handler is cancelled; a plain one's thread cannot be, so it is
+        left behind and what it does next is refused). Not once the ending write is on its
+        way: that write decides."""
+        deadline = self.claimed.deadline_at
+        if deadline is None or self._letting_go or self.stopped:
+            return
+        if not self.aborts.fire("deadline", f"deadline {deadline.isoformat()} exceeded"):
+            return
+        self.telemetry.event(
+            "umt.deadline", **{"umt.deadline.at": deadline.isoformat(), "umt.deadline.kind": "run"}
+        )
+        self.loop.call_later(self._deadline_grace(), self._cut_off)
+
+    def _deadline_grace(self) -> float:
+        """Real seconds a handler has to obey the deadline's abort signal before it is cut
+        off: a third of the lease, at most a second."""
+        return min(self.lease.duration.total_seconds() / 3, 1.0)
+
+    def _cut_off(self) -> None:
+        if self._letting_go or self.stopped or not self.aborts.expiring:
+            return
+        for future in list(self._from_thread):
+            future.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    async def _watch_deadline(self, deadline: datetime) -> None:
+        await wait_until(self.now, deadline, self.backend.clock)
+        self.deadline_came()
+
+    def _expired_at_claim(self) -> DeadlineExceededError | None:
+        """The claim came after the run's start deadline (its first claim) or its deadline:
+        the error it ends with, without running the handler."""
+        claimed = self.claimed
+        label = f"run {claimed.run_id} of {claimed.task_name}@{claimed.task_version}"
+        start_by = claimed.start_by
+        if start_by is not None and claimed.claims == 1 and claimed.claimed_at > start_by:
+            return StartDeadlineExceededError(
+                f"{label} was not started by its start deadline {start_by.isoformat()} "
+                "(start_within); it never ran",
+                run_id=claimed.run_id,
+                deadline_at=start_by,
+            )
+        if claimed.deadline_at is not None and claimed.claimed_at >= claimed.deadline_at:
+            return self._deadline_error()
+        return None
+
+    def _deadline_error(self) -> DeadlineExceededError:
+        claimed = self.claimed
+        deadline = claimed.deadline_at
+        assert deadline is not None
+        return DeadlineExceededError(
+            f"run {claimed.run_id} of {claimed.task_name}@{claimed.task_version} was not "
+            f"finished by its deadline {deadline.isoformat()}",
+            run_id=claimed.run_id,
+            deadline_at=deadline,
+        )
+
+    async def _finish_expired(self, exc: DeadlineExceededError) -> None:
+        """End the run failed with `exc`: never retried, whatever the task's retry policy."""
+        task = asyncio.current_task()
+        if task is not None:
+            while task.cancelling():  # our own cut-off: the ending write must still run
+                task.uncancel()
+        kind = "start" if isinstance(exc, StartDeadlineExceededError) else "run"
+        if kind == "start" or not self.aborts.expiring:  # the claim found it expired
+            at = exc.deadline_at.isoformat() if exc.deadline_at else ""
+            self.telemetry.event(
+                "umt.deadline", **{"umt.deadline.at": at, "umt.deadline.kind": kind}
+            )
+        await self._end(
+            Ending(status="failed", outcome="failed", error=error_info(exc), count_failure=True)
+        )
+        self._outcome("failed", exc)
 
     def go_live(self) -> None:
         """The first step the last execution did not finish: from here on, logs speak."""
@@ -287,7 +386,14 @@ class Execution:
             wrapped.close()
             coro.close()
             raise
-        return future.result()
+        self._from_thread.add(future)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:  # cut off by the run's deadline
+            self.aborts.raise_at_boundary(f"run {self.claimed.run_id}")
+            raise
+        finally:
+            self._from_thread.discard(future)
 
     async def _as_current(self, coro: Coroutine[Any, Any, T]) -> T:
         token = _CURRENT.set(self)
@@ -333,11 +439,25 @@ class Execution:
         """The one ending write: the SDK's decision, stored by the backend as given."""
         if ending.finishes:
             _probe.reach(self.aborts, "end", ending.status)
+        else:
+            ending = self._until_deadline(ending)
         result = await self.guard(self.backend.end_execution(self.lease, ending), final=True)
         self._letting_go = result == "ended"
         if result == "ended" and ending.step is not None:
             self.history.remember(ending.step)
         return result
+
+    def _until_deadline(self, ending: Ending) -> Ending:
+        """A run parked or handed back is claimable again by its deadline at the latest, to
+        be ended then (`_expired_at_claim`), whatever it waits for."""
+        deadline = self.claimed.deadline_at
+        if deadline is None:
+            return ending
+        if ending.available_at is None:
+            if ending.status == "waiting":  # a fact wait with no timeout of its own
+                return evolve(ending, available_at=deadline)
+            return ending  # handed back: claimable at once
+        return evolve(ending, available_at=min(ending.available_at, deadline))
 
     async def park(
         self,
@@ -382,6 +502,13 @@ class Execution:
     def start(self) -> asyncio.Task[None]:
         """Run `execute()` in a task of its own: the one a lost lease or a crash cancels."""
         self.task = asyncio.create_task(self.execute(), name=f"umt-run-{self.claimed.run_id}")
+        deadline = self.claimed.deadline_at
+        if deadline is not None:
+            watch = asyncio.create_task(
+                self._watch_deadline(deadline), name=f"umt-deadline-{self.claimed.run_id}"
+            )
+            self._deadline_watch = watch
+            self.task.add_done_callback(lambda _: watch.cancel())
         return self.task
 
     async def execute(self) -> None:
@@ -414,12 +541,19 @@ class Execution:
             await self._end(Ending(status="canceled", outcome="canceled"))
             self._outcome("canceled")
             return
+        expired = self._expired_at_claim()
+        if expired is not None:
+            await self._finish_expired(expired)
+            return
         if self.claimed.lost_leases >= definition.max_lost_leases:
             await self._fail_lost_leases()
             return
         try:
             try:
                 value = _serde.decode(self.claimed.input_json, definition.input_type, what="input")
+            except CodecError as exc:
+                await self._hand_back_unreadable(exc)
+                return
             except PayloadError as exc:
                 await self._finish_failed(exc)
                 return
@@ -433,6 +567,9 @@ class Execution:
             ):  # what result() will decode: if that would fail, fail the run now
                 _serde.decode(output_json, definition.output_type, what="task output")
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
+            if isinstance(exc, CodecError):  # a step record it cannot read, on replay
+                await self._hand_back_unreadable(exc)
+                return
             task = asyncio.current_task()
             verdict = self.aborts.classify(
                 exc, cancelled_by_worker=task is not None and task.cancelling() > 0
@@ -448,11 +585,41 @@ class Execution:
                 await self._release()
             elif verdict is Verdict.CANCEL:
                 await self._finish_canceled(exc)
+            elif verdict is Verdict.EXPIRE:
+                await self._finish_expired(self._deadline_error())
             else:
                 await self._finish_failed(exc)
             return
+        deadline = self.claimed.deadline_at
+        if self.aborts.expiring or (deadline is not None and self.now() >= deadline):
+            # It returned once its deadline had come: it was not finished by then.
+            self.deadline_came()
+            await self._finish_expired(self._deadline_error())
+            return
         await self._end(Ending(status="completed", outcome="completed", output_json=output_json))
         self._outcome("completed")
+
+    async def _hand_back_unreadable(self, exc: CodecError) -> None:
+        """This worker cannot read the run's payloads (it has no codec, or lacks the key they
+        name): hand the run back uncharged, claimable again after `UNREADABLE_BACKOFF`, rather
+        than fail it. A misconfigured worker must not destroy the runs it cannot read; one
+        that has the codec will take it."""
+        _log.error(
+            "run %s: cannot read its payloads, handing it back for %s: %s",
+            self.claimed.run_id,
+            UNREADABLE_BACKOFF,
+            exc,
+        )
+        ending = Ending(
+            status="pending",
+            outcome="released",
+            available_at=self.claimed.claimed_at + UNREADABLE_BACKOFF,
+        )
+        if await self._end(ending) == "ended":
+            self._outcome("released")
+            return
+        await self._end(Ending(status="canceled", outcome="canceled"))
+        self._outcome("canceled")
 
     async def _release(self) -> None:
         """The worker is going away: hand the run back at once, uncharged. A run whose cancel

@@ -28,6 +28,7 @@ from umt_sdk._spi import (
     RunRecord,
     TaskPair,
 )
+from umt_sdk._views import RunInfo
 from umt_sdk.exceptions import UsageError
 
 __all__ = [
@@ -81,7 +82,7 @@ def pause_target(task: object, call: str) -> tuple[str, int | None]:
     return text, None
 
 
-def restartable(record: RunRecord, version: int | None, call: str) -> int:
+def restartable(record: RunRecord | RunInfo, version: int | None, call: str) -> int:
     """The version a rerun or fork of `record` runs on; refuses an unfinished run, and a
     version older than the run's (replaying newer records on older code)."""
     if record.status not in TERMINAL_STATUSES:

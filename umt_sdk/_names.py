@@ -11,6 +11,7 @@ import re
 import typing
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
+from datetime import timedelta
 from typing import Any
 
 import cattrs
@@ -156,16 +157,22 @@ def unwrap_awaitable(tp: Any) -> Any:
 
 
 def inline_target(
-    fn: Callable[..., Any], retry: RetryPolicy | None
-) -> tuple[Callable[..., Any], Any, RetryPolicy | None]:
+    fn: Callable[..., Any], retry: RetryPolicy | None, timeout: timedelta | None = None
+) -> tuple[Callable[..., Any], Any, RetryPolicy | None, timedelta | None]:
     """What `ctx.step.run(name, fn, ...)` runs: a decorated step passes its plain function, its
-    output type and (unless `retry` overrides it) its retry policy; other callables run as
-    they are. Calling the decorated step itself there would start a step inside the step."""
+    output type and (unless `retry` / `timeout` override them) its retry policy and timeout;
+    other callables run as they are. Calling the decorated step itself there would start a
+    step inside the step."""
     declared = getattr(fn, "__umt_step__", None)  # set by @step (`_task._StepBase`)
     if declared is not None:
-        plain, output_type, own_retry = declared
-        return plain, output_type, retry if retry is not None else own_retry
-    return fn, output_type_of(fn), retry
+        plain, output_type, own_retry, own_timeout = declared
+        return (
+            plain,
+            output_type,
+            retry if retry is not None else own_retry,
+            timeout if timeout is not None else own_timeout,
+        )
+    return fn, output_type_of(fn), retry, timeout
 
 
 # The arguments of `ctx.step.run / sleep / wait_for_fact`, checked before the execution sees
@@ -173,14 +180,24 @@ def inline_target(
 # wrong type used to surface later as a TypeError that the step or the task retried.
 
 
-def check_run_arguments(name: object, fn: object, retry: object, output_type: object) -> None:
-    """`ctx.step.run(name, fn, ..., retry=, output_type=)`."""
+def check_run_arguments(
+    name: object, fn: object, retry: object, output_type: object, timeout: object = None
+) -> None:
+    """`ctx.step.run(name, fn, ..., retry=, output_type=, timeout=)`."""
     check_name("step", name, argument="name")
     where = f"step {name!r}"
     check.function(fn, "fn", expected="the function the step runs", where=where)
     check_retry(retry, where=where)
     if output_type is not None:
         check_type_argument(output_type, "output_type", where=where)
+    if timeout is not None:
+        check.duration(
+            timeout,
+            "timeout",
+            positive=True,
+            expected="a timedelta > 0 such as timedelta(seconds=30), or None",
+            where=where,
+        )
 
 
 def check_sleep_arguments(name: object, duration: object) -> None:

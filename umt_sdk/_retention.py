@@ -14,17 +14,18 @@ background; `engine.prune` and `umt runs prune` run one prune by hand.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
+from uuid import UUID
 
 from attrs import define, field, frozen
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
+from umt_sdk._definition import TaskDefinition
 from umt_sdk._spi import Backend, PruneQuery, RetentionStore
-from umt_sdk._task import Registry
-from umt_sdk.exceptions import UsageError
+from umt_sdk.exceptions import RunNotFoundError, RunPrunedError, UsageError
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -35,6 +36,7 @@ __all__ = [
     "Pruner",
     "RetentionPolicy",
     "check_tags",
+    "missing_run",
     "retention_store",
 ]
 
@@ -111,6 +113,25 @@ def retention_store(backend: Backend, what: str) -> RetentionStore:
     )
 
 
+async def missing_run(backend: Backend, run_id: UUID) -> RunNotFoundError:
+    """The error for a run the store does not hold: `RunPrunedError` when retention deleted it
+    (its tombstone says when), else `RunNotFoundError`."""
+    if isinstance(backend, RetentionStore):
+        tombstone = await backend.get_pruned(run_id)
+        if tombstone is not None:
+            return RunPrunedError(
+                f"run {run_id} ({tombstone.task_name}@{tombstone.task_version}) finished "
+                f"{tombstone.status} at {tombstone.finished_at.isoformat()} and was deleted "
+                f"by retention at {tombstone.pruned_at.isoformat()}; only its tombstone "
+                "is kept (see docs/retention.md)",
+                run_id=run_id,
+                status=tombstone.status,
+                finished_at=tombstone.finished_at,
+                pruned_at=tombstone.pruned_at,
+            )
+    return RunNotFoundError(f"no run {run_id}", run_id=run_id)
+
+
 @frozen(kw_only=True)
 class PruneReport:
     """What `engine.prune` did (or, with `dry_run`, would do)."""
@@ -145,12 +166,12 @@ class RetentionPolicy:
     @classmethod
     def build(
         cls,
-        registry: Registry,
+        registry: Iterable[TaskDefinition[Any, Any]],
         *,
         default: timedelta | None,
         idempotency: timedelta | None,
     ) -> RetentionPolicy:
-        """The policy of `connect`: its options, and the retention each registered task
+        """The policy of `connect`: its options, and the retention each task of the registry
         declares (the longest of its versions, when they differ)."""
         per_task: dict[str, timedelta] = {}
         for definition in registry:

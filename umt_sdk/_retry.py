@@ -7,6 +7,7 @@ from attrs import field, frozen
 from umt_sdk import _check as check
 from umt_sdk.exceptions import (
     CanceledError,
+    DeadlineExceededError,
     FencingError,
     NonDeterminismError,
     PayloadError,
@@ -18,7 +19,8 @@ __all__ = ["RetryPolicy"]
 
 # Errors that retrying cannot fix: the code or the data must change first (UsageError covers
 # TaskDefinitionError and NotInTaskError), or the attempt has lost the run (FencingError: a
-# retry's writes would be refused again; it is not a BackendError, which may be retried).
+# retry's writes would be refused again; it is not a BackendError, which may be retried), or
+# the run is past its deadline (DeadlineExceededError).
 _ALWAYS_FINAL: tuple[type[BaseException], ...] = (
     PayloadError,
     NonDeterminismError,
@@ -26,6 +28,7 @@ _ALWAYS_FINAL: tuple[type[BaseException], ...] = (
     FencingError,
     StepFailedError,
     CanceledError,
+    DeadlineExceededError,
 )
 
 

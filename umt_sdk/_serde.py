@@ -32,7 +32,10 @@ import cattrs
 from cattrs.preconf.json import make_converter as _make_json_converter
 from cattrs.strategies import configure_union_passthrough
 
-from umt_sdk.exceptions import PayloadError
+from umt_sdk._codec import SEALED_PREFIX
+from umt_sdk.exceptions import CodecError, PayloadError
+
+_SEALED = '"' + SEALED_PREFIX
 
 __all__ = [
     "MAX_BYTES",
@@ -493,7 +496,16 @@ def encode_output(value: Any, type_: Any, *, what: str) -> tuple[str, Any]:
 
 
 def decode(text: str, type_: Any = Any, *, what: str = "payload") -> Any:
-    """Decode JSON text to `type_`; raise PayloadError naming the field that does not fit."""
+    """Decode JSON text to `type_`; raise PayloadError naming the field that does not fit,
+    and CodecError for a payload a codec sealed (the engine has no codec to open it)."""
+    if text.startswith(_SEALED):
+        name = text[len(_SEALED) :].partition(":")[0]
+        raise CodecError(
+            f"{what} was encoded by codec {name!r} and could not be decoded here: connect with "
+            "that codec (codec=..., or umt --codec / UMT_CODEC on the command line), holding "
+            "the key it names",
+            codec=name,
+        )
     try:
         raw = json.loads(text)
     except RecursionError:

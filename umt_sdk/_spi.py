@@ -275,6 +275,15 @@ class NewRun:
     count_waiting: bool = False
     """With `concurrency_key`: whether the run keeps its slot while `waiting` (a sleep, a
     wait for a fact); by default a waiting run gives its slot back and needs one again to run."""
+    deadline_at: datetime | None = field(default=None, validator=_tz_aware)
+    """When the run must be finished by (`enqueue(deadline=...)`), as given."""
+    timeout: timedelta | None = None
+    """How long the run may take from its enqueue (`@task(timeout=...)`, a relative
+    `enqueue(deadline=...)`): the backend's clock at the enqueue plus this. The stored
+    deadline (`RunRecord.deadline_at`) is the earlier of the two; None and None: no deadline."""
+    start_within: timedelta | None = None
+    """How long after it becomes claimable (the enqueue plus `delay`) the run may still be
+    started: stored as `RunRecord.start_by`. None: no start deadline."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -366,6 +375,12 @@ class ClaimedRun:
     idempotency_key: str | None = None
     """The run's idempotency key as stored (None without one): a scheduled run's key names
     its tick, which the SDK reads back as `ctx.scheduled_at`."""
+    deadline_at: datetime | None = field(default=None, validator=_tz_aware)
+    """The run's deadline as stored (`RunRecord.deadline_at`): the SDK ends the run failed
+    when it comes (at once, without running the handler, when the claim is past it)."""
+    start_by: datetime | None = field(default=None, validator=_tz_aware)
+    """The run's start deadline as stored (`RunRecord.start_by`): a first claim past it ends
+    the run failed without running the handler."""
 
 
 EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
@@ -513,6 +528,10 @@ class RunRecord:
     """The labels given at enqueue (`NewRun.tags`)."""
     concurrency_key: str | None = None
     """The run's concurrency key as stored (None without one)."""
+    deadline_at: datetime | None = None
+    """When the run must be finished by (`NewRun.deadline_at` / `timeout`), None: never."""
+    start_by: datetime | None = None
+    """When the run must have been claimed by (`NewRun.start_within`), None: no limit."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)
@@ -609,7 +628,12 @@ class Backend(Protocol):
         backend cannot join is refused with `UsageError`).
 
         The run is `pending`, claimable from the backend's clock plus `new.delay`
-        (`available_at`). Same idempotency key: same input hash returns the existing run
+        (`available_at`), or from its deadline if that is earlier. It keeps its deadline:
+        `deadline_at`, the earlier of `new.deadline_at` and the clock plus `new.timeout`
+        (None if neither is given), and `start_by`, the clock plus `new.delay` plus
+        `new.start_within` (None without it); the claim hands both out
+        (`ClaimedRun.deadline_at`, `start_by`) and the SDK decides what they mean.
+        Same idempotency key: same input hash returns the existing run
         (`created=False`, with its `task_version`), a different hash raises
         `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
         names another version. A child run keeps `parent_run_id`, `parent_fact` and
@@ -937,8 +961,10 @@ class RetentionStore(Protocol):
     """
 
     async def prune_runs(self, query: PruneQuery) -> PruneBatch:
-        """Delete up to `query.limit` prunable runs (see `PruneQuery`), oldest finished first,
-        each with its tombstone, in one write.
+        """Delete up to `query.limit` prunable runs (see `PruneQuery`), each with its
+        tombstone, in one write; fewer only when no more are prunable. Which ones a batch takes
+        is the backend's choice (the memory backend: the oldest finished; Postgres: task by
+        task, the oldest of each first), since every prunable run goes in the end.
 
         One pruner at a time: a batch that cannot have the store's pruning lock at once does
         nothing and says `busy`, so many workers pruning at once delete each run once and do
@@ -991,7 +1017,8 @@ class ChildGroupStore(Protocol):
         """Store the group and its members `runs` (children of `group.parent_run_id`, in input
         order), atomically. The first `group.max_concurrency` members (all of them without a
         limit) are `pending` as `enqueue` stores a run; the others are *held*: `waiting`, no
-        `available_at`, `wait_for` `HELD_WAIT`, until a finishing member lets them run.
+        `available_at`, `wait_for` `HELD_WAIT`, until a finishing member lets them run (a
+        held member's deadline, `NewRun.timeout`, is enforced when its turn comes).
         First write wins: when the group exists, nothing is written and its stored members
         are returned in order (`created=False`, with `task_version` and `input_hash`); the SDK
         compares. Returns one result per member, in order."""

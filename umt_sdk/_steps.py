@@ -46,15 +46,18 @@ from umt_sdk._spi import (
 )
 from umt_sdk._streams import StepScope, step_scope
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
+from umt_sdk._timers import wait_until
 from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
     ChildrenFailedError,
+    DeadlineExceededError,
     FactTimeoutError,
     IdempotencyConflictError,
     PayloadError,
     StepFailedError,
+    StepTimeoutError,
     UsageError,
 )
 
@@ -77,6 +80,8 @@ class StepCall:
     """The step's own retry policy; None: the task's."""
     output_type: Any = Any
     """What the output decodes to, on the first execution and on every replay."""
+    timeout: timedelta | None = None
+    """How long one attempt may run before it fails with `StepTimeoutError`; None: no limit."""
 
     @classmethod
     def inline(
@@ -88,12 +93,14 @@ class StepCall:
         *,
         retry: RetryPolicy | None,
         output_type: Any,
+        timeout: timedelta | None = None,
     ) -> StepCall:
-        """`ctx.step.run(name, fn, *args, retry=..., output_type=..., **kwargs)`: the name
-        checked, and a decorated `fn` replaced by its plain function, its output type and
-        (unless `retry` overrides it) its retry policy (`_names.inline_target`)."""
+        """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
+        the name checked, and a decorated `fn` replaced by its plain function, its output type
+        and (unless `retry` / `timeout` override them) its retry policy and timeout
+        (`_names.inline_target`)."""
         check_name("step", name)
-        fn, declared, retry = inline_target(fn, retry)
+        fn, declared, retry, timeout = inline_target(fn, retry, timeout)
         return cls(
             name=name,
             fn=fn,
@@ -101,6 +108,7 @@ class StepCall:
             kwargs=kwargs,
             retry=retry,
             output_type=declared if output_type is None else output_type,
+            timeout=timeout,
         )
 
 
@@ -151,6 +159,7 @@ class StepHost(Protocol):
 
     def now(self) -> datetime: ...
     def check_before_step(self) -> None: ...
+    def deadline_came(self) -> None: ...
     def go_live(self) -> None: ...
     def fenced(self) -> None: ...
     def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
@@ -278,9 +287,22 @@ class Steps:
         if self._on_step_start is not None:
             self._on_step_start()
         try:
-            value = await self._body(call, full, attempt)
+            if call.timeout is None and self._host.claimed.deadline_at is None:
+                value = await self._body(call, full, attempt)
+            else:
+                value = await self._bounded(call, full, attempt, started)
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
             verdict = self._host.aborts.classify(exc, cancelled_by_worker=_cancelled_by_worker())
+            if verdict is Verdict.EXPIRE:
+                # The run's deadline came: the step is cut off, not recorded; the run fails.
+                step_trace.ended("deadline")
+                if isinstance(exc, DeadlineExceededError):
+                    raise
+                raise DeadlineExceededError(
+                    f"step {full!r} was cut off by the run's deadline",
+                    run_id=self._host.claimed.run_id,
+                    deadline_at=self._host.claimed.deadline_at,
+                ) from None
             if verdict in (Verdict.SUSPEND, Verdict.STOP):
                 if verdict is Verdict.STOP:
                     step_trace.ended(self._stop_outcome())
@@ -392,6 +414,48 @@ class Steps:
         finally:
             step_scope.reset(scope)
 
+    async def _bounded(self, call: StepCall, full: str, attempt: int, started: datetime) -> Any:
+        """The step's body, cut off at its timeout (`StepTimeoutError`) or at the run's
+        deadline (`DeadlineExceededError`), on the backend's clock. An async body is
+        cancelled; a plain one's thread cannot be: it finishes on its own, its result unread.
+        """
+        host = self._host
+        body = asyncio.ensure_future(self._body(call, full, attempt))
+        body.add_done_callback(_consume)
+        clock = host.backend.clock
+        limits: dict[asyncio.Future[Any], str] = {}
+        if call.timeout is not None:
+            limits[asyncio.ensure_future(wait_until(host.now, started + call.timeout, clock))] = (
+                "timeout"
+            )
+        deadline = host.claimed.deadline_at
+        if deadline is not None:
+            limits[asyncio.ensure_future(wait_until(host.now, deadline, clock))] = "deadline"
+        try:
+            done, _ = await asyncio.wait({body, *limits}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for limit in limits:
+                limit.cancel()
+            if not body.done():
+                body.cancel()
+        if body in done:
+            return body.result()
+        if any(limits[limit] == "deadline" for limit in done):
+            host.deadline_came()
+            host.check_before_step()  # raises what the run's abort state says
+        assert call.timeout is not None
+        seconds = call.timeout.total_seconds()
+        cut = (
+            "its body was cancelled"
+            if inspect.iscoroutinefunction(call.fn)
+            else "its thread cannot be killed: it finishes on its own, its result ignored"
+        )
+        raise StepTimeoutError(
+            f"step {full!r} ran past its timeout of {seconds:g} s ({cut})",
+            step_name=full,
+            timeout_seconds=seconds,
+        )
+
     async def start_child(
         self,
         name: str,
@@ -434,6 +498,7 @@ class Steps:
                         parent_fact=child_fact(child_id),
                         cancel_with_parent=cancel_with_parent,
                         **keyed,
+                        timeout=definition.timeout,
                     )
                 )
             )
@@ -573,6 +638,7 @@ class Steps:
                     trace_context=Telemetry.inject(),
                     parent_run_id=parent.run_id,
                     cancel_with_parent=cancel_with_parent,
+                    timeout=definition.timeout,
                 )
                 for i, (input_json, input_hash) in enumerate(encoded)
             ]
@@ -654,13 +720,14 @@ class Steps:
         (or raise `ChildrenFailedError`); a replay does the same from the record."""
         types = output_types or [output_type] * len(child_ids)
         full = self.history.occurrence(result_name)
+        label = full.removesuffix(".result")  # the map's or gather's name, as errors say it
         last = self.history.last(full, "fact")
         replayed = last is not None and last.status == "completed"
         _probe.report("call", full, step_kind="fact", replayed=replayed)
         if last is not None and last.status == "completed":
             self._telemetry.replayed(last)
             return _group_outcome(
-                full, child_ids, names, last.output_json, types, return_exceptions
+                label, child_ids, names, last.output_json, types, return_exceptions
             )
         if not child_ids:
             return []
@@ -690,7 +757,7 @@ class Steps:
                         output_json=output,
                     )
                 )
-                return _group_outcome(full, child_ids, names, output, types, return_exceptions)
+                return _group_outcome(label, child_ids, names, output, types, return_exceptions)
             waiting = (
                 None
                 if last is not None
@@ -927,6 +994,12 @@ def _child_outcome_of(start_name: str, child_id: UUID, raw: Any, output_type: An
         error_type=error_type,
         error_message=message,
     )
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Read a cut-off body's ending so asyncio never reports it as unread."""
+    if not task.cancelled():
+        task.exception()
 
 
 def group_fact(full_name: str) -> str:

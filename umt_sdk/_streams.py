@@ -41,6 +41,7 @@ from attrs import frozen
 
 from umt_sdk import _serde
 from umt_sdk._names import check_name
+from umt_sdk._retention import missing_run
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
     Backend,
@@ -49,7 +50,7 @@ from umt_sdk._spi import (
     StreamEntry,
     StreamStore,
 )
-from umt_sdk.exceptions import PayloadError, RunNotFoundError, UsageError
+from umt_sdk.exceptions import PayloadError, UsageError
 
 __all__ = [
     "FOLLOW_WAIT",
@@ -276,7 +277,7 @@ async def follow_stream(
     store = stream_store(backend)
     head = await backend.get_run_head(run_id)
     if head is None:
-        raise RunNotFoundError(f"no run {run_id}", run_id=run_id)
+        raise await missing_run(backend, run_id)
     ended = head.status in TERMINAL_STATUSES
     cursor = since
     while True:

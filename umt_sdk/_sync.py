@@ -61,6 +61,8 @@ class SyncEngine:
         delay: timedelta | None = None,
         version: int | None = None,
         tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
     ) -> UUID:
         """Enqueue (see `Engine.enqueue`) and return the run id."""
         handle = self._call(
@@ -72,6 +74,8 @@ class SyncEngine:
                 delay=delay,
                 version=version,
                 tags=tags,
+                deadline=deadline,
+                start_within=start_within,
             )
         )
         return handle.run_id

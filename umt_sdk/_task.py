@@ -64,6 +64,7 @@ def task(
     max_lost_leases: int = DEFAULT_MAX_LOST_LEASES,
     retention: timedelta | None = None,
     concurrency: Concurrency[Any] | None = None,
+    timeout: timedelta | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
 
@@ -86,6 +87,11 @@ def task(
         concurrency: at most `limit` runs with the same key running at once, across all
             workers (`Concurrency(key=lambda inp: inp.tenant_id, limit=2)`); the others wait
             their turn. See docs/flow-control.md.
+        timeout: a run still not finished this long after its enqueue ends `failed` with
+            `DeadlineExceededError`, whether it is running (its handler gets the abort
+            signal, its step in progress is cut off), sleeping, waiting for a fact or still
+            pending; never retried. `enqueue(deadline=...)` can set an earlier one. None (the
+            default): no limit.
     """
     check_name("task", name)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -118,6 +124,9 @@ def task(
             argument="retention",
         )
     concurrency = check_concurrency(concurrency, task_name=name)
+
+    if timeout is not None:
+        _check_timeout(timeout, where=f"task {name!r}")
 
     def decorate(fn: Callable[..., Any]) -> TaskDefinition[Any, Any]:
         if isinstance(fn, TaskDefinition):
@@ -159,21 +168,43 @@ def task(
             max_lost_leases=max_lost_leases,
             retention=retention,
             concurrency=concurrency,
+            timeout=timeout,
         )
 
     return typing.cast(_TaskDecorator, decorate)
 
 
+def _check_timeout(timeout: object, *, where: str) -> None:
+    """A timeout of a declaration: a positive timedelta, else `TaskDefinitionError`."""
+    try:
+        check.duration(
+            timeout,
+            "timeout",
+            positive=True,
+            expected="a timedelta > 0 such as timedelta(minutes=5), or None",
+            where=where,
+        )
+    except UsageError as exc:
+        raise TaskDefinitionError(str(exc), argument="timeout") from None
+
+
 class _StepBase(Generic[P, R]):
-    def __init__(self, name: str, fn: Callable[P, Any], retry: RetryPolicy | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[P, Any],
+        retry: RetryPolicy | None,
+        timeout: timedelta | None = None,
+    ) -> None:
         self.name = name
         self.fn = fn
         self.retry = retry
+        self.timeout = timeout
         self.output_type = unwrap_awaitable(hints(fn).get("return", Any))
         check_storable(self.output_type, f"step {name!r}: the return type of {fn.__qualname__}")
         functools.update_wrapper(typing.cast(Any, self), fn)
         # What `ctx.step.run(name, this, ...)` runs instead (see `_names.inline_target`).
-        self.__umt_step__ = (fn, self.output_type, retry)
+        self.__umt_step__ = (fn, self.output_type, retry, timeout)
 
     def __repr__(self) -> str:
         return f"<step {self.name!r} ({self.fn.__qualname__})>"
@@ -186,6 +217,7 @@ class _StepBase(Generic[P, R]):
             kwargs=kwargs,
             retry=self.retry,
             output_type=self.output_type,
+            timeout=self.timeout,
         )
 
 
@@ -245,16 +277,24 @@ class _StepDecorator(Protocol):
     def __call__(self, fn: Callable[P, R]) -> SyncStep[P, R]: ...
 
 
-def step(name: str, *, retry: RetryPolicy | None = None) -> _StepDecorator:
+def step(
+    name: str, *, retry: RetryPolicy | None = None, timeout: timedelta | None = None
+) -> _StepDecorator:
     """Declare a named step. Inside a task it runs once per run; replays return its record.
 
     Args:
         name: stable within the task's version: replay matches steps by name. Calling the same
             name again in one execution records `name#2`, `name#3`, ...
         retry: overrides the task's retry policy for this step.
+        timeout: how long one attempt may run: past it an async body is cancelled, a plain
+            one (a thread cannot be killed) is left to finish on its own and its result
+            ignored, and the attempt fails with `StepTimeoutError`, retried per the step's
+            policy. None (the default): no limit.
     """
     check_name("step", name)
     check_retry(retry, where=f"step {name!r}", error=TaskDefinitionError)
+    if timeout is not None:
+        _check_timeout(timeout, where=f"step {name!r}")
 
     def decorate(fn: Callable[..., Any]) -> _StepBase[Any, Any]:
         if isinstance(fn, _StepBase | TaskDefinition) or not callable(fn):
@@ -263,8 +303,8 @@ def step(name: str, *, retry: RetryPolicy | None = None) -> _StepDecorator:
                 argument="fn",
             )
         if inspect.iscoroutinefunction(fn):
-            return AsyncStep(name, fn, retry)
-        return SyncStep(name, fn, retry)
+            return AsyncStep(name, fn, retry, timeout)
+        return SyncStep(name, fn, retry, timeout)
 
     return typing.cast(_StepDecorator, decorate)
 

@@ -25,6 +25,7 @@ __all__ = [
     "RunPage",
     "StepView",
     "build_run_info",
+    "deadline_passed",
     "execution_outcome",
     "lease_expired",
     "with_execution_outcomes",
@@ -108,6 +109,14 @@ class RunInfo:
     concurrency_key: str | None = None
     """The run's concurrency key (`@task(concurrency=...)`), computed at enqueue; a `pending`
     run of a full key waits for a slot. `engine.list(concurrency_key=...)` finds its runs."""
+    deadline_at: datetime | None = None
+    """When the run must be finished by (`@task(timeout=...)`, `enqueue(deadline=...)`);
+    None: no deadline."""
+    start_by: datetime | None = None
+    """When the run must have started by (`enqueue(start_within=...)`); None: no limit."""
+    deadline_passed: bool = False
+    """Unfinished, but past its deadline (or, never claimed, past its start deadline) when
+    the backend read it: the next worker to claim it ends it failed."""
 
     @property
     def display_status(self) -> str:
@@ -275,7 +284,21 @@ def build_run_info(record: RunRecord) -> RunInfo:
         forked_at_step=record.forked_at_step,
         tags=dict(record.tags),
         concurrency_key=record.concurrency_key,
+        deadline_at=record.deadline_at,
+        start_by=record.start_by,
+        deadline_passed=deadline_passed(record),
     )
+
+
+def deadline_passed(record: RunRecord) -> bool:
+    """Unfinished and past its deadline, or never claimed and past its start deadline, at the
+    backend's read (`observed_at`)."""
+    now = record.observed_at
+    if now is None or record.status in TERMINAL_STATUSES:
+        return False
+    if record.deadline_at is not None and now >= record.deadline_at:
+        return True
+    return record.start_by is not None and record.claims == 0 and now > record.start_by
 
 
 def _next_live_step(record: RunRecord, token: int) -> str | None:

@@ -7,6 +7,7 @@ UmtError
 │   │   └── UnknownTaskError (also LookupError) no such (name, version) is registered
 │   └── NotInTaskError       a step or the context was used outside a running task
 ├── PayloadError             (also ValueError) an input/output/payload does not fit its type
+├── CodecError               a stored payload cannot be decoded (tampered, unknown key, no codec)
 ├── BackendError             the backend failed; the operation may be retried
 │   ├── BackendNotFoundError no installed backend plugin serves the URL
 │   └── BackendUnavailableError  the database could not be reached (restart, lost connection)
@@ -19,6 +20,9 @@ UmtError
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
+├── StepTimeoutError         (also TimeoutError) a step attempt ran past its timeout
+├── DeadlineExceededError    (also TimeoutError) the run was not finished at its deadline
+│   └── StartDeadlineExceededError  the run was not started before its start deadline
 ├── CanceledError            the run was canceled (raised inside the handler)
 ├── RunFailedError           engine.result(): the run ended failed
 │   └── ChildFailedError     a child run's result, in its parent: the child ended failed
@@ -50,6 +54,8 @@ __all__ = [
     "ChildCanceledError",
     "ChildFailedError",
     "ChildrenFailedError",
+    "CodecError",
+    "DeadlineExceededError",
     "FactTimeoutError",
     "FencingError",
     "IdempotencyConflictError",
@@ -63,7 +69,9 @@ __all__ = [
     "RunNotFoundError",
     "RunPrunedError",
     "ScheduleNotFoundError",
+    "StartDeadlineExceededError",
     "StepFailedError",
+    "StepTimeoutError",
     "TaskDefinitionError",
     "UmtError",
     "UnknownTaskError",
@@ -110,6 +118,16 @@ class PayloadError(UmtError, ValueError):
     def __init__(self, message: str | None = None, *, field: str = "") -> None:
         super().__init__(message)
         self.field = field
+
+
+class CodecError(UmtError):
+    """A stored payload cannot be decoded: it was changed after it was stored, it names a key
+    or a codec this engine does not have, or it is sealed and the engine has no codec
+    (`connect(..., codec=...)`, `umt --codec`). Retrying does not help; fix the codec."""
+
+    def __init__(self, message: str | None = None, *, codec: str = "") -> None:
+        super().__init__(message)
+        self.codec = codec
 
 
 class BackendError(UmtError):
@@ -278,6 +296,40 @@ class FactTimeoutError(UmtError, TimeoutError):
     def __init__(self, message: str | None = None, *, fact_name: str = "") -> None:
         super().__init__(message)
         self.fact_name = fact_name
+
+
+class StepTimeoutError(UmtError, TimeoutError):
+    """A step attempt ran past its timeout: an async body was cancelled, a plain one (a
+    thread, which cannot be killed) was left to finish on its own and its result ignored. The
+    attempt failed; the step's retry policy decides whether another one runs."""
+
+    def __init__(
+        self, message: str | None = None, *, step_name: str = "", timeout_seconds: float = 0.0
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.timeout_seconds = timeout_seconds
+
+
+class DeadlineExceededError(UmtError, TimeoutError):
+    """The run was not finished at its deadline (`@task(timeout=...)`,
+    `enqueue(deadline=...)`): it ended failed, never retried, whatever it was doing."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        deadline_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.deadline_at = deadline_at
+
+
+class StartDeadlineExceededError(DeadlineExceededError):
+    """The run was not claimed before its start deadline (`enqueue(start_within=...)`): it
+    ended failed without running."""
 
 
 class CanceledError(UmtError):

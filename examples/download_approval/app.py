@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS {s}.plans (
     run_id      uuid,
     approved_by text,
     approved_at timestamptz,
+    night_run   uuid,
     created_at  timestamptz NOT NULL DEFAULT now()
 );
 CREATE TABLE IF NOT EXISTS {s}.downloads (
@@ -91,13 +92,27 @@ def q(text: str, schema: str) -> sql.Composed:
     return sql.SQL(text).format(s=sql.Identifier(schema))
 
 
-async def create_plan(url: str, engine_schema: str, *, url_to_fetch: str, size: int) -> str:
-    """Store a plan and its `plan.created` event in one transaction: both or neither."""
+async def create_plan(
+    url: str, engine_schema: str, *, url_to_fetch: str, size: int, deferred: bool = False
+) -> str:
+    """Store a plan and its `plan.created` event in one transaction: both or neither. A
+    `deferred` plan is approved for the night window instead: no event, the nightly schedule
+    takes it (`nightly_downloads`)."""
     from umt_backend_pg import insert_outbox_event
 
     schema = app_schema(engine_schema)
     plan_id = f"plan-{uuid.uuid4().hex[:8]}"
     async with await psycopg.AsyncConnection.connect(url) as conn, conn.transaction():
+        if deferred:
+            await conn.execute(
+                q(
+                    "INSERT INTO {s}.plans (id, url, size, status, approved_by, approved_at)"
+                    " VALUES (%s, %s, %s, 'deferred', 'night window', now())",
+                    schema,
+                ),
+                (plan_id, url_to_fetch, size),
+            )
+            return plan_id
         await conn.execute(
             q("INSERT INTO {s}.plans (id, url, size) VALUES (%s, %s, %s)", schema),
             (plan_id, url_to_fetch, size),
@@ -128,6 +143,32 @@ async def approve(engine: Any, url: str, engine_schema: str, plan_id: str, by: s
         row = await cur.fetchone()
     if row is not None and row[0] is not None:
         await engine.signal(row[0], "approved", {"by": by})
+
+
+async def client_daemon(
+    url: str, engine_schema: str, incoming: Path, engine: Any, stop: asyncio.Event
+) -> None:
+    """The fake client finishing downloads, and the app's webhook handler that records them:
+    the business table first, then a signal to wake the run."""
+    import fake_client
+
+    schema = app_schema(engine_schema)
+    while not stop.is_set():
+        await fake_client.complete_jobs(url, schema, incoming)
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            cur = await conn.execute(
+                q(
+                    "UPDATE {s}.downloads d SET status = 'done', path = j.path,"
+                    " finished_at = now() FROM {s}.client_jobs j, {s}.plans p"
+                    " WHERE d.job_id = j.id AND j.status = 'done'"
+                    " AND d.status = 'downloading' AND p.id = d.plan_id RETURNING p.run_id",
+                    schema,
+                )
+            )
+            finished = await cur.fetchall()
+        for (run_id,) in finished:
+            await engine.signal(run_id, "downloaded", {})
+        await asyncio.sleep(0.1)
 
 
 # -- processes -------------------------------------------------------------------------------

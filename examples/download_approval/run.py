@@ -11,7 +11,10 @@
 6. the client finishes the downloads, the runs copy the files, record the assets, and each
    asset's outbox event starts a `describe_asset` run in the `agent` group;
 7. check: one client job, one download, one asset per plan; every outbox row dispatched;
-   no @1 run left in flight, so download_plan@1 can be removed.
+   no @1 run left in flight, so download_plan@1 can be removed;
+8. the night: three plans deferred to the night window, and the `nightly_downloads` schedule
+   (02:00 Europe/Paris) triggered by hand: its run fans out one `download_plan@2` child per
+   deferred plan with `ctx.step.map` (two at once), and is woken once, when all are done.
 
 Options: `--schema NAME` (default dl_demo), `--data DIR` (files; a temporary one by default).
 `UMT_DATABASE_URL` points it at a running Postgres instead of the embedded one.
@@ -90,30 +93,8 @@ async def until(check: Any, what: str, timeout: float = 60) -> Any:
     raise SystemExit(f"timed out waiting for {what}")
 
 
-async def client_daemon(
-    url: str, app: str, incoming: Path, engine: Any, stop: asyncio.Event
-) -> None:
-    """The fake client finishing downloads, and the app's webhook handler that records them:
-    the business table first, then a signal to wake the run."""
-    import fake_client
-
-    while not stop.is_set():
-        await fake_client.complete_jobs(url, app, incoming)
-        finished = await rows(
-            url,
-            "UPDATE {s}.downloads d SET status = 'done', path = j.path, finished_at = now()"
-            " FROM {s}.client_jobs j, {s}.plans p"
-            " WHERE d.job_id = j.id AND j.status = 'done' AND d.status = 'downloading'"
-            " AND p.id = d.plan_id RETURNING p.run_id",
-            app,
-        )
-        for (run_id,) in finished:
-            await engine.signal(run_id, "downloaded", {})
-        await asyncio.sleep(0.1)
-
-
 async def main(schema: str, data: Path) -> int:
-    from app import app_schema, approve, create_plan, migrate_business
+    from app import app_schema, approve, client_daemon, create_plan, migrate_business
 
     from umt_backend_pg import database_url, migrate
 
@@ -137,7 +118,7 @@ async def main(schema: str, data: Path) -> int:
     engine = await connect(url, registry=tasks.registry(2), schema=schema, run_migrations=False)
     procs = Processes(url, schema, data)
     stop = asyncio.Event()
-    daemon = asyncio.create_task(client_daemon(url, app, data / "incoming", engine, stop))
+    daemon = asyncio.create_task(client_daemon(url, schema, data / "incoming", engine, stop))
     ok = False
     try:
         procs.start("relay-r1", "relay", 1)
@@ -239,8 +220,43 @@ async def main(schema: str, data: Path) -> int:
         )
         say(f"outbox: {dict(outbox)}")
         say(f"download_plan@1 runs in flight: {in_flight_v1} (it can be removed now)")
+        night = [
+            await create_plan(
+                url,
+                schema,
+                url_to_fetch=f"https://mirror.example/night-{n}.iso",
+                size=500_000,
+                deferred=True,
+            )
+            for n in (1, 2, 3)
+        ]
+        say(f"deferred plans {', '.join(night)} to the night window")
+        await engine.schedules.create(tasks.NIGHTLY)
+        nightly = await engine.schedules.trigger("nightly_downloads")
+        say("triggered the nightly_downloads schedule (0 2 * * *, Europe/Paris) by hand")
+        said = await nightly.result(timeout=90)
+        children = (await engine.list(parent=nightly.run_id)).runs
+        parent_info = await engine.get(nightly.run_id)
+        assets = sum(1 for value in said.values() if value.startswith("asset-"))
+        say(
+            f"the night fanned out {len(children)} download_plan@2 children for "
+            f"{len(night)} deferred plans (two at once), {assets} assets recorded; "
+            f"its run was woken {parent_info.attempts - 1} time(s) for all of them"
+        )
+        night_jobs = await rows(
+            url,
+            "SELECT count(*) FROM {s}.client_jobs WHERE tag = ANY (%s)",
+            app,
+            [f"submit:{plan_id}" for plan_id in night],
+        )
         ok = (
-            jobs_per_plan == [1] * 5
+            sorted(said) == sorted(night)
+            and assets == len(night)
+            and len(children) == len(night)
+            and {c.task_version for c in children} == {2}
+            and night_jobs[0][0] == len(night)
+            and parent_info.attempts == 2
+            and jobs_per_plan == [1] * 5
             and len(retried) == 1
             and all(r[2] == "done" and r[4] == 1 for r in report)
             and versions == {1, 2}

@@ -4,6 +4,10 @@ Release 1 registers `download_plan@1`; release 2 adds `download_plan@2` (a new `
 before the asset is recorded: an incompatible change, so a new version) and keeps @1
 registered until its runs drain. `describe_asset@1` is the "agent" group's task, started by
 the `asset.recorded` outbox event that `record-asset` writes in its commit.
+
+Release 2 also adds `nightly_downloads@1` and its schedule (02:00, Paris time): it takes the
+plans deferred to the night and fans out one `download_plan@2` child per plan with
+`ctx.step.map` (at most `max_concurrency` downloads at once), woken once when all are done.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from psycopg import sql
 from umt_backend_pg import insert_outbox_event
 from umt_sdk import (
     AttemptInfo,
+    ChildCanceledError,
+    ChildFailedError,
     Registry,
     RetryPolicy,
+    Schedule,
     TaskContext,
     TaskDefinition,
     task,
@@ -64,6 +71,12 @@ class Plan:
 @attrs.frozen
 class AssetInput:
     asset_id: str
+
+
+@attrs.frozen
+class NightInput:
+    max_concurrency: int = 2
+    """How many of the night's downloads run at once (the client's bandwidth)."""
 
 
 # -- steps -------------------------------------------------------------------------------------
@@ -221,6 +234,55 @@ async def describe_asset(ctx: TaskContext[AssetInput]) -> str:
     return await ctx.step.run("describe", describe)
 
 
+# -- the nightly fan-out (release 2) ----------------------------------------------------------
+
+
+async def take_deferred_plans(night_run: str) -> list[str]:
+    """The plans deferred to the night, taken by this night's run: marked with its id, so the
+    step that runs again after a crash takes the same ones, and a second night none of them."""
+    async with await psycopg.AsyncConnection.connect(_SETTINGS["url"], autocommit=True) as conn:
+        cur = await conn.execute(
+            _q(
+                "UPDATE {s}.plans SET status = 'scheduled', night_run = %s"
+                " WHERE status = 'deferred' OR (status = 'scheduled' AND night_run = %s)"
+                " RETURNING id"
+            ),
+            (night_run, night_run),
+        )
+        return sorted(row[0] for row in await cur.fetchall())
+
+
+@task("nightly_downloads", version=1, retry=RetryPolicy.network())
+async def nightly_downloads(ctx: TaskContext[NightInput]) -> dict[str, str]:
+    """One `download_plan@2` child per deferred plan; what each one ended with, by plan."""
+    plan_ids = await ctx.step.run("take-deferred-plans", take_deferred_plans, str(ctx.run_id))
+    outcomes = await ctx.step.map(
+        "download",
+        download_plan_v2,
+        [PlanInput(plan_id=plan_id) for plan_id in plan_ids],
+        max_concurrency=ctx.input.max_concurrency,
+        return_exceptions=True,
+    )
+    said: dict[str, str] = {}
+    for plan_id, outcome in zip(plan_ids, outcomes, strict=True):
+        if isinstance(outcome, ChildFailedError):
+            said[plan_id] = f"failed: {outcome.error_message}"
+        elif isinstance(outcome, ChildCanceledError):
+            said[plan_id] = f"canceled: {outcome.reason}"
+        else:
+            said[plan_id] = outcome
+    return said
+
+
+NIGHTLY = Schedule(
+    name="nightly_downloads",
+    task=nightly_downloads,
+    cron="0 2 * * *",
+    input=NightInput(),
+    timezone="Europe/Paris",
+)
+
+
 # -- releases --------------------------------------------------------------------------------
 
 
@@ -231,12 +293,19 @@ def newest(release: int) -> TaskDefinition[PlanInput, str]:
 def registry(release: int) -> Registry:
     if release == 1:
         return Registry([download_plan_v1, describe_asset])
-    return Registry([download_plan_v1, download_plan_v2, describe_asset])
+    return Registry(
+        [download_plan_v1, download_plan_v2, describe_asset, nightly_downloads],
+        schedules=[NIGHTLY],
+    )
 
 
 def groups(release: int) -> dict[str, list[str]]:
     """Workers are split by `versions`: file and network work in `io`, the agent apart."""
-    io = ["download_plan@1"] if release == 1 else ["download_plan@1", "download_plan@2"]
+    io = (
+        ["download_plan@1"]
+        if release == 1
+        else ["download_plan@1", "download_plan@2", "nightly_downloads@1"]
+    )
     return {"io": io, "agent": ["describe_asset@1"]}
 
 

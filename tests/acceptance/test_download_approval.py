@@ -1,5 +1,6 @@
 """examples/download_approval runs end to end against the test Postgres and proves its checks:
-outbox rows dispatched once, a lost client reply reconciled, @1 and @2 served across a deploy."""
+outbox rows dispatched once, a lost client reply reconciled, @1 and @2 served across a deploy,
+and the nightly schedule fanning out one child per deferred plan, woken once."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def test_download_approval_end_to_end(pg_url: str, tmp_path: Path) -> None:
         "exactly-once: 5 client jobs for 5 plans (max 1 per plan) despite the lost reply",
         "outbox: {'dispatched': 10}",
         "download_plan@1 runs in flight: 0",
+        "triggered the nightly_downloads schedule (0 2 * * *, Europe/Paris) by hand",
+        "the night fanned out 3 download_plan@2 children for 3 deferred plans (two at once), "
+        "3 assets recorded; its run was woken 1 time(s) for all of them",
         "] done",
     ):
         assert line in out, f"missing {line!r} in:\n{out}"
@@ -40,5 +44,5 @@ def test_download_approval_end_to_end(pg_url: str, tmp_path: Path) -> None:
     assert sorted(r[1] for r in rows) == ["1", "1", "1", "2", "2"], rows
     assert all(r[2:5] == ["done", "1", "1"] for r in rows), rows
     assert (tmp_path / "library").is_dir()
-    assert len(list((tmp_path / "library").glob("plan-*.bin"))) == 5
+    assert len(list((tmp_path / "library").glob("plan-*.bin"))) == 5 + 3  # 3 in the night
     assert "Traceback" not in done.stderr, done.stderr[-5000:]

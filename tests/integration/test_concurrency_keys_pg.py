@@ -139,3 +139,65 @@ async def _key_rows(url: str, schema: str) -> dict[str, tuple[int, int]]:
             q("SELECT concurrency_key, running, queued FROM {schema}.concurrency_keys", schema)
         )
         return {key: (running, queued) for key, running, queued in await cur.fetchall()}
+
+
+def test_the_claim_reads_a_keys_waiting_runs_never_its_history(pg_url: str, pg_schema: str) -> None:
+    """50 keys of 40 waiting runs each, and 20,000 finished runs of another key: the claim
+    reads the keys' runs only through runs_claim_keyed, the index of runs wanting a slot, never
+    runs_by_concurrency_key (every run of a key, its history included), in its plan with the
+    values bound and in its generic plan (psycopg prepares it after a few executions)."""
+    from datetime import timedelta
+
+    from psycopg import sql
+
+    from tests.integration.test_query_plans import generic, indexes_on_runs
+    from umt_backend_pg._sql import queries, render
+
+    s = sql.Identifier(pg_schema)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {s}.runs (id, task_name, task_version, status, available_at, "
+                "input_hash, input, concurrency_key, finished_at) "
+                "SELECT gen_random_uuid(), 't_keyed', 1, "
+                "CASE WHEN g <= 2000 THEN 'pending' ELSE 'completed' END, "
+                "CASE WHEN g <= 2000 THEN now() END, 'h', '{{}}', "
+                "CASE WHEN g <= 2000 THEN 'k' || g % 50 ELSE 'old' END, "
+                "CASE WHEN g > 2000 THEN now() END "
+                "FROM generate_series(1, 22000) AS g"
+            ).format(s=s)
+        )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {s}.concurrency_keys (task_name, concurrency_key, slot_limit, queued)"
+                " SELECT 't_keyed', 'k' || g, 2, 40 FROM generate_series(0, 49) AS g"
+            ).format(s=s)
+        )
+        conn.execute(sql.SQL("VACUUM ANALYZE {}.runs").format(s))
+        query = render(queries()["claim_runs"], pg_schema)
+        params = {
+            "names": ["t_keyed"],
+            "versions": [1],
+            "limit": 16,
+            "scan": 32,
+            "worker_id": "plan",
+            "lease": timedelta(seconds=60),
+            "timers": False,
+            "timers_after": None,
+            "timers_margin": timedelta(seconds=5),
+        }
+        plans = []
+        for explain, text, args in (
+            ("EXPLAIN (ANALYZE, FORMAT JSON) ", query, params),
+            ("EXPLAIN (GENERIC_PLAN, FORMAT JSON) ", generic(query), None),
+        ):
+            try:
+                (plan,) = conn.execute(explain + text, args).fetchone() or (None,)  # ours
+                plans.append(plan)
+            finally:
+                conn.rollback()
+    for plan in plans:
+        used = indexes_on_runs(plan, set())
+        assert "runs_claim_keyed" in used, sorted(used)
+        assert "runs_by_concurrency_key" not in used, sorted(used)
+        assert "Seq Scan" not in used, sorted(used)

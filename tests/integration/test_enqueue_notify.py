@@ -1,20 +1,22 @@
 """An enqueue wakes idle workers with a NOTIFY sent after its commit, in the background, shared
 with the enqueues of the same process meanwhile (umt_backend_pg/_notifier.py); closing the
 backend sends what is still due; one in the caller's transaction notifies at that
-transaction's commit, not before."""
+transaction's commit, not before. A write that frees a concurrency key's slot while runs wait
+for it (an ending, a cancel) notifies in its statement."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import attrs
 import psycopg
 import pytest
 
 from umt_backend_pg import PostgresBackend
-from umt_sdk.backend import NewRun, TaskPair
+from umt_sdk.backend import Ending, Lease, NewRun, TaskPair
 
 A = TaskPair(name="notify.a", version=1)
 B = TaskPair(name="notify.b", version=2)
@@ -113,3 +115,39 @@ async def test_an_enqueue_in_the_callers_transaction_notifies_at_its_commit(
         assert await received(listener, 0.5) == [], "notified before the commit"
         await conn.commit()
     assert await received(listener, 1.0) == ["notify.b@2"]
+
+
+# -- concurrency keys: a freed slot wakes the workers --------------------------------------------
+
+
+def keyed_run(pair: TaskPair, key: str) -> NewRun:
+    return attrs.evolve(new_run(pair), concurrency_key=key, concurrency_limit=1)
+
+
+async def _claim_one(backend: PostgresBackend, lease: timedelta) -> Lease:
+    (claimed,) = await backend.claim(worker_id="w", pairs=[A], limit=5, lease=lease)
+    return Lease(
+        run_id=claimed.run_id, fencing_token=claimed.fencing_token, worker_id="w", duration=lease
+    )
+
+
+async def test_a_slot_freed_with_runs_waiting_for_it_wakes_the_workers(
+    backend: PostgresBackend, listener: psycopg.AsyncConnection[object]
+) -> None:
+    for _ in range(3):
+        await backend.enqueue(keyed_run(A, "k"))
+    lease = await _claim_one(backend, timedelta(seconds=60))
+    await received(listener, 0.5)  # the enqueues' own notifications
+    # An ending frees the slot of a key with runs queued: the workers are told at its commit.
+    done = Ending(status="completed", outcome="completed", output_json="1")
+    assert await backend.end_execution(lease, done) == "ended"
+    assert "notify.a@1" in await received(listener, 1.0)
+    # A cancel that ends a held run whose worker is gone frees its slot, and says so too.
+    lease = await _claim_one(backend, timedelta(milliseconds=200))
+    await asyncio.sleep(0.4)
+    assert await backend.cancel(lease.run_id, reason="operator") == "canceled"
+    assert "notify.a@1" in await received(listener, 1.0)
+    # The last run: nobody waits for its slot, so its ending wakes nobody.
+    lease = await _claim_one(backend, timedelta(seconds=60))
+    assert await backend.end_execution(lease, done) == "ended"
+    assert await received(listener, 0.5) == []

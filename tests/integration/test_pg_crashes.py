@@ -367,7 +367,15 @@ async def test_priority_order_over_a_backlog(
         f"{priorities[keys.index(order[mismatch])]}), expected {expected[mismatch]} (priority "
         f"{priorities[keys.index(expected[mismatch])]})"
     )
-    statuses = Counter(r.status for r in await engine.list(limit=1000))
+
+    # The last run's outside write commits before its ending does: wait for the endings.
+    async def all_ended() -> Counter[str]:
+        statuses = Counter(r.status for r in await engine.list(limit=1000))
+        return statuses if not statuses.keys() & {"pending", "running"} else Counter()
+
+    statuses = await eventually(
+        all_ended, timeout=30, what="every run to end", interval=0.1, on_timeout=worker.describe
+    )
     assert statuses == {"completed": len(keys)}, dict(statuses)
 
 

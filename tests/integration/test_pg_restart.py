@@ -48,10 +48,10 @@ async def private_schema(private_pg: PrivatePostgres) -> str:
 
 async def _listeners(url: str, schema: str) -> list[dict[str, Any]]:
     """Sessions whose last statement was one of the worker's LISTENs (its listener connection:
-    work, cancel and ended, in that order)."""
+    work, cancel, ended and stream, in that order)."""
     listens = [
         sql.SQL("LISTEN {}").format(sql.Identifier(f"{schema}.{channel}")).as_string(None)
-        for channel in ("work", "cancel", "ended")
+        for channel in ("work", "cancel", "ended", "stream")
     ]
     return await fetch(
         url,

@@ -34,6 +34,8 @@ BY_ID = {
     "insert_fact": {"runs_pkey", "runs_waiting_for"},
     # A stream's write is fenced by the run's token, read by id.
     "append_stream": {"runs_pkey"},
+    # A canceled member of a child group counts itself out of its group.
+    "group_member_canceled": {"runs_pkey"},
 }
 
 

@@ -5,12 +5,15 @@ nothing); unfinished runs and their families are never touched."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from umt_backend_pg._sql import queries, render
 from umt_sdk import connect
 from umt_sdk.backend import PruneBatch, PruneQuery, RetentionStore
 
@@ -150,3 +153,56 @@ async def test_a_batch_that_finds_another_pruner_at_work_does_nothing(
         assert oldest == PruneBatch(pruned=10)
     finally:
         await engine.close()
+
+
+def test_a_batch_never_reads_the_runs_it_keeps(pg_url: str, pg_schema: str) -> None:
+    """100,000 old runs of a task kept longer (excluded, as a task's own retention makes them),
+    and 1,000 of others to prune: a batch reads about its own runs, never the kept ones."""
+    s = sql.Identifier(pg_schema)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {s}.runs (id, task_name, task_version, status, input_hash, input, "
+                "finished_at) "
+                "SELECT gen_random_uuid(), "
+                "CASE WHEN g <= 100000 THEN 'audit' ELSE 'mail.' || g % 3 END, 1, 'completed', "
+                "'h', '{{}}', now() - interval '90 days' + g * interval '1 s' "
+                "FROM generate_series(1, 101000) AS g"
+            ).format(s=s)
+        )
+        conn.execute(sql.SQL("VACUUM ANALYZE {}.runs").format(s))
+        text = render(queries()["prune_runs"], pg_schema)
+        params = {
+            "older_than": timedelta(days=30),
+            "task_names": None,
+            "exclude_task_names": ["audit"],
+            "limit": 100,
+            "lock_name": f"{pg_schema}.prune",
+        }
+        cur = psycopg.ClientCursor(conn)
+        with conn.transaction(force_rollback=True):
+            cur.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + text, params)
+            row = cur.fetchone()
+    assert row is not None
+    (plan,) = json.loads(row[0]) if isinstance(row[0], str) else row[0]
+    read = sum(
+        node.get("Actual Rows", 0) * node.get("Actual Loops", 1)
+        for node in _nodes(plan["Plan"])
+        if node.get("Relation Name") == "runs" and node["Node Type"].startswith("Index")
+    )
+    assert read < 2_000, f"the batch read {read} index entries of runs"
+    assert plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"] < 20_000
+
+
+def _nodes(plan: Any) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    stack = [plan]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "Node Type" in item:
+                found.append(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found

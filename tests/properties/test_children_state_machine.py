@@ -1,13 +1,20 @@
 """A stateful model of parents and children on the memory backend.
 
-Parents start one to three children (each `parent_close` "cancel" or "abandon") and wait for
-their results; children may wait for a fact `go`, fail, or start children of their own. The
+Parents start one to four children (each `parent_close` "cancel" or "abandon") and wait for
+their results, one handle at a time, or all at once with `ctx.step.gather`, or fan out with
+`ctx.step.map` (with or without `max_concurrency`); children may wait for a fact `go`, fail,
+or start children of their own. The
 machine interleaves at random: executing one due run at a time (the inline driver, in this
 loop, under a `FakeClock`), crashes of an execution at any point it reaches (a lost lease, as
 after SIGKILL), leases lapsing, facts sent, and cancels of any run. After every rule it checks:
 
 - exactly once: no parent ever has two children for one start step;
-- no parent waits forever: a parent parked on a child that has finished is claimable;
+- no parent waits forever: a parent parked on a child that has finished, or on a map or
+  gather whose children have all finished, is claimable;
+- woken once: a parent parked on a map or gather is not claimable while any of its children
+  is unfinished (one wake-up for the whole group, never one per child);
+- max_concurrency: a map's children neither finished nor held back number at most its limit,
+  and exactly its limit while some are held back (a held child is never left behind);
 - no orphan: a child that asked to be canceled with its parent, whose parent finished failed
   or canceled, is finished or has its cancel requested;
 
@@ -60,6 +67,10 @@ class Kid:
 class Family:
     kids: tuple[Kid, ...]
     close: ParentClose = "cancel"
+    mode: str = "each"
+    """How the parent waits: "each" handle in turn, "gather" them, or "map" over the kids."""
+    limit: int | None = None
+    """A map's max_concurrency."""
 
 
 @task("sm.kid", version=1, retry=RetryPolicy(max_attempts=1))
@@ -77,10 +88,24 @@ async def kid(ctx: TaskContext[Kid]) -> str:
 
 @task("sm.parent", version=1, retry=RetryPolicy(max_attempts=1))
 async def parent(ctx: TaskContext[Family]) -> list[str]:
+    family = ctx.input
+    if family.mode == "map":
+        outcomes = await ctx.step.map(
+            "all",
+            kid,
+            list(family.kids),
+            max_concurrency=family.limit,
+            parent_close=family.close,
+            return_exceptions=True,
+        )
+        return [_said(outcome) for outcome in outcomes]
     handles = [
         await ctx.step.start_child(f"start-{k.tag}", kid, k, parent_close=ctx.input.close)
         for k in ctx.input.kids
     ]
+    if family.mode == "gather":
+        gathered = await ctx.step.gather("all", handles, return_exceptions=True)
+        return [_said(outcome) for outcome in gathered]
     outcome = []
     for handle in handles:
         try:
@@ -92,18 +117,29 @@ async def parent(ctx: TaskContext[Family]) -> list[str]:
     return outcome
 
 
+def _said(outcome: object) -> str:
+    if isinstance(outcome, ChildFailedError):
+        return "failed"
+    if isinstance(outcome, ChildCanceledError):
+        return "canceled"
+    return str(outcome)
+
+
 kids = st.builds(
     Kid,
-    tag=st.sampled_from(["a", "b", "c"]),
+    tag=st.sampled_from(["a", "b", "c", "d"]),
     waits=st.booleans(),
     fails=st.booleans(),
     grandchild=st.booleans(),
 )
 families = st.builds(
     Family,
-    kids=st.lists(kids, min_size=1, max_size=3, unique_by=lambda k: k.tag).map(tuple),
+    kids=st.lists(kids, min_size=1, max_size=4, unique_by=lambda k: k.tag).map(tuple),
     close=st.sampled_from(["cancel", "abandon"]),
+    mode=st.sampled_from(["each", "gather", "map"]),
+    limit=st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
 )
+HELD = "umt turn"
 point_kinds = st.sampled_from(["step.before", "step.returned", "park", "end"])
 
 
@@ -196,6 +232,7 @@ class ChildrenMachine(RuleBasedStateMachine):
         twice = [key for key, count in per_step.items() if count > 1]
         assert not twice, f"a parent step started two children: {twice}"
         now = self.clock.now()
+        self._check_groups(runs, now)
         for run in runs.values():
             if run.parent_run_id is None:
                 continue
@@ -215,6 +252,41 @@ class ChildrenMachine(RuleBasedStateMachine):
                     assert run.cancel_requested_at is not None, (
                         f"orphan: {run.run_id} runs on after its parent {up.status}"
                     )
+
+    def _check_groups(self, runs: dict[UUID, Any], now: datetime) -> None:
+        for up in runs.values():
+            if up.task_name != "sm.parent":
+                continue
+            family = json.loads(up.input_json)
+            if family.get("mode", "each") == "each":
+                continue
+            children = [r for r in runs.values() if r.parent_run_id == up.run_id]
+            unfinished = [r for r in children if r.status not in TERMINAL_STATUSES]
+            if up.status == "waiting" and up.wait_for == "umt.group all":
+                if unfinished:
+                    assert up.available_at is None, (
+                        "woken before its last child finished: woken once per child?"
+                    )
+                else:
+                    assert up.available_at is not None, "parent parked on a finished group"
+                    assert up.available_at <= now, "parent parked on a finished group"
+                    event("a group's parent woken")
+            if family.get("mode") != "map":
+                continue
+            held = [
+                r
+                for r in unfinished
+                if r.status == "waiting" and r.wait_for == HELD and r.available_at is None
+            ]
+            active = len(unfinished) - len(held)
+            limit = family.get("limit")
+            if limit is None:
+                assert not held, "a map without max_concurrency held a child back"
+                continue
+            assert active <= limit, f"{active} children of a map limited to {limit} at once"
+            if held:
+                assert active == limit, "a held child was left behind with a free slot"
+                event("a map's child held back")
 
     def teardown(self) -> None:
         try:
@@ -240,8 +312,11 @@ class ChildrenMachine(RuleBasedStateMachine):
             family = json.loads(run.input_json)
             children = {c.idempotency_key: c for c in runs if c.parent_run_id == run.run_id}
             expected = []
-            for k in family["kids"]:
-                child = children[f"umt.child:{run.run_id}:start-{k['tag']}"]
+            for i, k in enumerate(family["kids"]):
+                if family.get("mode") == "map":
+                    child = children[f"umt.map:{run.run_id}:all:{i}"]
+                else:
+                    child = children[f"umt.child:{run.run_id}:start-{k['tag']}"]
                 if child.status == "completed":
                     expected.append(k["tag"])
                 else:

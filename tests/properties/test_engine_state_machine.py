@@ -5,8 +5,9 @@ gate the test opens, a fenced side effect through `with_attempt_token`, a durabl
 wait for a run-scoped fact, a flaky step that retries), and interleaves at random: facts
 signalled before or after their waiter gets there, cancels, crashes of one execution at a
 chosen backend operation (the memory backend's `crash_hook`), crashes of whole workers,
-graceful stops, version-filtered workers, moves of the virtual clock, and a frozen worker that
-resumes after another worker took its runs over.
+graceful stops, version-filtered workers, moves of the virtual clock, a frozen worker that
+resumes after another worker took its runs over, and pauses and resumes of tasks (one version
+or all): a paused pair never starts a new execution, and the drain resumes everything first.
 
 After every rule it checks the backend's records against the rules of leases, fencing and
 replay (see `_check_state`); at the end it drains every run with a worker serving all pairs
@@ -54,6 +55,7 @@ from tests.strategies import (
     FlowInput,
     clock_steps,
     crash_points,
+    deadlines,
     fact_payloads,
     flow_inputs,
     pair_subsets,
@@ -67,6 +69,7 @@ from umt_sdk import (
     RetryPolicy,
     TaskContext,
     TaskPair,
+    UsageError,
     Worker,
     connect,
     task,
@@ -86,6 +89,7 @@ FLAKY_RETRY = RetryPolicy(max_attempts=3, initial=timedelta(seconds=1), backoff=
 COMMITS = "commits"
 MAX_LIVE_WORKERS = 4
 MAX_RUNS = 8
+PAUSE_TARGETS = ("prop.flow", "prop.flow@1", "prop.flow@2", "prop.other@1")
 SETTLE_ROUNDS = 50
 TIME_SLICE = timedelta(milliseconds=500)
 HUNG_AFTER = 600.0  # seconds the loop may skip ahead on its own within one rule
@@ -396,6 +400,7 @@ class RunModel:
     fact: int | None = None
     canceled_at_once: bool = False
     cancel_requested: bool = False
+    deadline: timedelta | None = None
 
 
 @attrs.define
@@ -439,6 +444,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.worker_numbers = itertools.count(1)
         self.snapshots: dict[UUID, Snapshot] = {}
         self.seen_commits: set[Any] = set()
+        self.paused: set[tuple[str, int | None]] = set()
+        """The pauses the rules stored: (task name, version or None for every version)."""
+        self.resumed_at_drain = False
+        self.executions_at_pause: dict[UUID, int] = {}
+        """For each run of a paused pair: its executions when the pause began (or 0 when it
+        was enqueued paused). While the pause lasts, no claim may add one."""
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -537,6 +548,26 @@ class EngineMachine(RuleBasedStateMachine):
             assert (handle.task_name, handle.task_version) == (pair.name, pair.version)
             self.models[handle.run_id] = RunModel(pair=pair, spec=spec)
             self.order[handle.run_id] = len(self.order)
+            if self._is_paused(pair):
+                self.executions_at_pause[handle.run_id] = 0
+            await self._settle()
+            return handle.run_id
+
+        return self._run(go())
+
+    @precondition(lambda self: len(self.models) < MAX_RUNS)
+    @rule(target=runs, pair=st.sampled_from(PAIRS), spec=flow_inputs(), deadline=deadlines)
+    def enqueue_with_deadline(self, pair: TaskPair, spec: FlowInput, deadline: timedelta) -> UUID:
+        """A run that must be finished within `deadline`: past it, it ends failed with
+        `DeadlineExceededError` wherever it is (running, parked, pending) and starts no step."""
+
+        async def go() -> UUID:
+            handle = await self.engine.enqueue(str(pair), spec, deadline=deadline)
+            self.models[handle.run_id] = RunModel(pair=pair, spec=spec, deadline=deadline)
+            self.order[handle.run_id] = len(self.order)
+            record = await self.backend.get_run(handle.run_id)
+            assert record is not None
+            assert record.deadline_at == record.created_at + deadline
             await self._settle()
             return handle.run_id
 
@@ -642,6 +673,59 @@ class EngineMachine(RuleBasedStateMachine):
 
         self._run(go())
 
+    def _is_paused(self, pair: TaskPair) -> bool:
+        return (pair.name, None) in self.paused or (pair.name, pair.version) in self.paused
+
+    @rule(which=st.sampled_from(PAUSE_TARGETS))
+    def pause(self, which: str) -> None:
+        """Pause a task (one version, or every version): its runs wait, running ones go on."""
+
+        async def go() -> None:
+            name, _, version = which.partition("@")
+            key = (name, int(version) if version else None)
+            for run in self.backend.runs():  # before the pause: nothing moves in between
+                if self.models[run.run_id].pair not in self._paused_pairs():
+                    self.executions_at_pause.setdefault(run.run_id, len(run.executions))
+            stored = await self.engine.pause(which)
+            assert stored == (key not in self.paused), "a pause is stored once"
+            self.paused.add(key)
+            for run in self.backend.runs():
+                if not self._is_paused(self.models[run.run_id].pair):
+                    self.executions_at_pause.pop(run.run_id, None)
+            await self._settle()
+
+        self._run(go())
+
+    def _paused_pairs(self) -> set[TaskPair]:
+        return {p for p in PAIRS if self._is_paused(p)}
+
+    @precondition(lambda self: self.paused)
+    @rule(which=st.sampled_from(PAUSE_TARGETS))
+    def resume(self, which: str) -> None:
+        """Resume a task: `name` lifts every pause of it; `name@version` that version's, and
+        is refused while the whole task is paused."""
+
+        async def go() -> None:
+            name, _, version = which.partition("@")
+            if version and (name, None) in self.paused:
+                with contextlib.suppress(UsageError):
+                    await self.engine.resume(which)
+                    raise AssertionError(f"resume({which!r}) of a task paused as a whole")
+                return
+            removed = {
+                k
+                for k in self.paused
+                if k[0] == name and (not version or k == (name, int(version)))
+            }
+            assert await self.engine.resume(which) == bool(removed)
+            self.paused -= removed
+            for run_id in list(self.executions_at_pause):
+                if not self._is_paused(self.models[run_id].pair):
+                    del self.executions_at_pause[run_id]
+            await self._settle()
+
+        self._run(go())
+
     @rule(delta=clock_steps)
     def pass_time(self, delta: timedelta) -> None:
         """Time passes for everyone: live workers heartbeat, their leases hold."""
@@ -702,6 +786,9 @@ class EngineMachine(RuleBasedStateMachine):
             assert record is not None
             if record.status in TERMINAL_STATUSES:
                 continue  # a canceled run is finished by the claim instead
+            if self._is_paused(self.models[run_id].pair):
+                assert record.fencing_token == token, "a paused pair's lapsed lease waits"
+                continue
             assert record.fencing_token > token, "an expired lease is taken over"
             if not stale_first:
                 # The new holder goes first, as far as its next gate.
@@ -714,6 +801,15 @@ class EngineMachine(RuleBasedStateMachine):
             steps_before = {(s.name, s.attempt): s for s in record.steps}
             self.obs.gates[(run_id, token, where)].set()
             await self._settle()
+            # Released from a gate in the handler, it may run the next step's body before it
+            # writes anything (its heartbeats are frozen): let it through its later gates too.
+            for _ in range(4):  # at most one gate of each kind
+                later = [k for k in self.obs.blocked if k[:2] == (run_id, token)]
+                if not later:
+                    break
+                for key in later:
+                    self.obs.gates[key].set()
+                await self._settle()
             assert not [k for k in self.obs.blocked if k[:2] == (run_id, token)], (
                 "the superseded execution stops at its first write"
             )
@@ -758,6 +854,12 @@ class EngineMachine(RuleBasedStateMachine):
             all_tokens.extend(e.fencing_token for e in run.executions)
         assert len(all_tokens) == len(set(all_tokens)), "fencing tokens are never reused"
         self._check_commits(records)
+        for run in records:
+            frozen = self.executions_at_pause.get(run.run_id)
+            assert frozen is None or len(run.executions) <= frozen, (
+                f"run {run.run_id} of paused pair {self.models[run.run_id].pair} was claimed "
+                f"while paused: {run.executions}"
+            )
         for run in records:
             self.snapshots[run.run_id] = Snapshot(
                 status=run.status,
@@ -820,6 +922,19 @@ class EngineMachine(RuleBasedStateMachine):
                         f"{newer[0].claimed_at} while {previous.fencing_token}'s lease ran "
                         f"until {previous.lease_expires_at}"
                     )
+        # A run past its deadline never starts a step (its handler may still be unwinding),
+        # and a parked or pending one is claimable by then, to be ended.
+        if run.deadline_at is not None:
+            for s in run.steps:
+                assert s.started_at is None or s.started_at < run.deadline_at, (
+                    f"run {rid}: step {s.name!r} started at {s.started_at}, past the run's "
+                    f"deadline {run.deadline_at}"
+                )
+            if run.status in ("pending", "waiting"):
+                assert run.available_at is not None, f"run {rid} parked past its deadline"
+                assert run.available_at <= run.deadline_at, (rid, run.available_at)
+            if run.status == "completed":
+                assert executions[-1].claimed_at < run.deadline_at, (rid, run.deadline_at)
         # No lost wake-up: a run parked on a fact that exists must have been woken: claimable
         # now (it keeps `wait_for` until a claim takes it, on both backends).
         if run.status == "waiting" and run.wait_for is not None:
@@ -877,6 +992,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.armed.clear()
         self.countdowns.clear()
         self.obs.draining = True
+        if self.paused:
+            self.resumed_at_drain = True
+        for name in sorted({name for name, _ in self.paused}):
+            assert await self.engine.resume(name)  # resume lets them all run (checked below)
+        self.paused.clear()
+        self.executions_at_pause.clear()
         for gate in self.obs.gates.values():
             gate.set()
         await self._start_worker(list(PAIRS), concurrency=16, label="drain")
@@ -907,12 +1028,16 @@ class EngineMachine(RuleBasedStateMachine):
             return
         for run in records:
             event(f"run ended {run.status}")
+            if run.error is not None and run.error.type == "umt_sdk.DeadlineExceededError":
+                event("a run ended at its deadline")
             if len(run.executions) > 1 and any(e.outcome == "interrupted" for e in run.executions):
                 event("a run was taken over")
         event(f"crashes fired: {min(len(self.crashes), 3)}")
         event(f"runs: {min(len(records), 4)}")
         if self.frozen:
             event("a worker was frozen")
+        if self.resumed_at_drain:
+            event("paused runs were resumed by the drain")
 
     def _check_final(self, run: RunRecord) -> None:
         model = self.models[run.run_id]
@@ -936,6 +1061,14 @@ class EngineMachine(RuleBasedStateMachine):
             for late in lost[limit:]:
                 assert late.current_step is None, (what, run.executions)
             assert run.executions[-1].outcome == "failed", (what, run.executions)
+            return
+        if run.error is not None and run.error.type == "umt_sdk.DeadlineExceededError":
+            assert model.deadline is not None, what
+            assert run.status == "failed", what
+            assert run.deadline_at is not None
+            assert run.finished_at is not None
+            assert run.finished_at >= run.deadline_at, what
+            assert not model.canceled_at_once, what
             return
         if model.canceled_at_once:
             assert run.status == "canceled", what

@@ -145,8 +145,9 @@ def queries(draw: st.DrawFn) -> dict[str, Any]:
                 min_size=1,
             )
         )
-    if draw(st.integers(0, 3)) == 0:
+    if draw(st.integers(0, 3)) == 0:  # a key names a run of one task: it goes with one
         query["idempotency_key"] = draw(st.sampled_from([*KEYS, "k-none"]))
+        query["task_name"] = draw(st.sampled_from(["prop.a", "prop.b"]))
     if draw(st.integers(0, 3)) == 0:
         query["parent"] = draw(st.integers(0, 2))
     for name in TIME_FILTERS:

@@ -287,6 +287,40 @@ async def test_a_step_cut_off_by_a_shutdown_is_released_not_failed() -> None:
     assert execution.status.status_code == StatusCode.UNSET
 
 
+@task("tel.late", version=1, timeout=timedelta(minutes=5))
+async def late(ctx: TaskContext[Key]) -> None:
+    async def forever() -> None:
+        _signal("started").set()
+        await asyncio.Event().wait()
+
+    await ctx.step.run("forever", forever)
+
+
+async def test_a_step_cut_off_by_the_run_deadline_is_a_deadline_and_the_run_fails() -> None:
+    otel = Otel()
+    clock = FakeClock()
+    engine = await otel.engine(late, clock=clock)
+    handle = await engine.enqueue(late, Key("d"))
+    never = await engine.enqueue(late, Key("s"), start_within=timedelta(minutes=1))
+    async with engine.worker(concurrency=1):
+        await asyncio.wait_for(_signal("started").wait(), 10)
+        clock.advance(timedelta(minutes=5))
+        infos = await engine.wait_idle([handle.run_id, never.run_id], timeout=10)
+    await engine.close()
+    assert [i.status for i in infos] == ["failed", "failed"]
+    (step,) = otel.spans("umt.step forever")
+    assert attrs_of(step)["umt.step.outcome"] == "deadline"
+    assert events(step, "exception") == []
+    first, second = otel.spans("umt.run tel.late")
+    assert attrs_of(first)["umt.outcome"] == "failed"
+    (came,) = events(first, "umt.deadline")
+    assert came["umt.deadline.kind"] == "run"
+    assert came["umt.deadline.at"] == infos[0].deadline_at.isoformat()  # type: ignore[union-attr]
+    (start,) = events(second, "umt.deadline")
+    assert start["umt.deadline.kind"] == "start"
+    assert otel.total("umt.runs.failed", umt__task__name="tel.late") == 2
+
+
 # -- a lost lease: counted once, by each process for what it saw -----------------------------------
 
 
@@ -474,6 +508,40 @@ async def test_waiting_on_a_child_is_an_event_naming_the_child() -> None:
     waits = [e for s in runs for e in events(s, "umt.child.wait")]
     assert waits == [{"umt.step.name": "kid.result", "umt.child.run_id": str(child.run_id)}]
     assert [attrs_of(s)["umt.outcome"] for s in runs] == ["parked", "completed"]
+
+
+@task("tel.fan", version=1)
+async def tel_fan(ctx: TaskContext[Key]) -> list[str]:
+    return await ctx.step.map("kids", tel_child, [Key("a"), Key("b"), Key("c")])
+
+
+async def test_waiting_on_a_fan_out_is_one_event_counting_the_children() -> None:
+    otel = Otel()
+    engine = await otel.engine(tel_fan, tel_child, clock=FakeClock(auto_advance=True))
+    handle = await engine.enqueue(tel_fan, Key("f"))
+    async with engine.worker():
+        assert await handle.result(timeout=10) == ["A", "B", "C"]
+    await engine.close()
+    runs = otel.spans("umt.run tel.fan")
+    waits = [e for s in runs for e in events(s, "umt.children.wait")]
+    assert waits == [{"umt.step.name": "kids.result", "umt.children.count": 3}]
+    assert [attrs_of(s)["umt.outcome"] for s in runs] == ["parked", "completed"]
+
+
+async def test_pause_and_resume_are_client_spans_naming_the_task() -> None:
+    otel = Otel()
+    engine = await otel.engine(noop, clock=FakeClock())
+    assert await engine.pause("tel.noop@1") is True
+    assert await engine.pause("tel.noop@1") is False
+    assert await engine.resume("tel.noop") is True
+    await engine.close()
+    pauses = otel.spans("umt.pause")
+    assert [(s.kind, attrs_of(s)["umt.task.name"]) for s in pauses] == [
+        (SpanKind.CLIENT, "tel.noop@1"),
+        (SpanKind.CLIENT, "tel.noop@1"),
+    ]
+    (resume,) = otel.spans("umt.resume")
+    assert (resume.kind, attrs_of(resume)["umt.task.name"]) == (SpanKind.CLIENT, "tel.noop")
 
 
 async def test_the_queue_depth_gauge_counts_the_pending_runs_a_worker_serves() -> None:

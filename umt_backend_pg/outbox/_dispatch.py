@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -14,8 +15,14 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
 from psycopg.rows import dict_row
 
-from umt_sdk import Engine, TaskDefinition
-from umt_sdk.exceptions import BackendUnavailableError, IdempotencyConflictError, PayloadError
+from umt_sdk import Engine, PayloadCodec, TaskDefinition
+from umt_sdk.backend import open_json, sealed_by
+from umt_sdk.exceptions import (
+    BackendUnavailableError,
+    CodecError,
+    IdempotencyConflictError,
+    PayloadError,
+)
 
 __all__ = ["DispatchReport", "Dispatcher", "RelaySettings", "TaskRef"]
 
@@ -194,7 +201,7 @@ class Dispatcher:
                 return _Outcome(row_id, ok=False, error=error, dead=True)
             target, mapper = route
             try:
-                payload = row["payload"]
+                payload = _opened(row["payload"], self._relay.engine.codec)
                 value = mapper(payload) if mapper is not None else payload
                 if same_database:
                     async with conn.transaction():  # a savepoint: a failed enqueue undoes itself
@@ -223,3 +230,19 @@ class Dispatcher:
             span.set_attribute("umt.run.created", handle.created)
             span.set_attribute("umt.outbox.outcome", "dispatched")
             return _Outcome(row_id, ok=True, created=handle.created)
+
+
+def _opened(payload: Any, codec: PayloadCodec | None) -> Any:
+    """An outbox row's payload as the business code gave it: opened by the engine's codec when
+    `insert_outbox_event(..., codec=...)` sealed it (`CodecError` without one: the row backs
+    off, as for any error a retry may fix once the relay has its codec)."""
+    if not isinstance(payload, str) or sealed_by(payload) is None:
+        return payload
+    text = json.dumps(payload)
+    if codec is None:
+        raise CodecError(
+            f"the outbox payload is sealed by codec {sealed_by(payload)!r} and the relay's "
+            "engine has none: connect it with codec=...",
+            codec=sealed_by(payload) or "",
+        )
+    return json.loads(open_json(codec, text))

@@ -24,6 +24,7 @@ from umt_backend_pg._sql import blocks
 from umt_backend_pg.outbox._dispatch import Dispatcher, DispatchReport, TaskRef
 from umt_backend_pg.outbox._schema import channel_name, outbox_sql
 from umt_sdk import Engine, TaskDefinition
+from umt_sdk.backend import CodecBackend
 from umt_sdk.exceptions import BackendError, UsageError
 
 __all__ = ["OutboxRelay"]
@@ -473,6 +474,8 @@ class OutboxRelay:
     async def _detect(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Same database iff the engine's pool sees an advisory lock this connection holds."""
         backend = self.engine.backend
+        if isinstance(backend, CodecBackend):  # a codec in front: ask the store behind it
+            backend = backend.inner
         if not isinstance(backend, PostgresBackend):
             if self.mode == "same_database":
                 raise UsageError(

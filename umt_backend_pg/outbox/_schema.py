@@ -12,7 +12,8 @@ from psycopg.types.json import Jsonb
 
 from umt_backend_pg._args import refuse, text
 from umt_backend_pg._sql import blocks, render_identifiers, validate_identifier
-from umt_sdk.backend import encode_payload, unstorable_reason
+from umt_sdk import PayloadCodec
+from umt_sdk.backend import check_codec, encode_payload, seal_json, unstorable_reason
 from umt_sdk.exceptions import PayloadError, UsageError
 
 __all__ = ["channel_name", "insert_outbox_event", "install_outbox", "outbox_ddl", "outbox_sql"]
@@ -90,6 +91,7 @@ async def insert_outbox_event(
     idempotency_key: str | None = None,
     schema: str = "public",
     table: str = "outbox_event",
+    codec: PayloadCodec | None = None,
 ) -> int:
     """Insert an outbox row on `conn` (inside your business transaction) and return its id.
 
@@ -101,6 +103,9 @@ async def insert_outbox_event(
 
     The current trace context (W3C headers), if any, is stored with the row: the relay's
     dispatch span links to it.
+
+    With `codec` (the engine's: `engine.codec`), the payload is stored sealed, as the
+    engine stores the run's input: the relay's engine opens it with the same codec.
     """
     where = "insert_outbox_event()"
     text(type, "type", where=where, expected="an event type (a non-empty string)")
@@ -111,6 +116,9 @@ async def insert_outbox_event(
         text(idempotency_key, "idempotency_key", where=where, expected="a non-empty string or None")
         _storable(idempotency_key, "idempotency_key")
     payload_json = encode_payload(None if payload is None else dict(payload), what="payload")
+    if codec is not None:
+        check_codec(codec, where=where)
+        payload_json = seal_json(codec, payload_json)
     query = outbox_sql("insert_event", schema, table)  # checks the names
     if not isinstance(conn, psycopg.AsyncConnection):
         refuse("conn", "a psycopg.AsyncConnection (your business transaction's)", conn, where=where)

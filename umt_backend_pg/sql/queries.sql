@@ -18,24 +18,30 @@
 -- was enqueued with.
 -- A keyed run is not inserted when the key's run was pruned (its tombstone in `pruned_runs`,
 -- one index probe, only for keyed runs); its tags (if any) go to `run_tags`.
+-- Its deadline is the earlier of %(deadline_at)s and now() + %(timeout)s (NULL: none given),
+-- and it is claimable from its deadline if that comes before its delay ends (the SDK ends it
+-- then); its start deadline is when it becomes claimable plus %(start_within)s.
 WITH inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
         cancel_with_parent, rerun_of, forked_from, forked_at_step, concurrency_key,
-        count_waiting, tags
+        count_waiting, tags, deadline_at, start_by
     )
     SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
-        now() + %(delay)s::interval, %(idempotency_key)s::text, %(input_hash)s,
-        %(trace_context)s, %(input)s::jsonb,
+        least(now() + %(delay)s::interval, d.deadline_at), %(idempotency_key)s::text,
+        %(input_hash)s, %(trace_context)s, %(input)s::jsonb,
         %(delay)s::interval <= interval '0' AND %(concurrency_key)s::text IS NULL
         AND NOT EXISTS (
             SELECT 1 FROM {schema}.paused_tasks z
             WHERE z.task_name = %(task_name)s AND z.task_version IN (0, %(task_version)s)),
         %(parent_run_id)s::uuid, %(parent_fact)s::text, %(cancel_with_parent)s,
         %(rerun_of)s::uuid, %(forked_from)s::uuid, %(forked_at_step)s::text,
-        %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb
+        %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb, d.deadline_at,
+        now() + %(delay)s::interval + %(start_within)s::interval
+    FROM (SELECT least(%(deadline_at)s::timestamptz, now() + %(timeout)s::interval)
+              AS deadline_at) AS d
     WHERE %(idempotency_key)s::text IS NULL OR NOT EXISTS (
         SELECT 1 FROM {schema}.pruned_runs t
         WHERE t.task_name = %(task_name)s AND t.idempotency_key = %(idempotency_key)s::text
@@ -150,20 +156,30 @@ WITH served AS (
 ), pairs AS (
     SELECT s.name, s.version FROM served s WHERE NOT s.paused
 ), open_keys AS (
-    SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
-    FROM {schema}.concurrency_keys k
-    WHERE k.task_name = ANY (%(names)s::text[]) AND k.queued > 0 AND k.running < k.slot_limit
-      AND EXISTS (
-          SELECT 1 FROM {schema}.runs r
-          WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
-            AND r.concurrency_key IS NOT NULL
-            AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
-            AND r.available_at <= now()
-            AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name))
-    ORDER BY k.claimed_at
-    -- Each key offers at least one due run: %(limit)s keys can fill the batch.
-    LIMIT %(limit)s
-    FOR NO KEY UPDATE OF k SKIP LOCKED
+    -- Per task, its open keys in turn (concurrency_keys_open gives them in that order), each
+    -- tested for a due run as it comes, until %(limit)s keys are locked (each offers a due run:
+    -- enough to fill the batch). The test is a scalar subquery in the claim's order, not an
+    -- EXISTS: the planner cannot turn it into a join, so it probes runs_claim_keyed (the key's
+    -- runs wanting a slot) for the keys it reaches only, never the key's finished runs.
+    SELECT o.task_name, o.concurrency_key, o.free
+    FROM (SELECT DISTINCT p.name FROM pairs p) AS n
+    CROSS JOIN LATERAL (
+        SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
+        FROM {schema}.concurrency_keys k
+        WHERE k.task_name = n.name AND k.queued > 0 AND k.running < k.slot_limit
+          AND (
+              SELECT r.id FROM {schema}.runs r
+              WHERE r.task_name = k.task_name AND r.concurrency_key = k.concurrency_key
+                AND r.concurrency_key IS NOT NULL
+                AND (r.status = 'pending' OR (r.status = 'waiting' AND NOT r.count_waiting))
+                AND r.available_at <= now()
+                AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
+              ORDER BY r.priority DESC, r.available_at
+              LIMIT 1) IS NOT NULL
+        ORDER BY k.claimed_at
+        LIMIT %(limit)s
+        FOR NO KEY UPDATE OF k SKIP LOCKED
+    ) AS o
 ), keyed_runs AS (
     SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
     FROM open_keys k
@@ -261,7 +277,8 @@ WITH served AS (
               l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked, l.keyed,
               r.concurrency_key,
               CASE WHEN r.cancel_requested_at IS NOT NULL
-                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason
+                   THEN COALESCE(r.cancel_reason, '') END AS cancel_reason,
+              r.deadline_at, r.start_by
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING claimed c WHERE q.run_id = c.id
 ), key_slots AS (
@@ -296,7 +313,8 @@ WITH served AS (
 )
 SELECT c.id, c.task_name, c.task_version, c.input::text AS input, c.priority,
        c.fencing_token, now() AS claimed_at, c.claims, c.failures, c.trace_context, c.ready_at,
-       c.cancel_reason, c.idempotency_key, t.timers_from, t.timers_left, t.paused,
+       c.cancel_reason, c.idempotency_key, c.deadline_at, c.start_by, t.timers_from,
+       t.timers_left, t.paused,
        -- A fork's first claim replays the step records it kept.
        CASE WHEN c.claims > 1 OR c.forked THEN (
            SELECT json_agg(json_build_object(
@@ -784,7 +802,8 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, concurrency_key, tags, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -804,7 +823,8 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
-       forked_from, forked_at_step, concurrency_key, tags, now() AS db_now
+       forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
+       now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
@@ -822,29 +842,37 @@ LIMIT %(limit)s;
 
 -- name: list_runs_tagged
 -- list_runs for a filter with tags: run_tags_lookup read backwards from the cursor for the first
--- tag (%(tag_key)s = %(tag_value)s), each run then read by its key and checked against the other
--- filters (every tag: `tags @>`); it stops after %(limit)s matches.
-SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
-       r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
-       r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
-       r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason, r.wait_for,
-       r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from, r.forked_at_step,
-       r.concurrency_key, r.tags, now() AS db_now
+-- tag (%(tag_key)s = %(tag_value)s), each of its runs then read by its key and checked against
+-- the other filters (every tag: `tags @>`), until %(limit)s match. The LIMIT 1 of the lateral
+-- read keeps it a nested loop in run-id order (a join the planner may not turn into a scan of
+-- all runs and a sort).
+SELECT r.*
 FROM {schema}.run_tags t
-JOIN {schema}.runs r ON r.id = t.run_id
+CROSS JOIN LATERAL (
+    SELECT r.id, r.task_name, r.task_version, r.status, r.priority, r.created_at, r.updated_at,
+           r.available_at, r.input::text AS input, r.idempotency_key, r.output::text AS output,
+           r.error, r.claims, r.failures, r.lease_expirations, r.fencing_token, r.lease_owner,
+           r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason,
+           r.wait_for, r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from,
+           r.forked_at_step, r.concurrency_key, r.tags, r.deadline_at, r.start_by,
+           now() AS db_now
+    FROM {schema}.runs r
+    WHERE r.id = t.run_id
+      AND r.tags @> %(tags)s::jsonb
+      AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
+      AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
+      AND (%(status)s::text IS NULL OR r.status = %(status)s)
+      AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
+      AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
+      AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
+      AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
+      AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
+      AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
+      AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
+    LIMIT 1
+) AS r
 WHERE t.key = %(tag_key)s AND t.value = %(tag_value)s
   AND (%(before)s::uuid IS NULL OR t.run_id < %(before)s)
-  AND r.tags @> %(tags)s::jsonb
-  AND (%(task_name)s::text IS NULL OR r.task_name = %(task_name)s)
-  AND (%(task_version)s::integer IS NULL OR r.task_version = %(task_version)s)
-  AND (%(status)s::text IS NULL OR r.status = %(status)s)
-  AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
-  AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
-  AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
-  AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
-  AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
-  AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
-  AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
 ORDER BY t.run_id DESC
 LIMIT %(limit)s;
 
@@ -1002,32 +1030,52 @@ DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
 -- name: prune_runs
 -- One retention batch, one pruner at a time: the statement takes the schema's pruning lock if
 -- it is free (`held`; else it does nothing and the caller reports `busy`), picks up to
--- %(limit)s prunable runs, oldest finished first (runs_finished), leaves a tombstone for each
--- and deletes it; its steps, executions, facts, tags and streams (every table that references
--- runs ON DELETE CASCADE) and its child groups go with it. Prunable: finished before
--- now() - %(older_than)s, of the tasks asked for, with no unfinished child (its finishing write
--- stores a fact for its parent) and no unfinished parent (which may still read its result).
-WITH lock AS MATERIALIZED (
+-- %(limit)s prunable runs, leaves a tombstone for each and deletes it;
+-- its steps, executions, facts, tags and streams (every table that references runs ON DELETE
+-- CASCADE) and its child groups go with it. Prunable: finished before now() - %(older_than)s,
+-- of the tasks asked for, with no unfinished child (its finishing write stores a fact for its
+-- parent) and no unfinished parent (which may still read its result).
+-- The batch reads runs_finished (task, finishing time) task by task, in name order, oldest
+-- first within a task, and stops once it has %(limit)s: the task names come from a skip over
+-- the index (one probe each, only as far as the batch goes), each task's runs from its own
+-- range, so the runs of a task kept longer are never read by the batches of the others, and
+-- only the runs the batch deletes are read and locked.
+WITH RECURSIVE lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
+), names (task_name) AS (
+    SELECT min(r.task_name) FROM {schema}.runs r
+    WHERE r.status IN ('completed', 'failed', 'canceled') AND (SELECT held FROM lock)
+    UNION ALL
+    SELECT (SELECT min(r.task_name) FROM {schema}.runs r
+            WHERE r.status IN ('completed', 'failed', 'canceled') AND r.task_name > n.task_name)
+    FROM names n WHERE n.task_name IS NOT NULL
 ), batch AS MATERIALIZED (
-    SELECT r.id FROM {schema}.runs r
-    WHERE (SELECT held FROM lock)
-      AND r.status IN ('completed', 'failed', 'canceled')
-      AND r.finished_at < now() - %(older_than)s::interval
-      AND (%(task_names)s::text[] IS NULL OR r.task_name = ANY (%(task_names)s::text[]))
-      AND NOT (r.task_name = ANY (%(exclude_task_names)s::text[]))
-      AND NOT EXISTS (
-          SELECT 1 FROM {schema}.runs c
-          WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled')
-      )
-      AND NOT EXISTS (
-          SELECT 1 FROM {schema}.runs p
-          WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
-            AND p.status NOT IN ('completed', 'failed', 'canceled')
-      )
-    ORDER BY r.finished_at
+    SELECT c.id FROM names n
+    CROSS JOIN LATERAL (
+        SELECT r.id FROM {schema}.runs r
+        WHERE r.task_name = n.task_name
+          AND r.status IN ('completed', 'failed', 'canceled')
+          AND r.finished_at < now() - %(older_than)s::interval
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs c
+              WHERE c.parent_run_id = r.id
+                AND c.status NOT IN ('completed', 'failed', 'canceled')
+          )
+          AND NOT EXISTS (
+              SELECT 1 FROM {schema}.runs p
+              WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
+                AND p.status NOT IN ('completed', 'failed', 'canceled')
+          )
+        ORDER BY r.finished_at
+        LIMIT %(limit)s
+        -- The statement's snapshot may predate the commit of the pruner that held the lock
+        -- before: the row lock reads each run again and skips one it deleted.
+        FOR UPDATE OF r SKIP LOCKED
+    ) AS c
+    WHERE n.task_name IS NOT NULL
+      AND (%(task_names)s::text[] IS NULL OR n.task_name = ANY (%(task_names)s::text[]))
+      AND NOT (n.task_name = ANY (%(exclude_task_names)s::text[]))
     LIMIT %(limit)s
-    FOR UPDATE OF r SKIP LOCKED
 ), tombstones AS (
     INSERT INTO {schema}.pruned_runs (
         run_id, task_name, task_version, status, idempotency_key, input_hash, created_at,
@@ -1193,15 +1241,23 @@ WITH grp AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, wait_for, child_group, group_index
+        cancel_with_parent, wait_for, child_group, group_index, deadline_at
     )
     SELECT i.id, i.task_name, i.task_version,
            CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
            CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
-           %(trace_context)s, i.input::jsonb, NOT i.held, %(parent_run_id)s, NULL,
-           %(cancel_with_parent)s, CASE WHEN i.held THEN 'umt turn' END, %(name)s,
-           i.group_index
+           %(trace_context)s, i.input::jsonb, NOT i.held AND NOT z.paused,
+           %(parent_run_id)s, NULL, %(cancel_with_parent)s,
+           CASE WHEN i.held THEN 'umt turn' END, %(name)s, i.group_index,
+           now() + %(timeout)s::interval
     FROM items i
+    -- As insert_run: a paused task's runs hold no `ready` rows.
+    CROSS JOIN LATERAL (
+        SELECT EXISTS (
+            SELECT 1 FROM {schema}.paused_tasks p
+            WHERE p.task_name = i.task_name AND p.task_version IN (0, i.task_version)
+        ) AS paused
+    ) AS z
     ORDER BY i.group_index
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, task_name, task_version, priority, available_at, queued
@@ -1259,7 +1315,7 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id,
-       now() AS db_now
+       deadline_at, start_by, now() AS db_now
 FROM {schema}.runs
 WHERE parent_run_id = %(parent_run_id)s AND child_group = %(name)s
 ORDER BY group_index;

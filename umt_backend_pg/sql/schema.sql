@@ -41,6 +41,10 @@ CREATE TABLE {schema}.runs (
     -- The run's concurrency key, and whether it keeps its slot while waiting (migration 0009).
     concurrency_key     text,
     count_waiting       boolean NOT NULL DEFAULT false,
+    -- When the run must be finished by, and started by (migration 0010): the SDK ends it
+    -- failed past either; `available_at` is never later than `deadline_at`.
+    deadline_at         timestamptz,
+    start_by            timestamptz,
     -- A run started again: the run it reruns, or forks and the step it forks from (0011).
     rerun_of            uuid,
     forked_from         uuid,
@@ -70,7 +74,7 @@ CREATE UNIQUE INDEX runs_idempotency ON {schema}.runs (task_name, idempotency_ke
 CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
     WHERE status = 'waiting' AND wait_for IS NOT NULL;
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
-CREATE INDEX runs_finished ON {schema}.runs (finished_at)
+CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
     WHERE status IN ('completed', 'failed', 'canceled');
 CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
 -- Runs that want a slot of their concurrency key, in the claim's order within the key (see
@@ -364,6 +368,8 @@ CREATE TABLE {schema}.pruned_runs (
 CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);
+-- A deleted run's facts, found by the ON DELETE CASCADE (0012).
+CREATE INDEX facts_by_run ON {schema}.facts (run_id) WHERE run_id IS NOT NULL;
 
 -- Fan-out: groups of a parent's children awaited together (see
 -- migrations/0013_child_groups.sql).
@@ -393,17 +399,19 @@ CREATE FUNCTION {schema}.child_group_ended(parent uuid, grp text, released boole
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     left_over integer;
+    limited integer;
     next_id uuid;
     pair text;
     waiter record;
 BEGIN
     UPDATE {schema}.child_groups SET remaining = remaining - 1
     WHERE parent_run_id = parent AND name = grp
-    RETURNING remaining INTO left_over;
+    RETURNING remaining, max_concurrency INTO left_over, limited;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    IF released THEN
+    -- Only a map with a max_concurrency holds members back: no other group looks for one.
+    IF released AND limited IS NOT NULL THEN
         SELECT r.id INTO next_id FROM {schema}.runs r
         WHERE r.parent_run_id = parent AND r.child_group = grp
           AND r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
@@ -418,6 +426,9 @@ BEGIN
             SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
                    {schema}.ready_slot()
             FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
+              AND NOT EXISTS (  -- a paused task's runs hold no `ready` rows (the claim's
+                  SELECT 1 FROM {schema}.paused_tasks p  -- timers find it when resumed)
+                  WHERE p.task_name = r.task_name AND p.task_version IN (0, r.task_version))
             RETURNING task_name || '@' || task_version INTO pair;
             PERFORM pg_notify(channel, COALESCE(pair, ''));
         END IF;

@@ -30,6 +30,8 @@ from uuid import UUID
 import click
 
 from umt_sdk import _serde
+from umt_sdk._codec import PayloadCodec, check_codec
+from umt_sdk._codec_backend import MaskingBackend, mask_backend
 from umt_sdk._engine import Engine, connect
 from umt_sdk._hookspecs import CliBackend
 from umt_sdk._plugins import PluginHost
@@ -50,6 +52,7 @@ __all__ = [
     "CliError",
     "InputError",
     "cli",
+    "load_codec",
     "open_engine",
     "parse_duration",
     "pass_config",
@@ -161,9 +164,16 @@ class CliConfig:
     """What the root group was given: the database URL and the backends' global options."""
 
     def __init__(
-        self, database_url: str | None, options: dict[str, Any], plugins: PluginHost
+        self,
+        database_url: str | None,
+        options: dict[str, Any],
+        plugins: PluginHost,
+        *,
+        codec: str | None = None,
     ) -> None:
         self._url = database_url
+        self._codec_ref = codec
+        self._codec: PayloadCodec | None = None
         self.options = options
         """The values of the global options backends added (`--schema`, ...), by name."""
         self._plugins = plugins
@@ -190,6 +200,12 @@ class CliConfig:
 
     def where(self) -> str:
         return self.backend().where()
+
+    def codec(self) -> PayloadCodec | None:
+        """The payload codec `--codec` / `UMT_CODEC` names (made once), or None."""
+        if self._codec is None and self._codec_ref:
+            self._codec = load_codec(self._codec_ref)
+        return self._codec
 
 
 _PASSWORD_PARAM = re.compile(
@@ -277,13 +293,27 @@ async def open_engine(
     """The engine of `cfg`, checked first by its backend (one clear line if it cannot be
     reached or has no tables), closed on exit."""
     backend = cfg.backend()
+    codec = cfg.codec()
     await backend.preflight(need_schema=True)
     options = backend.connect_options(worker=worker, concurrency=concurrency)
-    engine = await connect(cfg.url(), registry=registry, **options)
+    engine = await connect(cfg.url(), registry=registry, codec=codec, **options)
+    masked: MaskingBackend | None = None
+    if codec is None and not worker:
+        # Without the codec a reader shows "<encrypted: NAME>" where a payload is sealed,
+        # never the ciphertext; a worker gets no such stand-ins (it hands such runs back).
+        masked = mask_backend(engine.backend)
+        engine = Engine(masked, engine.registry, telemetry=engine.telemetry)
     try:
         yield engine
     finally:
         await engine.close()
+        if masked is not None and masked.masked:
+            names = ", ".join(sorted(masked.masked))
+            click.echo(
+                f"note: some payloads are encrypted (codec {names}); pass --codec "
+                "MODULE:FACTORY or set UMT_CODEC to read them",
+                err=True,
+            )
 
 
 @contextlib.contextmanager
@@ -314,13 +344,30 @@ def run(coro: Coroutine[Any, Any, T], cfg: CliConfig | None = None) -> T:
         coro.close()  # not started when an error came first: never left "never awaited"
 
 
-def load_registry(ref: str) -> Registry:
-    """The `Registry` at `module:attribute`, importing from the current directory too."""
+def load_codec(ref: str) -> PayloadCodec:
+    """The payload codec at `module:attribute`: a codec, or a factory called with no
+    arguments that returns one (it reads its keys from where your services do)."""
+    obj = _import_attribute(ref, "codec", "app.codecs:make_codec")
+    if not isinstance(obj, PayloadCodec) and callable(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise CliError(
+                f"--codec {ref}: the factory failed: {type(exc).__name__}: {exc}"
+            ) from exc
+    try:
+        check_codec(obj, "--codec", where=f"--codec {ref}")
+    except UsageError as exc:
+        raise InputError(str(exc)) from None
+    codec: PayloadCodec = obj
+    return codec
+
+
+def _import_attribute(ref: str, what: str, example: str) -> Any:
+    """The object at `module:attribute`, importing from the current directory too."""
     module_name, sep, attribute = ref.partition(":")
     if not sep or not module_name or not attribute:
-        raise InputError(
-            f"expected the registry as module:attribute such as app.tasks:registry, got {ref!r}"
-        )
+        raise InputError(f"expected the {what} as module:attribute such as {example}, got {ref!r}")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
@@ -339,6 +386,12 @@ def load_registry(ref: str) -> Registry:
             obj = getattr(obj, part)
         except AttributeError:
             raise CliError(f"{module_name!r} has no attribute {attribute!r}") from None
+    return obj
+
+
+def load_registry(ref: str) -> Registry:
+    """The `Registry` at `module:attribute`, importing from the current directory too."""
+    obj = _import_attribute(ref, "registry", "app.tasks:registry")
     if not isinstance(obj, Registry):
         raise CliError(
             f"{ref} is a {type(obj).__name__}, not a umt Registry; point at an object made with "
@@ -431,9 +484,19 @@ def _is_driver_error(exc: BaseException) -> bool:
     help="The engine's database (env UMT_DATABASE_URL). Without it: the default a backend "
     "offers (the Postgres backend's embedded server in .umt/pg; `umt db start` keeps one running).",
 )
+@click.option(
+    "--codec",
+    envvar="UMT_CODEC",
+    metavar="MODULE:FACTORY",
+    help="The payload codec your engine connects with (env UMT_CODEC): a PayloadCodec, or a "
+    "function returning one, such as app.codecs:make_codec. Without it, encrypted payloads "
+    "show as <encrypted: NAME>.",
+)
 @click.version_option(package_name="umt-tasks", prog_name="umt")
 @click.pass_context
-def cli(ctx: click.Context, /, database_url: str | None, **backend_options: Any) -> None:
+def cli(
+    ctx: click.Context, /, database_url: str | None, codec: str | None, **backend_options: Any
+) -> None:
     """umt: durable tasks on Postgres.
 
     \b
@@ -447,7 +510,7 @@ def cli(ctx: click.Context, /, database_url: str | None, **backend_options: Any)
     Exit codes: 0 done, 1 the operation failed, 2 the command line is wrong.
     """
     assert isinstance(ctx.command, _Cli)
-    ctx.obj = CliConfig(database_url, backend_options, ctx.command.host())
+    ctx.obj = CliConfig(database_url, backend_options, ctx.command.host(), codec=codec)
 
 
 pass_config = click.make_pass_decorator(CliConfig)

@@ -35,6 +35,7 @@ from umt_sdk.cli._app import (
     cli,
     load_registry,
     open_engine,
+    parse_duration,
     pass_config,
     redact_url,
     run,
@@ -205,6 +206,15 @@ def worker(
     _serve(serve())
 
 
+def _age(duration: timedelta) -> str:
+    """A retention age as people say it: 30d, 12h, 90m, 45s."""
+    seconds = duration.total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
 def _human(duration: timedelta) -> str:
     seconds = duration.total_seconds()
     if seconds < 1:
@@ -263,6 +273,21 @@ def _serve(coro: Coroutine[Any, Any, None]) -> None:
 # -- producing --------------------------------------------------------------------------------
 
 
+def _tags(ctx: click.Context, param: click.Parameter, value: Any) -> dict[str, str]:
+    """`--tag KEY=VALUE`, repeated: a dict (checked again, fully, by the engine)."""
+    tags: dict[str, str] = {}
+    for item in value or ():
+        key, sep, tag_value = str(item).partition("=")
+        if not sep or not key:
+            raise click.BadParameter(
+                f"expected KEY=VALUE such as tenant=t7, got {item!r}", ctx, param
+            )
+        if key in tags and tags[key] != tag_value:
+            raise click.BadParameter(f"tag {key!r} given twice, differently", ctx, param)
+        tags[key] = tag_value
+    return tags
+
+
 @cli.command()
 @click.argument("task_ref", metavar="TASK[@VERSION]")
 @click.option(
@@ -295,6 +320,28 @@ def _serve(coro: Coroutine[Any, Any, None]) -> None:
     metavar="DURATION",
     help="Do not start before this much time (e.g. 5m).",
 )
+@click.option(
+    "--deadline",
+    callback=_duration,
+    metavar="DURATION",
+    help="End the run failed (DeadlineExceededError) if it is not finished this long from "
+    "now (e.g. 30m); the task's own timeout, if sooner, wins.",
+)
+@click.option(
+    "--start-within",
+    callback=_duration,
+    metavar="DURATION",
+    help="End the run failed without running it if no worker starts it this long after it "
+    "becomes claimable (e.g. 5m).",
+)
+@click.option(
+    "--tag",
+    "tags",
+    multiple=True,
+    callback=_tags,
+    metavar="KEY=VALUE",
+    help="A tag to find the run by (umt runs list --tag); repeat for more.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_config
 def enqueue(
@@ -305,6 +352,9 @@ def enqueue(
     idempotency_key: str | None,
     priority: int,
     delay: timedelta | None,
+    deadline: timedelta | None,
+    start_within: timedelta | None,
+    tags: dict[str, str],
     as_json: bool,
 ) -> None:
     """Start a run of TASK (its newest version, or TASK@VERSION) and print its id.
@@ -339,6 +389,9 @@ def enqueue(
                 idempotency_key=idempotency_key,
                 priority=priority,
                 delay=delay,
+                deadline=deadline,
+                start_within=start_within,
+                tags=tags,
             )
         if as_json:
             click.echo(
@@ -421,7 +474,7 @@ def cancel(cfg: CliConfig, run_id: UUID, reason: str) -> None:
 
 @cli.group()
 def runs() -> None:
-    """Inspect runs: list, show one, watch them live, export their histories."""
+    """Inspect runs: list, show one, watch them live, export their histories, prune old ones."""
 
 
 def _task_filter(task: str | None) -> tuple[str | None, int | None]:
@@ -450,9 +503,46 @@ def _limit_option(default: int) -> Callable[[Callable[..., Any]], Callable[..., 
     )
 
 
+def _moment(ctx: click.Context, param: click.Parameter, value: Any) -> datetime | None:
+    """An ISO 8601 time (UTC unless it says otherwise), or a duration meaning that long ago
+    (`2h`, `30d`)."""
+    if value is None:
+        return None
+    with contextlib.suppress(ValueError):
+        return datetime.now(UTC) - parse_duration(str(value))
+    return _since(ctx, param, value)
+
+
+def _time_option(name: str, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        name,
+        callback=_moment,
+        metavar="TIME",
+        help=f"{help} (ISO 8601, UTC unless it says otherwise; or 2h, 30d: that long ago).",
+    )
+
+
 @runs.command("list")
 @task_option
 @status_option
+@click.option(
+    "--tag",
+    "tags",
+    multiple=True,
+    callback=_tags,
+    metavar="KEY=VALUE",
+    help="Only runs with this tag; repeat for runs with all of them.",
+)
+@click.option(
+    "--idempotency-key",
+    metavar="KEY",
+    help="Only the run enqueued under this idempotency key (with --task: keys are per task).",
+)
+@click.option("--parent", callback=_run_id, metavar="RUN", help="Only the children of RUN.")
+@_time_option("--created-after", "Only runs created at or after TIME")
+@_time_option("--created-before", "Only runs created before TIME")
+@_time_option("--finished-after", "Only runs finished at or after TIME")
+@_time_option("--finished-before", "Only runs finished before TIME")
 @_limit_option(50)
 @click.option(
     "--before", callback=_run_id, metavar="RUN", help="Runs older than this one (paging)."
@@ -471,13 +561,24 @@ def runs_list(
     ctx: click.Context,
     task: str | None,
     status: Any,
+    tags: dict[str, str],
+    idempotency_key: str | None,
+    parent: UUID | None,
+    created_after: datetime | None,
+    created_before: datetime | None,
+    finished_after: datetime | None,
+    finished_before: datetime | None,
     limit: int,
     before: UUID | None,
     concurrency_key: str | None,
     as_json: bool,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first, matching every filter given."""
     name, version = _task_filter(task)
+    if idempotency_key is not None and name is None:
+        raise InputError(
+            "--idempotency-key needs --task: an idempotency key names one run of one task"
+        )
 
     async def go() -> None:
         async with open_engine(cfg) as engine:
@@ -485,6 +586,13 @@ def runs_list(
                 task_name=name,
                 version=version,
                 status=status,
+                tags=tags,
+                idempotency_key=idempotency_key,
+                parent=parent,
+                created_after=created_after,
+                created_before=created_before,
+                finished_after=finished_after,
+                finished_before=finished_before,
                 limit=limit,
                 before=before,
                 concurrency_key=concurrency_key,
@@ -497,27 +605,107 @@ def runs_list(
             return
         click.echo(_list_text(page.runs))
         if page.next_cursor is not None:
-            more = _next_page(ctx, task, status, limit, page.next_cursor, concurrency_key)
-            click.echo(f"(more: {more})", err=True)
+            click.echo(f"(more: {_next_page(ctx, limit, page.next_cursor)})", err=True)
 
     run(go(), cfg)
 
 
-def _next_page(
-    ctx: click.Context,
-    task: str | None,
-    status: str | None,
-    limit: int,
-    cursor: UUID,
-    concurrency_key: str | None = None,
-) -> str:
-    """The command that lists the next page: every filter of this one repeated."""
+_LIST_FILTERS = {
+    "task": "--task",
+    "status": "--status",
+    "concurrency_key": "--key",
+    "idempotency_key": "--idempotency-key",
+    "parent": "--parent",
+    "created_after": "--created-after",
+    "created_before": "--created-before",
+    "finished_after": "--finished-after",
+    "finished_before": "--finished-before",
+}
+
+
+def _next_page(ctx: click.Context, limit: int, cursor: UUID) -> str:
+    """The command that lists the next page: every filter of this one repeated (times as the
+    moments they stood for, so the next page is of the same window)."""
     words = ["runs", "list"]
-    words += ["--task", task] if task is not None else []
-    words += ["--status", status] if status is not None else []
-    words += ["--key", concurrency_key] if concurrency_key is not None else []
+    for param, flag in _LIST_FILTERS.items():
+        value = ctx.params.get(param)
+        if value is not None:
+            text = value.isoformat() if isinstance(value, datetime) else str(value)
+            words += [flag, text]
+    for tag_key, tag_value in (ctx.params.get("tags") or {}).items():
+        words += ["--tag", f"{tag_key}={tag_value}"]
     command, left_out = typed_command(ctx, *words, "--limit", str(limit), "--before", str(cursor))
     return f"{command}, with your --database-url" if left_out else command
+
+
+@runs.command("prune")
+@click.option(
+    "--older-than",
+    callback=_duration,
+    required=True,
+    metavar="DURATION",
+    help="Delete runs that finished longer ago than this (e.g. 30d).",
+)
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    metavar="TASK",
+    help="Only runs of this task; repeat for more (default: every task).",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 10_000),
+    default=500,
+    show_default=True,
+    help="Runs deleted per statement.",
+)
+@pass_config
+def runs_prune(
+    cfg: CliConfig,
+    older_than: timedelta,
+    tasks: tuple[str, ...],
+    dry_run: bool,
+    batch_size: int,
+) -> None:
+    """Delete finished runs older than --older-than, with their steps, facts and streams.
+
+    Pending, running and waiting runs are never touched, nor are runs whose family has not
+    finished. Each deleted run leaves a tombstone: its idempotency key stays taken, and
+    `runs show` says it was pruned. Workers do the same on their own with
+    connect(retention=...); see docs/retention.md.
+    """
+    for name in tasks:
+        if "@" in name:
+            raise InputError(
+                f"--task takes a task name ({name.split('@')[0]!r}): retention deletes the runs "
+                "of every version of a task"
+            )
+
+    async def go() -> None:
+        async with open_engine(cfg) as engine:
+            report = await engine.prune(
+                older_than=older_than,
+                task=list(tasks) or None,
+                dry_run=dry_run,
+                batch_size=batch_size,
+            )
+        which = f" of {', '.join(tasks)}" if tasks else ""
+        age = _age(older_than)
+        if report.dry_run:
+            click.echo(f"would delete {report.pruned} runs{which} finished more than {age} ago")
+            return
+        click.echo(
+            f"deleted {report.pruned} runs{which} finished more than {age} ago "
+            f"({report.batches} batches)"
+        )
+        if report.busy:
+            click.echo(
+                "(a worker was deleting at the same time and goes on with the rest)", err=True
+            )
+
+    run(go(), cfg)
 
 
 @runs.command("show")

@@ -60,6 +60,8 @@ def _error_text(error: ErrorInfo | None) -> str:
 def _note(info: RunInfo) -> str:
     if info.status == "waiting":
         return f"waiting for fact {info.waiting_for!r}" if info.waiting_for else "sleeping"
+    if info.deadline_passed:
+        return "past its deadline: a worker of its task ends it failed when it claims it"
     if info.cancel_requested and info.status not in ("canceled",):
         return f"cancel requested: {info.cancel_reason or ''}".rstrip(": ")
     if info.status == "canceled":
@@ -186,19 +188,37 @@ def _show_text(
         ("lease expirations", str(info.lease_expirations)),
         ("created", _when(info.created_at)),
         ("updated", _when(info.updated_at)),
+        ("input", _shorten(info.input_json, 200)),
     ]
     if info.finished_at is not None:
         fields.append(("finished", _when(info.finished_at)))
     if info.parent_run_id is not None:
         fields.append(("parent", f"{info.parent_run_id}  (umt runs show {info.parent_run_id})"))
+    if info.rerun_of is not None:
+        fields.append(("rerun of", f"{info.rerun_of}  (umt runs show {info.rerun_of})"))
+    if info.forked_from is not None:
+        fields.append(
+            (
+                "forked from",
+                f"{info.forked_from} at step {info.forked_at_step!r}  "
+                f"(umt runs show {info.forked_from})",
+            )
+        )
     if info.idempotency_key is not None:
         fields.append(("idempotency key", info.idempotency_key))
+    if info.tags:
+        fields.append(("tags", ", ".join(f"{k}={v}" for k, v in sorted(info.tags.items()))))
     if info.concurrency_key is not None:
         fields.append(("concurrency key", info.concurrency_key))
     if info.status == "waiting" and info.waiting_for:
         fields.append(("waiting for", f"fact {info.waiting_for!r}"))
     if info.status in ("pending", "waiting") and info.available_at is not None:
         fields.append(("next attempt", _when(info.available_at)))
+    if info.deadline_at is not None:
+        passed = "  (passed: a worker of its task ends it failed)" if info.deadline_passed else ""
+        fields.append(("deadline", _when(info.deadline_at) + passed))
+    if info.start_by is not None:
+        fields.append(("start by", _when(info.start_by)))
     if info.lease_expired:
         fields.append(
             ("lease", f"expired {_when(info.lease_expires_at)}; waiting for a worker to claim it")
@@ -308,9 +328,17 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "error": _error_json(info.error),
         "output": info.output,
         "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
+        "tags": dict(info.tags),
         "concurrency_key": info.concurrency_key,
+        "deadline_at": _iso(info.deadline_at),
+        "start_by": _iso(info.start_by),
+        "deadline_passed": info.deadline_passed,
+        "rerun_of": None if info.rerun_of is None else str(info.rerun_of),
+        "forked_from": None if info.forked_from is None else str(info.forked_from),
+        "forked_at_step": info.forked_at_step,
     }
     if detail:
+        data["input"] = info.input
         data["interrupted_attempts"] = info.interrupted_attempts
         data["timeline"] = [
             {

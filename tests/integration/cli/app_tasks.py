@@ -120,7 +120,42 @@ async def order_report(ctx: TaskContext[Order]) -> str:
     return ctx.input.order_id
 
 
+FIXED_ORDERS: set[str] = set()
+"""Orders whose `charge` works: the CLI tests "fix the bug" by adding to it, then fork."""
+PREPARED: list[str] = []
+"""Every `prepare` that really ran (a fork replays it from its record instead)."""
+
+
+def _prepare(order_id: str) -> str:
+    PREPARED.append(order_id)
+    return f"prepared {order_id}"
+
+
+def _charge(order_id: str) -> str:
+    if order_id not in FIXED_ORDERS:
+        raise RuntimeError(f"the card service rejects {order_id}")
+    return f"charged {order_id}"
+
+
+@task("checkout", version=1, retry=RetryPolicy.none())
+async def checkout(ctx: TaskContext[Order]) -> str:
+    prepared = await ctx.step.run("prepare", _prepare, ctx.input.order_id)
+    charged = await ctx.step.run("charge", _charge, ctx.input.order_id)
+    return f"{prepared}, {charged}"
+
+
 registry = Registry(
-    [greet, greet_v2, nap, approval, boom, plain_nested, sync_tenant, sync_all, order_report]
+    [
+        greet,
+        greet_v2,
+        nap,
+        approval,
+        boom,
+        plain_nested,
+        sync_tenant,
+        sync_all,
+        order_report,
+        checkout,
+    ]
 )
 not_a_registry = [greet]

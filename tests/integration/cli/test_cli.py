@@ -400,6 +400,25 @@ def test_runs_list_and_show_a_runs_concurrency_key(umt: Umt) -> None:
     assert f"--key o1 --limit 1 --before {second})" in page.stderr
 
 
+def test_enqueue_with_a_deadline_and_show_a_run_past_it(umt: Umt) -> None:
+    run_id = umt.enqueue("greet", {"name": "Ada"}, "--deadline", "1s", "--start-within", "1h")
+    shown = umt.show(run_id)
+    created = datetime.fromisoformat(shown["created_at"])
+    assert datetime.fromisoformat(shown["deadline_at"]) - created == timedelta(seconds=1)
+    assert datetime.fromisoformat(shown["start_by"]) - created == timedelta(hours=1)
+    assert shown["deadline_passed"] is False
+    time.sleep(1.2)  # the database's clock passes the deadline; no worker serves it yet
+    assert umt.show(run_id)["deadline_passed"] is True
+    assert "(passed: a worker of its task ends it failed)" in umt.ok("runs", "show", run_id).stdout
+    assert "past its deadline" in umt.ok("runs", "list").stdout
+    assert work_until(umt, run_id, {"failed"}) == "failed"
+    ended = umt.show(run_id)
+    assert ended["error"]["type"] == "umt_sdk.DeadlineExceededError"
+    assert ended["deadline_passed"] is False
+    bad = umt("enqueue", "greet", "--input", "{}", "--registry", REGISTRY, "--deadline", "soon")
+    assert bad.exit_code == 2
+
+
 def test_runs_show_a_failed_run_with_its_error(umt: Umt) -> None:
     run_id = umt.enqueue("boom", {"order_id": "o1"})
     assert work_until(umt, run_id, {"failed"}) == "failed"

@@ -9,6 +9,14 @@
 -- executions, facts and tags, which cascade): its idempotency key stays taken (the enqueue's
 -- statement looks here before it inserts a keyed run) and `get` can say the run was pruned,
 -- until `forget_pruned` drops the tombstone (`connect(idempotency_retention=...)`).
+--
+-- `runs_finished` is now by task, then finishing time: a prune batch reads each task's oldest
+-- finished runs from its own range of the index, so runs kept longer (a task's own, longer
+-- retention) or not yet old enough are never read again and again by the batches of others.
+--
+-- `facts_by_run`: deleting a run makes Postgres delete its facts (ON DELETE CASCADE) by a
+-- query on `facts.run_id`, once per deleted run; without an index each one would read the
+-- whole facts table.
 
 ALTER TABLE {schema}.runs ADD COLUMN tags jsonb NOT NULL DEFAULT '{{}}';
 
@@ -34,3 +42,9 @@ CREATE TABLE {schema}.pruned_runs (
 CREATE INDEX pruned_runs_idempotency ON {schema}.pruned_runs (task_name, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX pruned_runs_age ON {schema}.pruned_runs (pruned_at);
+
+CREATE INDEX facts_by_run ON {schema}.facts (run_id) WHERE run_id IS NOT NULL;
+
+DROP INDEX {schema}.runs_finished;
+CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
+    WHERE status IN ('completed', 'failed', 'canceled');

@@ -37,17 +37,19 @@ CREATE FUNCTION {schema}.child_group_ended(parent uuid, grp text, released boole
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     left_over integer;
+    limited integer;
     next_id uuid;
     pair text;
     waiter record;
 BEGIN
     UPDATE {schema}.child_groups SET remaining = remaining - 1
     WHERE parent_run_id = parent AND name = grp
-    RETURNING remaining INTO left_over;
+    RETURNING remaining, max_concurrency INTO left_over, limited;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    IF released THEN
+    -- Only a map with a max_concurrency holds members back: no other group looks for one.
+    IF released AND limited IS NOT NULL THEN
         SELECT r.id INTO next_id FROM {schema}.runs r
         WHERE r.parent_run_id = parent AND r.child_group = grp
           AND r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
@@ -62,6 +64,9 @@ BEGIN
             SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
                    {schema}.ready_slot()
             FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
+              AND NOT EXISTS (  -- a paused task's runs hold no `ready` rows (the claim's
+                  SELECT 1 FROM {schema}.paused_tasks p  -- timers find it when resumed)
+                  WHERE p.task_name = r.task_name AND p.task_version IN (0, r.task_version))
             RETURNING task_name || '@' || task_version INTO pair;
             PERFORM pg_notify(channel, COALESCE(pair, ''));
         END IF;

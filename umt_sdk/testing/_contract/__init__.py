@@ -17,6 +17,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_arguments`: argument checks
 - `_aborts`: the abort table (shutdown and cancel against each handler shape)
 - `_cancel`: cancel
+- `_deadlines`: step timeouts, run deadlines and start deadlines
 - `_claims`: claim order, priority, the pairs a worker serves
 - `_retries`: step and handler retries
 - `_leases`: leases, takeover and fencing, lost leases
@@ -25,6 +26,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_timeline`: the timeline of runs that did not end well
 - `_spi_meanings`: what a backend decides on its own (an ending's step, a cancel, `available_at`)
 - `_schedules`: the schedule store (first write wins, compare-and-set) and a due tick's one run
+- `_codecs`: a payload codec in front of the backend: every payload sealed at rest, read back
 - `_listing`: tags, and listing by key, tag, time range and cursor
 - `_pruning`: retention (what is deleted, what is kept, what a pruned run leaves)
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
@@ -44,7 +46,9 @@ from umt_sdk.testing._contract import (
     _cancel,
     _children,
     _claims,
+    _codecs,
     _concurrency,
+    _deadlines,
     _facts,
     _fanout,
     _leases,
@@ -83,11 +87,13 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_payloads.TASKS,
     *_timeline.TASKS,
     *_schedules.TASKS,
+    *_codecs.TASKS,
     *_listing.TASKS,
     *_pruning.TASKS,
     *_streams.TASKS,
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
+    *_deadlines.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -112,11 +118,13 @@ class BackendContract(
     _timeline.TimelineContract,
     _spi_meanings.SpiMeaningsContract,
     _schedules.SchedulesContract,
+    _codecs.CodecsContract,
     _listing.ListingContract,
     _pruning.PruningContract,
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
+    _deadlines.DeadlinesContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""

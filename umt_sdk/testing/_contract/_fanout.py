@@ -125,7 +125,24 @@ def _describe(outcome: object) -> str:
     return str(outcome)
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (fan_child, map_parent, gather_parent)
+@task("contract.timed_leaf", version=1, timeout=timedelta(hours=1))
+async def timed_leaf(ctx: TaskContext[int]) -> int:
+    return ctx.input
+
+
+@task("contract.timed_map", version=1, retry=RetryPolicy(max_attempts=1))
+async def timed_map(ctx: TaskContext[int]) -> list[int]:
+    """Maps a task with a run timeout over `n` inputs, one at a time."""
+    return await ctx.step.map("timed", timed_leaf, list(range(ctx.input)), max_concurrency=1)
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (
+    fan_child,
+    map_parent,
+    gather_parent,
+    timed_leaf,
+    timed_map,
+)
 """The tasks of this topic that the suite's engine registers."""
 
 
@@ -311,3 +328,14 @@ class FanOutContract:
         assert sum(tally.body_runs[(key, f"child{i}")] for i in range(5)) == 2, (
             "the held children never ran"
         )
+
+    async def test_each_child_of_a_map_carries_its_tasks_deadline(self, engine: Engine) -> None:
+        _require_groups(engine)
+        handle = await engine.enqueue(timed_map, 3)
+        async with engine.worker(concurrency=2):
+            assert await handle.result(timeout=30) == [0, 1, 2]
+        parent = await engine.get(handle.run_id)
+        for child in await self._children(engine, handle.run_id):
+            info = await engine.get(child.run_id)
+            assert info.deadline_at is not None, "the task's timeout, from the map's start"
+            assert info.deadline_at <= parent.created_at + timedelta(hours=2)

@@ -64,10 +64,12 @@ class ListingContract:
         keyed = await engine.enqueue(echo_task_v2, Job(key="k"), idempotency_key="order-17")
         await engine.enqueue(other_task, Job(key="k"), idempotency_key="order-18")
         await engine.enqueue(echo_task_v2, Job(key="n"))
-        page = await engine.list(idempotency_key="order-17")
+        page = await engine.list(idempotency_key="order-17", task_name="contract.echo")
         assert [r.run_id for r in page] == [keyed.run_id]
         page = await engine.list(idempotency_key="order-17", task_name="contract.other")
         assert len(page) == 0
+        with pytest.raises(UsageError, match="needs task_name"):
+            await engine.list(idempotency_key="order-17")
 
     async def test_list_by_created_and_finished_time(
         self, engine: Engine, harness: BackendHarness
@@ -135,4 +137,4 @@ class ListingContract:
         with pytest.raises(UsageError, match="finished_before"):
             await engine.list(finished_before="2026-01-01")  # type: ignore[arg-type]
         with pytest.raises(UsageError, match="idempotency_key"):
-            await engine.list(idempotency_key="")
+            await engine.list(idempotency_key="", task_name="contract.echo")

@@ -125,6 +125,11 @@ class PruningContract:
         assert (await engine.prune(older_than=OLD)).pruned == 2
         assert await store.read_stream(streamed.run_id, "progress", after=0, limit=10) == []
         assert await store.last_stream_entries([streamed.run_id]) == []
+        with pytest.raises(RunPrunedError):
+            async for _ in engine.stream(streamed.run_id, "progress"):
+                pass
+        with pytest.raises(RunPrunedError):
+            await engine.stream_last(streamed.run_id, "progress")
         assert await engine.backend.get_facts(run_id=waited.run_id, name="fact") == []
         with pytest.raises(RunNotFoundError):
             await engine.signal(waited.run_id, "late", None)

@@ -1,0 +1,113 @@
+"""What deadlines cost the claim, in work: shared buffers of one `claim_runs` (EXPLAIN ANALYZE,
+BUFFERS), per run it claims, with and without deadlines on the queued runs.
+
+    python -m bench.deadline_claim [--runs 20000] [--limit 16] [--repeat 5]
+
+It starts an embedded Postgres unless `UMT_DATABASE_URL` is set, migrates a fresh schema per
+case, enqueues `--runs` pending runs of one task (half of them delayed, so both claim sources
+have rows), and explains `--repeat` claims of `--limit` runs each in transactions it rolls back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import tempfile
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from umt_backend_pg import migrate, start_embedded
+from umt_backend_pg._sql import queries, render
+
+
+def load_queries(schema: str) -> dict[str, Any]:
+    """The backend's own named queries for `schema` (this bench measures its SQL)."""
+    return {name: render(text, schema) for name, text in queries().items()}
+
+
+def _fill(url: str, schema: str, runs: int, deadline: bool) -> None:
+    queries = load_queries(schema)
+    with psycopg.connect(url, autocommit=True) as conn:
+        for i in range(runs):
+            conn.execute(
+                queries["insert_run"],
+                {
+                    "id": uuid.uuid4(),
+                    "task_name": "bench.deadline",
+                    "task_version": 1,
+                    "priority": 0,
+                    "delay": timedelta(seconds=-1 if i % 2 else 3600),
+                    "idempotency_key": None,
+                    "input_hash": "h",
+                    "trace_context": "{}",
+                    "input": "{}",
+                    "channel": "none",
+                    "pair": "bench.deadline@1",
+                    "parent_run_id": None,
+                    "parent_fact": None,
+                    "cancel_with_parent": False,
+                    "deadline_at": None,
+                    "timeout": timedelta(hours=2) if deadline else None,
+                    "start_within": timedelta(hours=3) if deadline else None,
+                    "notify": False,
+                },
+            )
+        conn.execute(sql.SQL("VACUUM ANALYZE {}.runs").format(sql.Identifier(schema)))
+
+
+def _claim_buffers(url: str, schema: str, limit: int) -> float:
+    query = load_queries(schema)["claim_runs"]
+    params: dict[str, Any] = {
+        "names": ["bench.deadline"],
+        "versions": [1],
+        "limit": limit,
+        "scan": limit + max(limit, 16),
+        "worker_id": "bench",
+        "lease": timedelta(seconds=10),
+        "timers": True,
+        "timers_after": None,
+        "timers_margin": timedelta(seconds=5),
+    }
+    with psycopg.connect(url, cursor_factory=psycopg.ClientCursor) as conn:
+        try:
+            cur = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) " + query, params)
+            plan = "\n".join(str(r[0]) for r in cur.fetchall())
+        finally:
+            conn.rollback()
+    # The top node's line of buffers counts the whole statement.
+    found = re.search(r"Buffers: shared hit=(\d+)(?: read=(\d+))?", plan)
+    assert found is not None, plan
+    return (int(found[1]) + int(found[2] or 0)) / limit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=20000)
+    parser.add_argument("--limit", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    url = os.environ.get("UMT_DATABASE_URL") or start_embedded(tempfile.mkdtemp() + "/pg")
+    for deadline in (False, True):
+        schema = f"bench_deadline_{int(deadline)}"
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+        asyncio.run(migrate(url, schema=schema))
+        _fill(url, schema, args.runs, deadline)
+        figures = [_claim_buffers(url, schema, args.limit) for _ in range(args.repeat)]
+        label = "with deadlines   " if deadline else "without deadlines"
+        print(
+            f"{label}: {statistics.median(figures):.1f} shared buffers per claimed run "
+            f"[{min(figures):.1f}-{max(figures):.1f}], claims of {args.limit} among "
+            f"{args.runs} pending runs"
+        )
+
+
+if __name__ == "__main__":
+    main()
