@@ -15,8 +15,9 @@ clear: the store needs them to claim, order and deduplicate. The input hash of a
 key is computed by the SDK from the plaintext before it gets here, so it does not change when
 the codec encrypts.
 
-Every public coroutine method of the wrapped backend gets a sealing twin on a class made for
-its type (`wrap_backend`), so an optional protocol the backend implements (`ScheduleStore`...)
+Every public coroutine method of the wrapped backend (of its class, and every SPI method it
+answers to, even through `__getattr__`) gets a sealing twin on a class made for it
+(`wrap_backend`), so an optional protocol the backend implements (`ScheduleStore`...)
 is still implemented by the wrapper, and one it does not is not: `isinstance` answers the
 same. Other attributes are read through to the wrapped backend.
 """
@@ -34,7 +35,19 @@ from typing import Any, TypeVar
 import attrs
 
 from umt_sdk._codec import PayloadCodec, open_json, open_text, seal_json, seal_text, sealed_by
-from umt_sdk._spi import Backend, ClaimedRun, Clock, ErrorInfo, Ledger, TaskPair
+from umt_sdk._spi import (
+    Backend,
+    ChildGroupStore,
+    ClaimedRun,
+    Clock,
+    ErrorInfo,
+    Ledger,
+    LifecycleStore,
+    RetentionStore,
+    ScheduleStore,
+    StreamStore,
+    TaskPair,
+)
 from umt_sdk.exceptions import CodecError
 
 __all__ = [
@@ -179,19 +192,48 @@ def _sealed_generator(name: str) -> Callable[..., Any]:
     return method
 
 
-@functools.cache
-def _proxy_class(base: type[_S], inner_cls: type) -> type[_S]:
-    """`base` with a sealing twin of every public coroutine method of `inner_cls`."""
-    namespace: dict[str, Any] = {}
-    for name, member in inspect.getmembers(inner_cls):
+# The SPI's protocols: their methods are looked up on the backend object itself, so a backend
+# that forwards them (a `__getattr__` proxy, as examples/08's does) is sealed all the same.
+_PROTOCOLS: tuple[type, ...] = (
+    Backend,
+    Ledger,
+    ScheduleStore,
+    RetentionStore,
+    ChildGroupStore,
+    StreamStore,
+    LifecycleStore,
+)
+_PROTOCOL_METHODS = frozenset(
+    name for protocol in _PROTOCOLS for name in vars(protocol) if not name.startswith("_")
+)
+
+
+def _proxy_class(base: type[_S], inner: object) -> type[_S]:
+    """`base` with a sealing twin of every public coroutine method of `inner`: those of its
+    class, and every SPI method it answers to (through `__getattr__` too)."""
+    names = {name for name, _ in inspect.getmembers(type(inner))} | _PROTOCOL_METHODS
+    methods: list[tuple[str, bool]] = []
+    for name in sorted(names):
         if name.startswith("_") or hasattr(base, name):
             continue
+        member = getattr(inner, name, None)
         if inspect.iscoroutinefunction(member):
-            namespace[name] = _sealed_coroutine(name)
+            methods.append((name, False))
         elif inspect.isasyncgenfunction(member):
-            namespace[name] = _sealed_generator(name)
-    proxy: type[_S] = type(f"{base.__name__}[{inner_cls.__name__}]", (base,), namespace)
+            methods.append((name, True))
+    key = (base, type(inner), tuple(methods))
+    proxy = _PROXIES.get(key)
+    if proxy is None:
+        namespace: dict[str, Any] = {
+            name: _sealed_generator(name) if generator else _sealed_coroutine(name)
+            for name, generator in methods
+        }
+        proxy = _PROXIES[key] = type(f"{base.__name__}[{type(inner).__name__}]", (base,), namespace)
+    assert issubclass(proxy, base)
     return proxy
+
+
+_PROXIES: dict[tuple[type, type, tuple[tuple[str, bool], ...]], type] = {}
 
 
 class CodecBackend(_Sealing):
@@ -228,7 +270,7 @@ class CodecBackend(_Sealing):
     def ledger(self, conn: Any) -> Ledger:
         """The wrapped backend's ledger, its results sealed like every other payload."""
         inner = self.inner.ledger(conn)
-        proxy: Ledger = _proxy_class(_Sealing, type(inner))(inner, self.codec)
+        proxy: Ledger = _proxy_class(_Sealing, inner)(inner, self.codec)
         return proxy
 
 
@@ -286,13 +328,13 @@ class MaskingBackend(_Sealing):
 
 def mask_backend(backend: Backend) -> MaskingBackend:
     """`backend` for a reader without the codec (see `MaskingBackend`)."""
-    proxy: MaskingBackend = _proxy_class(MaskingBackend, type(backend))(backend)
+    proxy: MaskingBackend = _proxy_class(MaskingBackend, backend)(backend)
     return proxy
 
 
 def wrap_backend(backend: Backend, codec: PayloadCodec) -> Backend:
     """`backend` behind `codec`: a `CodecBackend` that implements what `backend` implements."""
-    proxy: Backend = _proxy_class(CodecBackend, type(backend))(backend, codec)
+    proxy: Backend = _proxy_class(CodecBackend, backend)(backend, codec)
     return proxy
 
 
