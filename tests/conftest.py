@@ -12,6 +12,7 @@ pytest_plugins = [
     "tests.fixtures.pg",
     "tests.fixtures.private_pg",
     "tests.fixtures.dashboard",
+    "tests.browser.fixtures",
 ]
 
 settings.register_profile("dev", max_examples=30, deadline=None)

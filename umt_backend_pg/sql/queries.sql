@@ -456,9 +456,19 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(name)s, 7219));
 -- %(wait_for)s, run after lock_fact_name_shared, in a new statement of the same transaction,
 -- so a concurrent signal is either seen here or sees this run waiting. A canceled execution
 -- keeps the step it was in (the worker names it with a last beat): the timeline shows it.
-WITH locked AS (
+-- An ending that finishes a child writes its parent's row (the fact and wake-up, or its
+-- group's last member's) after its own: it locks the parent first (`parent_locked`, an
+-- InitPlan run before `locked` takes the child's row), the order a cancel of the parent takes
+-- (its row, then its children's), so the two cannot deadlock (test_family_lock_order.py).
+WITH parent_locked AS MATERIALIZED (
+    SELECT p.id FROM {schema}.runs p
+    WHERE %(status)s::text IN ('completed', 'failed', 'canceled')
+      AND p.id = (SELECT c.parent_run_id FROM {schema}.runs c WHERE c.id = %(run_id)s)
+    FOR NO KEY UPDATE
+), locked AS (
     SELECT id, status, cancel_requested_at IS NOT NULL AS cancel_requested FROM {schema}.runs
     WHERE id = %(run_id)s AND fencing_token = %(token)s
+      AND (SELECT count(*) FROM parent_locked) >= 0
     FOR NO KEY UPDATE
 ), owned AS (
     SELECT id, cancel_requested FROM locked WHERE status = 'running'
@@ -611,7 +621,16 @@ WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 -- (`lapsed`, judged here once, by the database's clock: its holder is gone, and the lease is
 -- counted and its execution interrupted as a takeover would). A held run keeps running: its
 -- holder reads the request from its heartbeat. A finished run is left as it is (`status` NULL).
-WITH target AS (
+-- The parent of an unfinished child is locked first (`parent_locked`, an InitPlan run before
+-- `target` takes the child's row): a child that ends here writes its parent's row after its
+-- own (finish_child, group_member_canceled), and a cancel of the parent takes the parent's
+-- row, then the children's: one order for both (see end_execution).
+WITH parent_locked AS MATERIALIZED (
+    SELECT p.id FROM {schema}.runs p
+    WHERE p.id = (SELECT c.parent_run_id FROM {schema}.runs c
+                  WHERE c.id = %(run_id)s AND c.status NOT IN ('completed', 'failed', 'canceled'))
+    FOR NO KEY UPDATE
+), target AS (
     SELECT r.id, r.status, r.fencing_token, n.lapsed,
            r.status IN ('pending', 'waiting') OR n.lapsed AS ends,
            r.task_name, r.task_version, r.concurrency_key, r.count_waiting,
@@ -621,7 +640,7 @@ WITH target AS (
     CROSS JOIN LATERAL (
         SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
     ) AS n
-    WHERE r.id = %(run_id)s
+    WHERE r.id = %(run_id)s AND (SELECT count(*) FROM parent_locked) >= 0
     FOR NO KEY UPDATE OF r
 ), changed AS (
     UPDATE {schema}.runs r SET
