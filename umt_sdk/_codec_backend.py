@@ -41,6 +41,7 @@ from umt_sdk._spi import (
     ClaimedRun,
     Clock,
     ErrorInfo,
+    InsightStore,
     Ledger,
     LifecycleStore,
     RetentionStore,
@@ -202,6 +203,7 @@ _PROTOCOLS: tuple[type, ...] = (
     ChildGroupStore,
     StreamStore,
     LifecycleStore,
+    InsightStore,
 )
 _PROTOCOL_METHODS = frozenset(
     name for protocol in _PROTOCOLS for name in vars(protocol) if not name.startswith("_")

@@ -32,6 +32,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
+- `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from umt_sdk.testing._contract import (
     _deadlines,
     _facts,
     _fanout,
+    _insight,
     _leases,
     _ledger,
     _lifecycle,
@@ -94,6 +96,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
     *_deadlines.TASKS,
+    *_insight.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -125,6 +128,7 @@ class BackendContract(
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
     _deadlines.DeadlinesContract,
+    _insight.InsightContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
