@@ -195,12 +195,29 @@ async def test_runs_go_live_and_a_killed_workers_run_is_taken_over(
     await asyncio.sleep(0.8)  # a heartbeat names the step the execution is in
     io.kill()  # SIGKILL
     await demo.worker("agent", "agent-1")
+    # More of an ordinary day on the same page: summaries agent-1 completes, a download left
+    # waiting for its approval, a fetch no live worker serves, and one canceled.
+    summaries = [
+        await demo.engine.enqueue(demo_tasks.summarize, {"item": f"report-{n}"}) for n in (1, 2)
+    ]
+    unapproved = await demo.engine.enqueue(demo_tasks.download, {"item": "ubuntu-2"})
+    unserved = await demo.engine.enqueue(demo_tasks.fetch_metadata, {"item": "meta-2"})
+    dropped = await demo.engine.enqueue(demo_tasks.fetch_metadata, {"item": "meta-3"})
+    await demo.engine.cancel(dropped.run_id, reason="not needed")
+    expected = {
+        download.run_id: "completed",
+        unapproved.run_id: "waiting",
+        unserved.run_id: "pending",
+        dropped.run_id: "canceled",
+        **{s.run_id: "completed" for s in summaries},
+    }
     wait_until(
         browser,
-        lambda: row_status(browser, download.run_id) == "completed",
-        what="the download taken over by agent-1 to show completed",
+        lambda: all(row_status(browser, r) == want for r, want in expected.items()),
+        what="the download taken over by agent-1 to show completed, and the others their ends",
     )
-    assert same_page(browser)
+    assert same_page(browser), "the runs page was reloaded: new runs must appear in place"
+    browser.set_window_size(1400, 640)  # the rows, not the empty page below them
     shots("runs")
     no_console_errors(browser, "the runs page")
 
