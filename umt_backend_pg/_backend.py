@@ -16,7 +16,7 @@ Round trips (each one statement and one commit unless noted):
 - heartbeat: 1 per worker per interval, for every run it holds (also without the flush wait);
 - ready-queue rotation: 1 per worker about every quarter second, offered before a claim (a
   no-op unless a slot behind is due; see `_ready`); the sweep of lost `ready` rows: 1 per worker
-  every 30 s.
+  every 30 s; the releases maps owe (`pay_group_releases`): 1 per worker every second.
 A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete. The
 claim reads the ready queue always, and the timers (due sleeps, backoffs, expired leases)
 about once a second, so a due timer starts within about a second of its time.
@@ -48,6 +48,7 @@ from umt_backend_pg._migrate import migrate
 from umt_backend_pg._notifier import Notifier
 from umt_backend_pg._ready import (
     MAX_MOVED,
+    RELEASES_PAGE,
     SWEEP_GRACE,
     SWEEP_PAGE,
     TIMERS_MARGIN,
@@ -388,6 +389,8 @@ class PostgresBackend:
             await self._rotate_ready()
         if self._clocks.sweep_due():
             await self._sweep_ready()
+        if self._clocks.releases_due():
+            await self._pay_group_releases()
         key = frozenset(pairs)
         timers = self._clocks.timers(key)
         started = time.monotonic()
@@ -460,6 +463,17 @@ class PostgresBackend:
                     self._clocks.disable_rotation(str(exc).strip())
         finally:
             self._clocks.rotated(outcome)
+
+    async def _pay_group_releases(self) -> None:
+        """Let run the held members whose release a map owes (see pay_group_releases)."""
+        groups = 0
+        try:
+            row = await self._one(
+                "pay_group_releases", {"limit": RELEASES_PAGE, "channel": self.work_channel}
+            )
+            groups = row["groups"] if row else 0
+        finally:
+            self._clocks.releases_paid(groups=groups)
 
     async def _sweep_ready(self) -> None:
         """Give queued runs whose `ready` row is gone back to the claim (see sweep_ready)."""

@@ -373,6 +373,26 @@ WITH page AS MATERIALIZED (
 SELECT (SELECT count(*) FROM page) AS scanned, (SELECT count(*) FROM requeued) AS requeued,
        (SELECT available_at FROM last) AS last_at, (SELECT id FROM last) AS last_id;
 
+-- name: pay_group_releases
+-- Releases that maps owe (see migrations/0015_group_releases.sql): about once a second a
+-- worker takes up to %(limit)s groups that owe (the partial index child_groups_owing: an empty
+-- index nearly always), each locked unless another write holds it (that write pays first),
+-- and lets their held members run as far as they are free (release_held); what is still owed
+-- stays for the next pass.
+WITH owing AS (
+    SELECT g.parent_run_id, g.name, g.owed FROM {schema}.child_groups g
+    WHERE g.owed > 0
+    LIMIT %(limit)s
+    FOR NO KEY UPDATE SKIP LOCKED
+), paid AS (
+    UPDATE {schema}.child_groups g
+    SET owed = {schema}.release_held(o.parent_run_id, o.name, o.owed, %(channel)s)
+    FROM owing o
+    WHERE g.parent_run_id = o.parent_run_id AND g.name = o.name
+    RETURNING o.owed - g.owed AS released
+)
+SELECT count(*) AS groups, COALESCE(sum(released), 0) AS released FROM paid;
+
 -- name: heartbeat
 WITH beats AS (
     SELECT b.id, b.token, b.step, b.step_started_at
