@@ -30,7 +30,7 @@ coalesced NOTIFY); `_rows` turns rows into records.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -132,6 +132,34 @@ async def _refuse_unfinished_pipeline(conn: psycopg.AsyncConnection[Any]) -> Non
         )
 
 
+def _idle_in_transaction_ms(value: object, *, where: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, timedelta) or value < timedelta(seconds=1):
+        _args.refuse(
+            "idle_in_transaction_timeout",
+            "a timedelta of at least 1 s, or None to leave the server's setting",
+            value,
+            where=where,
+        )
+    return int(_args.duration(value, "idle_in_transaction_timeout", where=where) / _MS)
+
+
+_MS = timedelta(milliseconds=1)
+
+
+def _session_settings(
+    schema: str, idle_ms: int
+) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
+    """The pool's configure step: the settings every connection of the engine runs with."""
+    text = render(queries()["session_settings"], schema)
+
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute(text, {"idle_ms": str(idle_ms)})
+
+    return configure
+
+
 def _network_defaults(url: str) -> dict[str, Any]:
     given = psycopg.conninfo.conninfo_to_dict(url)
     return {k: v for k, v in _NETWORK_DEFAULTS.items() if k not in given}
@@ -183,8 +211,16 @@ class PostgresBackend:
         min_size: int = 1,
         max_size: int = 10,
         listen: bool = True,
+        idle_in_transaction_timeout: timedelta | None = timedelta(seconds=10),
     ) -> PostgresBackend:
-        """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll."""
+        """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll.
+
+        `idle_in_transaction_timeout` is set on every connection of the pool: a client that
+        stops between the statements of a transaction (a process frozen by SIGSTOP, a stalled
+        VM) has its transaction rolled back by the server after that long, instead of holding
+        row locks (a claimed or heartbeated run's) until it wakes up, which would keep every
+        other worker from taking the run over. `None` leaves the server's setting.
+        """
         where = "the Postgres backend"
         _args.text(url, "url", where=where, expected="a database URL (postgresql://...)")
         validate_schema(schema)
@@ -192,6 +228,7 @@ class PostgresBackend:
         _args.integer(min_size, "min_size", at_least=0, where=where)
         _args.integer(max_size, "max_size", at_least=max(1, min_size), where=where)
         _args.flag(listen, "listen", where=where)
+        idle_ms = _idle_in_transaction_ms(idle_in_transaction_timeout, where=where)
         if run_migrations:
             await migrate(url, schema=schema)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
@@ -200,6 +237,7 @@ class PostgresBackend:
             max_size=max_size,
             kwargs={"autocommit": True, **_network_defaults(url)},
             reset=_refuse_unfinished_pipeline,
+            configure=None if idle_ms is None else _session_settings(schema, idle_ms),
             open=False,
             name=f"umt-{schema}",
         )

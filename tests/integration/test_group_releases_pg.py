@@ -12,6 +12,7 @@ connection while its running sibling ends, then rolls that connection back.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +22,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from tests.integration.test_query_plans import generic
 from umt_backend_pg import PostgresBackend
+from umt_backend_pg._sql import queries, render
 from umt_sdk import (
     Engine,
     Registry,
@@ -203,3 +206,37 @@ async def test_a_release_is_never_paid_twice(
         GATES[key].set()
         assert await handle.result(timeout=30) == [0, 1, 4, 9, 16]
     assert await _owed(pg_url, pg_schema) == [0]
+
+
+def _indexes_on(plan: Any, relation: str, found: set[str]) -> set[str]:
+    if isinstance(plan, dict):
+        if plan.get("Relation Name") == relation and plan["Node Type"] != "ModifyTable":
+            found.add(plan.get("Index Name") or plan["Node Type"])
+        for value in plan.values():
+            _indexes_on(value, relation, found)
+    elif isinstance(plan, list):
+        for value in plan:
+            _indexes_on(value, relation, found)
+    return found
+
+
+def test_the_workers_pass_reads_only_the_groups_that_owe(pg_url: str, pg_schema: str) -> None:
+    """Every worker runs pay_group_releases about once a second: with 10,000 groups stored
+    and none owing, it reads the partial index of the groups that owe (empty), never the
+    groups themselves (no scan of child_groups)."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {s}.child_groups (parent_run_id, name, total, remaining, "
+                "max_concurrency) SELECT gen_random_uuid(), 'umt.group fan', 10, g % 10, 2 "
+                "FROM generate_series(1, 10000) AS g"
+            ).format(s=sql.Identifier(pg_schema))
+        )
+        conn.execute(sql.SQL("ANALYZE {}.child_groups").format(sql.Identifier(pg_schema)))
+        text = generic(render(queries()["pay_group_releases"], pg_schema))
+        row = conn.execute("EXPLAIN (GENERIC_PLAN, FORMAT JSON) " + text).fetchone()
+    assert row is not None
+    plan = json.loads(row[0]) if isinstance(row[0], str) else row[0]
+    # The groups that owe come from the partial index; each one found is then updated
+    # through the primary key.
+    assert _indexes_on(plan, "child_groups", set()) == {"child_groups_owing", "child_groups_pkey"}

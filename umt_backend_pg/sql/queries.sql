@@ -119,6 +119,11 @@ FROM unnest(%(payloads)s::text[]) AS p (payload);
 -- Is the connection still there (the LISTEN connection, after a quiet while)?
 SELECT 1;
 
+-- name: session_settings
+-- Run once on each new connection of the engine's pool (PostgresBackend.open): a client that
+-- stops between the statements of a transaction has it rolled back, its locks released.
+SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, false);
+
 -- name: async_commit
 -- This transaction's commit need not wait for its WAL to reach disk (see _all_async_commit).
 SET LOCAL synchronous_commit TO off;
