@@ -28,6 +28,7 @@ from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._ids import new_run_id
 from umt_sdk._names import check_name, inline_target
+from umt_sdk._rate_limits import ensure_defined, rate_limit_fields
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import (
     Backend,
@@ -480,9 +481,19 @@ class Steps:
             input_type=definition.input_type,
             input_json=input_json,
         )
+        limited = rate_limit_fields(
+            definition.rate_limit,
+            task_name=definition.name,
+            input_type=definition.input_type,
+            input_json=input_json,
+        )
 
         async def enqueue_child() -> UUID:
             child_id = new_run_id()
+            if definition.rate_limit is not None:
+                await self._host.guard(
+                    ensure_defined(self._host.backend, definition.rate_limit, "start_child()")
+                )
             result = await self._host.guard(
                 self._host.backend.enqueue(
                     NewRun(
@@ -498,6 +509,7 @@ class Steps:
                         parent_fact=child_fact(child_id),
                         cancel_with_parent=cancel_with_parent,
                         **keyed,
+                        **limited,
                         timeout=definition.timeout,
                     )
                 )
@@ -612,6 +624,12 @@ class Steps:
                 f"map {name!r}: task {definition.name!r} has a concurrency key, which map does "
                 "not combine with its own held children; use max_concurrency, or start_child "
                 "and gather",
+                argument="task",
+            )
+        if definition.rate_limit is not None:
+            raise UsageError(
+                f"map {name!r}: task {definition.name!r} has a rate limit, which map does not "
+                "combine with its own held children yet; use start_child and gather",
                 argument="task",
             )
         parent = self._host.claimed
