@@ -173,9 +173,9 @@ class _Run:
     start_by: datetime | None = None
     rate_limit: str | None = None
     rate_limit_key: str = ""
-    rate_parked: bool = False
-    """Parked by its rate limit (no token at a claim): made claimable at once when the limit
-    is changed or resumed."""
+    waits_for_limit: str | None = None
+    """The rate limit it waits for a token of (parked by a claim, or by a step that found
+    none): made claimable at once when that limit is changed or resumed."""
     token_grants: set[tuple[str, int]] = field(factory=set)
     """The step attempts that took a token of a rate limit (`take_rate_token`)."""
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
@@ -936,7 +936,7 @@ class MemoryBackend:
             parked[bucket] = behind + 1
             interval = limit.info(run.rate_limit).interval
             wake = min([took.next_at + behind * interval] + [d for d in deadlines if d is not None])
-        run.rate_parked = True
+        run.waits_for_limit = run.rate_limit
         run.available_at = wake
         run.updated_at = now
         self._schedule(run)
@@ -956,7 +956,7 @@ class MemoryBackend:
         run.lease_expires_at = now + lease
         run.available_at = None
         run.updated_at = now
-        run.rate_parked = False
+        run.waits_for_limit = None
         self._unwait(run)
         run.executions.append(_Execution(run.fencing_token, worker_id, now))
         self._running.add(run.run_id)
@@ -1400,8 +1400,8 @@ class MemoryBackend:
     def _unpark(self, name: str, now: datetime) -> None:
         """The runs the limit parked, claimable now (they take their token by its new rule)."""
         for run in self._runs.values():
-            if run.rate_parked and run.rate_limit == name:
-                run.rate_parked = False
+            if run.waits_for_limit == name and run.status in ("pending", "waiting"):
+                run.waits_for_limit = None
                 run.available_at = now
                 run.updated_at = now
                 self._schedule(run)
@@ -1419,6 +1419,7 @@ class MemoryBackend:
             if stored is None:
                 return TokenGrant(status="unknown", observed_at=now)
             if stored.paused:
+                run.waits_for_limit = request.limit
                 return TokenGrant(status="paused", observed_at=now)
             bucket = (request.limit, request.key)
             took = take_tokens(
@@ -1429,6 +1430,7 @@ class MemoryBackend:
                 wanted=1,
             )
             if not took.taken:
+                run.waits_for_limit = request.limit
                 return TokenGrant(status="wait", next_at=took.next_at, observed_at=now)
             self._buckets[bucket] = took.tat
             run.token_grants.add(attempt)

@@ -38,6 +38,7 @@ __all__ = [
     "TokenTake",
     "check_limit_name",
     "check_rate_limit",
+    "check_step_rate_limit",
     "ensure_defined",
     "rate_limit_fields",
     "rate_limit_key",
@@ -176,6 +177,43 @@ def rate_limit_fields(
     value = _serde.decode(input_json, input_type, what="input") if limit.key else None
     key = rate_limit_key(limit, value, where=f"task {task_name!r}")
     return {"rate_limit": limit.name, "rate_limit_key": key}
+
+
+def check_step_rate_limit(name: object, rate_limit: object, rate_limit_key: object) -> None:
+    """`ctx.step.run(..., rate_limit=, rate_limit_key=)`: a limit's name or a `RateLimit`,
+    and a bucket's key (a str of 1 to 255 characters) or None."""
+    where = f"step {name!r}"
+    if rate_limit is None:
+        if rate_limit_key is not None:
+            check.refuse(
+                "rate_limit_key",
+                "None without a rate_limit",
+                rate_limit_key,
+                where=where,
+                hint="name the limit too: rate_limit='openai', rate_limit_key='t7'",
+            )
+        return
+    if not isinstance(rate_limit, RateLimit):
+        if not isinstance(rate_limit, str):
+            check.refuse(
+                "rate_limit",
+                "a rate limit's name (such as 'openai') or a umt_sdk.RateLimit, or None",
+                rate_limit,
+                where=where,
+            )
+        check_limit_name(rate_limit, where=where, argument="rate_limit")
+    elif rate_limit.key is not None and rate_limit_key is None:
+        raise UsageError(
+            f"{where}: rate limit {rate_limit.name!r} splits its buckets by a key function of "
+            "a run's input, which a step does not have; name the step's bucket with "
+            "rate_limit_key=... (a str)",
+            argument="rate_limit_key",
+        )
+    if rate_limit_key is not None:
+        key = check.text(
+            rate_limit_key, "rate_limit_key", empty=False, max_length=MAX_KEY_LENGTH, where=where
+        )
+        _serde.check_text(key, what="rate_limit_key")
 
 
 def rate_limit_store(backend: Backend, call: str) -> RateLimitStore:

@@ -295,7 +295,7 @@ WITH served AS (
     -- later), never past the run's deadline; under a paused limit until a resume (or the
     -- deadline).
     UPDATE {schema}.runs r SET
-        rate_parked = true,
+        waits_for_limit = r.rate_limit,
         queued = false,
         available_at = least(
             CASE WHEN t.state <> 'paused'
@@ -321,7 +321,7 @@ WITH served AS (
         available_at = now() + %(lease)s::interval,
         lease_expires_at = now() + %(lease)s::interval,
         wait_for = NULL,
-        rate_parked = false,
+        waits_for_limit = NULL,
         updated_at = now()
     FROM locked l
     WHERE r.id = l.id
@@ -1431,10 +1431,11 @@ SELECT count(*) AS buckets FROM (
 ) AS l;
 
 -- name: unpark_rate_limited
--- The runs the limit parked, claimable now: they take their token by its new rule.
+-- The runs waiting for a token of the limit (parked by a claim, or by a step), claimable now:
+-- they take their token by its new rule.
 WITH unparked AS (
-    UPDATE {schema}.runs r SET rate_parked = false, available_at = now(), updated_at = now()
-    WHERE r.rate_limit = %(name)s AND r.rate_parked
+    UPDATE {schema}.runs r SET waits_for_limit = NULL, available_at = now(), updated_at = now()
+    WHERE r.waits_for_limit = %(name)s
       AND r.status IN ('pending', 'waiting')
     RETURNING r.task_name, r.task_version
 )
@@ -1454,7 +1455,9 @@ ORDER BY name;
 -- name: take_rate_token
 -- One token for a step attempt of a held run (fenced by its token), once per attempt: an
 -- attempt that has its grant is granted again without a take. The take waits for the
--- bucket's lock (a claim holds it for one statement). The run is read by id alone.
+-- bucket's lock (a claim holds it for one statement). The run is read by id alone. Without a
+-- token, the run is marked as waiting for the limit (its park follows), so a change or a
+-- resume of the limit wakes it.
 WITH run AS MATERIALIZED (
     SELECT r.id, r.status, r.fencing_token FROM {schema}.runs r WHERE r.id = %(run_id)s
 ), held AS (
@@ -1474,6 +1477,9 @@ WITH run AS MATERIALIZED (
     SELECT %(run_id)s, %(step)s, %(attempt)s, t.limit_name, t.bucket_key
     FROM took t WHERE t.state = 'taken'
     ON CONFLICT DO NOTHING
+), marked AS (
+    UPDATE {schema}.runs r SET waits_for_limit = t.limit_name
+    FROM took t WHERE r.id = %(run_id)s AND t.state IN ('wait', 'paused')
 )
 SELECT EXISTS (SELECT 1 FROM held) AS held, EXISTS (SELECT 1 FROM granted) AS granted,
        t.state, t.next_at, now() AS db_now

@@ -54,11 +54,11 @@ CREATE TABLE {schema}.runs (
     -- A member of a child group of its parent (map, gather), and its place in it (0013).
     child_group         text,
     group_index         integer,
-    -- The rate limit a start takes a token of, its bucket, and whether the claim parked the
-    -- run until its bucket's next token (migration 0014).
+    -- The rate limit a start takes a token of and its bucket, and the limit the run waits for
+    -- a token of (parked by the claim, or by a step) (migration 0014).
     rate_limit          text,
     rate_limit_key      text,
-    rate_parked         boolean NOT NULL DEFAULT false
+    waits_for_limit     text
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -467,7 +467,8 @@ $$;
 
 -- Rate limits (migration 0014): named token buckets (see umt_sdk._rate_limits.take_tokens),
 -- taken in the claim (runs) and by steps, each take under its bucket's row lock.
-CREATE INDEX runs_rate_parked ON {schema}.runs (rate_limit) WHERE rate_parked;
+CREATE INDEX runs_waits_for_limit ON {schema}.runs (waits_for_limit)
+    WHERE waits_for_limit IS NOT NULL;
 
 CREATE TABLE {schema}.rate_limits (
     name            text PRIMARY KEY,

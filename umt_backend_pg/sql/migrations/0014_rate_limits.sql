@@ -11,17 +11,20 @@
 -- waits in runs_claim_ready like a delayed run. The claim takes a token for each run it starts
 -- (a first claim, a pending run's), in its one statement; a run it finds no token for is
 -- parked: `available_at` moved to when the bucket's next token is due (the i-th such run i
--- intervals later), `rate_parked` set. Parked runs are read again only then, so a bucket's
--- backlog costs nothing while it has no token. Changing or resuming a limit makes its parked
--- runs claimable at once (runs_rate_parked). Runs without a limit never call the function.
--- A step's token is recorded in `rate_grants` with the take, once per step attempt.
+-- intervals later), `waits_for_limit` set. Parked runs are read again only then, so a
+-- bucket's backlog costs nothing while it has no token. A step's token is recorded in
+-- `rate_grants` with the take, once per step attempt; a step that finds none sets
+-- `waits_for_limit` too (its run then parks, waiting, until the token is due). Changing or
+-- resuming a limit makes the runs waiting for it claimable at once (runs_waits_for_limit).
+-- Runs without a limit never call the function.
 
 ALTER TABLE {schema}.runs
     ADD COLUMN rate_limit text,
     ADD COLUMN rate_limit_key text,
-    ADD COLUMN rate_parked boolean NOT NULL DEFAULT false;
+    ADD COLUMN waits_for_limit text;
 
-CREATE INDEX runs_rate_parked ON {schema}.runs (rate_limit) WHERE rate_parked;
+CREATE INDEX runs_waits_for_limit ON {schema}.runs (waits_for_limit)
+    WHERE waits_for_limit IS NOT NULL;
 
 CREATE TABLE {schema}.rate_limits (
     name            text PRIMARY KEY,

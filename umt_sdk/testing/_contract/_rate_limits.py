@@ -18,7 +18,15 @@ from uuid import UUID
 
 import pytest
 
-from umt_sdk import Engine, RateLimit, TaskContext, TaskDefinition, UsageError, task
+from umt_sdk import (
+    Engine,
+    RateLimit,
+    RunFailedError,
+    TaskContext,
+    TaskDefinition,
+    UsageError,
+    task,
+)
 from umt_sdk.backend import (
     Backend,
     Ending,
@@ -26,10 +34,11 @@ from umt_sdk.backend import (
     NewRun,
     RateLimitStore,
     TaskPair,
+    TokenRequest,
     new_run_id,
 )
 from umt_sdk.exceptions import TaskDefinitionError
-from umt_sdk.testing._contract._base import Job, eventually, wait_until
+from umt_sdk.testing._contract._base import Job, Tally, current_tally, eventually, wait_until
 from umt_sdk.testing._helpers import BackendHarness
 
 __all__ = ["RateLimitsContract"]
@@ -50,7 +59,31 @@ async def limited_task(ctx: TaskContext[Job]) -> str:
     return ctx.input.key
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (limited_task,)
+STEP_LIMIT = "contract.rl.steps"
+"""Stored by each test that runs `limited_step_task` (an unknown name fails the run)."""
+
+
+@task("contract.rate_limited_step", version=1)
+async def limited_step_task(ctx: TaskContext[Job]) -> str:
+    """One step that takes a token of the tenant's bucket (the key's prefix) and counts its
+    body's runs."""
+    tally = current_tally()
+
+    def call() -> str:
+        tally.body_runs[(ctx.input.key, "call")] += 1
+        return ctx.input.key
+
+    return await ctx.step.run(
+        "call", call, rate_limit=STEP_LIMIT, rate_limit_key=ctx.input.key.split(":")[0]
+    )
+
+
+@task("contract.rate_limited_step_unknown", version=1)
+async def unknown_limit_task(ctx: TaskContext[Job]) -> str:
+    return await ctx.step.run("call", lambda: "never", rate_limit="contract.rl.never-stored")
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (limited_task, limited_step_task, unknown_limit_task)
 """The tasks of this topic that the suite's engine registers."""
 
 
@@ -108,14 +141,96 @@ class RateLimitsContract:
         assert stored is not None
         assert (stored.limit, stored.per) == (2, timedelta(minutes=10)), "stored at enqueue"
         async with engine.worker(concurrency=8):
-            done = [await h.result(timeout=30) for h in (*handles[:2], other)]
-            assert done == ["a:0", "a:1", "b:0"]
+            for handle in (*handles[:2], other):
+                await _completed(engine, handle.run_id)
             late = await engine.get(handles[2].run_id)
             assert late.status == "pending", "tenant a has no token left"
             assert (late.rate_limit, late.rate_limit_key) == ("contract.rl.task", "a")
             await engine.rate_limits.set("contract.rl.task", limit=3, per=timedelta(minutes=10))
-            assert await handles[2].result(timeout=30) == "a:2"
-        await wait_until(engine, handles[2].run_id, lambda i: i.status == "completed")
+            await _completed(engine, handles[2].run_id)
+
+    async def test_a_step_waits_parked_for_a_token_and_a_change_wakes_it(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        await engine.rate_limits.set(STEP_LIMIT, limit=1, per=timedelta(minutes=10))
+        first = await engine.enqueue(limited_step_task, Job(key="a:0"))
+        second = await engine.enqueue(limited_step_task, Job(key="a:1"))
+        other = await engine.enqueue(limited_step_task, Job(key="b:0"))
+        async with engine.worker(concurrency=8):
+            # Polled, not awaited with result(): a FakeClock that jumps to the next timer while
+            # a result is awaited would give the parked step its token.
+            await _completed(engine, other.run_id)  # another key, another bucket
+            done = {first.run_id: "a:0", second.run_id: "a:1"}
+            await eventually(
+                lambda: _statuses(engine, list(done), {"completed", "waiting"}),
+            )
+            waiting = [run_id for run_id in done if (await engine.get(run_id)).status == "waiting"]
+            assert len(waiting) == 1, "one token of bucket a: the other step waits, parked"
+            (parked,) = waiting
+            info = await engine.get(parked)
+            assert [s.name for s in info.timeline] == [], "its step has not run"
+            assert info.available_at is not None
+            # Two per ten minutes now: the token taken still counts, one more is free.
+            await engine.rate_limits.set(STEP_LIMIT, limit=2, per=timedelta(minutes=10))
+            await wait_until(engine, parked, lambda i: i.status == "completed", timeout=30)
+        for key in ("a:0", "a:1", "b:0"):
+            assert tally.body_runs[(key, "call")] == 1
+
+    async def test_a_paused_limit_parks_the_step_until_resumed(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        await engine.rate_limits.set(STEP_LIMIT, limit=5, per=timedelta(minutes=10))
+        assert await engine.rate_limits.pause(STEP_LIMIT)
+        handle = await engine.enqueue(limited_step_task, Job(key="p:0"))
+        async with engine.worker(concurrency=2):
+            await wait_until(engine, handle.run_id, lambda i: i.status == "waiting", timeout=30)
+            assert tally.body_runs[("p:0", "call")] == 0
+            assert await engine.rate_limits.resume(STEP_LIMIT)
+            await _completed(engine, handle.run_id)
+        assert tally.body_runs[("p:0", "call")] == 1
+
+    async def test_a_token_taken_before_a_crash_is_not_taken_again(
+        self, engine: Engine, harness: BackendHarness, tally: Tally
+    ) -> None:
+        store = _store(engine)
+        await engine.rate_limits.set(STEP_LIMIT, limit=1, per=timedelta(minutes=10))
+        crashed = await engine.enqueue(limited_step_task, Job(key="c:0"))
+        # A worker claims it and takes the step's token, then vanishes (its lease lapses).
+        pair = [TaskPair(name="contract.rate_limited_step", version=1)]
+        (claim,) = await engine.backend.claim(
+            worker_id="gone", pairs=pair, limit=1, lease=harness.lease
+        )
+        lease = Lease(
+            run_id=claim.run_id,
+            fencing_token=claim.fencing_token,
+            worker_id="gone",
+            duration=harness.lease,
+        )
+        request = TokenRequest(limit=STEP_LIMIT, key="c", step="call", attempt=1)
+        assert (await store.take_rate_token(lease, request)).status == "granted"
+        await harness.advance(harness.lease * 2)
+        later = await engine.enqueue(limited_step_task, Job(key="c:1"))
+        async with engine.worker(concurrency=4):
+            # Taken over: the step's attempt has its token and runs; the bucket's one token
+            # is spent, so the other run of the key waits.
+            await _completed(engine, crashed.run_id)
+            await wait_until(engine, later.run_id, lambda i: i.status == "waiting", timeout=30)
+        assert tally.body_runs[("c:0", "call")] == 1
+        assert tally.body_runs[("c:1", "call")] == 0
+
+    async def test_an_unknown_limit_in_a_step_fails_the_run_saying_how_to_fix_it(
+        self, engine: Engine
+    ) -> None:
+        handle = await engine.enqueue(unknown_limit_task, Job(key="u"))
+        async with engine.worker(concurrency=2):
+            with pytest.raises(RunFailedError) as failed:
+                await handle.result(timeout=30)
+        info = await engine.get(handle.run_id)
+        assert info.error is not None
+        assert info.error.type.endswith("UsageError")
+        assert "contract.rl.never-stored" in info.error.message
+        assert "rate_limits.set" in info.error.message
+        assert failed.value is not None
 
     async def test_a_limit_is_stored_once_and_changed_only_by_set(self, engine: Engine) -> None:
         store = _store(engine)
@@ -284,7 +399,6 @@ class RateLimitsContract:
         await store.define_rate_limit("contract.rl.step", limit=2, per=LONG)
         holder = await _enqueue(backend, None)
         (lease,) = (await _claim(backend)).values()
-        from umt_sdk.backend import TokenRequest
 
         def ask(step: str, attempt: int = 1, limit: str = "contract.rl.step") -> TokenRequest:
             return TokenRequest(limit=limit, key="", step=step, attempt=attempt)
@@ -338,5 +452,12 @@ class RateLimitsContract:
             task("contract.rl.bad_task", rate_limit="openai")  # type: ignore[arg-type]
 
 
-def _unused(_: Sequence[Any]) -> None:  # pragma: no cover
-    pass
+async def _statuses(engine: Engine, run_ids: Sequence[UUID], wanted: set[str]) -> bool:
+    """Whether every run's status is one of `wanted`, and not all the same (one of each)."""
+    found = [(await engine.get(run_id)).status for run_id in run_ids]
+    return set(found) == wanted
+
+
+async def _completed(engine: Engine, run_id: UUID) -> None:
+    """Poll until the run completed (`result()` would let a FakeClock jump ahead)."""
+    await wait_until(engine, run_id, lambda i: i.status == "completed", timeout=30)
