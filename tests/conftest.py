@@ -7,7 +7,13 @@ import os
 import pytest
 from hypothesis import settings
 
-pytest_plugins = ["pytester", "tests.fixtures.pg", "tests.fixtures.private_pg"]
+pytest_plugins = [
+    "pytester",
+    "tests.fixtures.pg",
+    "tests.fixtures.private_pg",
+    "tests.fixtures.dashboard",
+    "tests.browser.fixtures",
+]
 
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.register_profile("ci", max_examples=100, deadline=None)

@@ -16,7 +16,7 @@ Round trips (each one statement and one commit unless noted):
 - heartbeat: 1 per worker per interval, for every run it holds (also without the flush wait);
 - ready-queue rotation: 1 per worker about every quarter second, offered before a claim (a
   no-op unless a slot behind is due; see `_ready`); the sweep of lost `ready` rows: 1 per worker
-  every 30 s.
+  every 30 s; the releases maps owe (`pay_group_releases`): 1 per worker every second.
 A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete. The
 claim reads the ready queue always, and the timers (due sleeps, backoffs, expired leases)
 about once a second, so a due timer starts within about a second of its time.
@@ -30,7 +30,7 @@ coalesced NOTIFY); `_rows` turns rows into records.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -48,6 +48,7 @@ from umt_backend_pg._migrate import migrate
 from umt_backend_pg._notifier import Notifier
 from umt_backend_pg._ready import (
     MAX_MOVED,
+    RELEASES_PAGE,
     SWEEP_GRACE,
     SWEEP_PAGE,
     TIMERS_MARGIN,
@@ -134,6 +135,34 @@ async def _refuse_unfinished_pipeline(conn: psycopg.AsyncConnection[Any]) -> Non
         )
 
 
+def _idle_in_transaction_ms(value: object, *, where: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, timedelta) or value < timedelta(seconds=1):
+        _args.refuse(
+            "idle_in_transaction_timeout",
+            "a timedelta of at least 1 s, or None to leave the server's setting",
+            value,
+            where=where,
+        )
+    return int(_args.duration(value, "idle_in_transaction_timeout", where=where) / _MS)
+
+
+_MS = timedelta(milliseconds=1)
+
+
+def _session_settings(
+    schema: str, idle_ms: int
+) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
+    """The pool's configure step: the settings every connection of the engine runs with."""
+    text = render(queries()["session_settings"], schema)
+
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute(text, {"idle_ms": str(idle_ms)})
+
+    return configure
+
+
 def _network_defaults(url: str) -> dict[str, Any]:
     given = psycopg.conninfo.conninfo_to_dict(url)
     return {k: v for k, v in _NETWORK_DEFAULTS.items() if k not in given}
@@ -185,8 +214,16 @@ class PostgresBackend:
         min_size: int = 1,
         max_size: int = 10,
         listen: bool = True,
+        idle_in_transaction_timeout: timedelta | None = timedelta(seconds=10),
     ) -> PostgresBackend:
-        """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll."""
+        """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll.
+
+        `idle_in_transaction_timeout` is set on every connection of the pool: a client that
+        stops between the statements of a transaction (a process frozen by SIGSTOP, a stalled
+        VM) has its transaction rolled back by the server after that long, instead of holding
+        row locks (a claimed or heartbeated run's) until it wakes up, which would keep every
+        other worker from taking the run over. `None` leaves the server's setting.
+        """
         where = "the Postgres backend"
         _args.text(url, "url", where=where, expected="a database URL (postgresql://...)")
         validate_schema(schema)
@@ -194,6 +231,7 @@ class PostgresBackend:
         _args.integer(min_size, "min_size", at_least=0, where=where)
         _args.integer(max_size, "max_size", at_least=max(1, min_size), where=where)
         _args.flag(listen, "listen", where=where)
+        idle_ms = _idle_in_transaction_ms(idle_in_transaction_timeout, where=where)
         if run_migrations:
             await migrate(url, schema=schema)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
@@ -202,6 +240,7 @@ class PostgresBackend:
             max_size=max_size,
             kwargs={"autocommit": True, **_network_defaults(url)},
             reset=_refuse_unfinished_pipeline,
+            configure=None if idle_ms is None else _session_settings(schema, idle_ms),
             open=False,
             name=f"umt-{schema}",
         )
@@ -355,6 +394,8 @@ class PostgresBackend:
             await self._rotate_ready()
         if self._clocks.sweep_due():
             await self._sweep_ready()
+        if self._clocks.releases_due():
+            await self._pay_group_releases()
         key = frozenset(pairs)
         timers = self._clocks.timers(key)
         started = time.monotonic()
@@ -427,6 +468,17 @@ class PostgresBackend:
                     self._clocks.disable_rotation(str(exc).strip())
         finally:
             self._clocks.rotated(outcome)
+
+    async def _pay_group_releases(self) -> None:
+        """Let run the held members whose release a map owes (see pay_group_releases)."""
+        groups = 0
+        try:
+            row = await self._one(
+                "pay_group_releases", {"limit": RELEASES_PAGE, "channel": self.work_channel}
+            )
+            groups = row["groups"] if row else 0
+        finally:
+            self._clocks.releases_paid(groups=groups)
 
     async def _sweep_ready(self) -> None:
         """Give queued runs whose `ready` row is gone back to the claim (see sweep_ready)."""

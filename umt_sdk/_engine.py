@@ -26,6 +26,8 @@ from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._ids import new_run_id
 from umt_sdk._lifecycle import (
+    CHILD_KEY_PREFIX,
+    MAP_KEY_PREFIX,
     ForkPlan,
     children_of,
     lifecycle_store,
@@ -81,6 +83,47 @@ I = TypeVar("I")
 O = TypeVar("O")
 
 _STATUSES: frozenset[str] = frozenset(get_args(RunStatus))
+
+
+_RESERVED_KEYS = {
+    CHILD_KEY_PREFIX: "name the children that ctx.step.start_child starts (the parent run and "
+    "the step name make the key); start a child with ctx.step.start_child",
+    MAP_KEY_PREFIX: "name the children that ctx.step.map starts (the parent run, the step name "
+    "and the input's index make the key); fan out with ctx.step.map",
+}
+"""The idempotency-key prefixes umt makes for runs it starts itself, and why: a caller's key
+with one of them could take a child's place (the parent would adopt the caller's run)."""
+
+
+def _refuse_reserved_key(key: str) -> None:
+    """Refuse an `enqueue` key that umt makes itself: children's, and a schedule tick's (unless
+    the scheduler is the caller)."""
+    if key.startswith(TICK_KEY_PREFIX) and not scheduler_enqueue.get():
+        raise UsageError(
+            f"idempotency_key {key!r}: keys starting with {TICK_KEY_PREFIX!r} name the ticks of "
+            "schedules and are made by umt only; use another key, or "
+            "engine.schedules.trigger/backfill to start a schedule's run",
+            argument="idempotency_key",
+        )
+    for prefix, why in _RESERVED_KEYS.items():
+        if key.startswith(prefix):
+            raise UsageError(
+                f"idempotency_key {key!r}: keys starting with {prefix!r} are reserved by umt: "
+                f"they {why}; use a key of your own without that prefix",
+                argument="idempotency_key",
+            )
+
+
+def _refuse_child_fact(name: str) -> None:
+    """Refuse a fact name umt stores itself: a child's ending tells its parent with the fact
+    `umt.child:<child id>`, and a fact sent under that name would wake the parent as if the
+    child had finished."""
+    if name.startswith(CHILD_KEY_PREFIX):
+        raise UsageError(
+            f"fact name {name!r}: names starting with {CHILD_KEY_PREFIX!r} are reserved by umt "
+            "(a child's ending stores one for its parent); use a name of your own",
+            argument="name",
+        )
 
 
 def _check_run_id(run_id: object, call: str) -> UUID:
@@ -257,13 +300,7 @@ class Engine:
         if idempotency_key is not None:
             check.text(idempotency_key, "idempotency_key", empty=False, max_length=512)
             _serde.check_text(idempotency_key, what="idempotency_key")
-            if idempotency_key.startswith(TICK_KEY_PREFIX) and not scheduler_enqueue.get():
-                raise UsageError(
-                    f"idempotency keys starting with {TICK_KEY_PREFIX!r} name the ticks of "
-                    "schedules and are made by umt only; use another key, or "
-                    "engine.schedules.trigger/backfill to start a schedule's run",
-                    argument="idempotency_key",
-                )
+            _refuse_reserved_key(idempotency_key)
         if delay is not None:
             check.duration(delay, "delay")
         run_tags = check_tags(tags)
@@ -429,6 +466,7 @@ class Engine:
         """
         run_id = _check_run_id(run_id, "signal")
         check_name("fact", name, argument="name")
+        _refuse_child_fact(name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         attributes = {"umt.run.id": str(run_id), "umt.fact.name": name}
         with self.telemetry.producer_span(f"umt.signal {name}", attributes) as span:
@@ -439,6 +477,7 @@ class Engine:
     async def broadcast(self, name: str, payload: Any = None) -> bool:
         """Store a fact every run can wait for by `name` (first write wins), and wake them."""
         check_name("fact", name, argument="name")
+        _refuse_child_fact(name)
         payload_json = _serde.encode(payload, what=f"payload of fact {name!r}")
         with self.telemetry.producer_span(f"umt.broadcast {name}", {"umt.fact.name": name}) as span:
             stored = await self.backend.signal(run_id=None, name=name, payload_json=payload_json)

@@ -32,6 +32,8 @@ from umt_sdk._views import RunInfo
 from umt_sdk.exceptions import UsageError
 
 __all__ = [
+    "CHILD_KEY_PREFIX",
+    "MAP_KEY_PREFIX",
     "ForkPlan",
     "children_of",
     "lifecycle_store",
@@ -41,7 +43,11 @@ __all__ = [
 ]
 
 CHILD_KEY_PREFIX = "umt.child:"
-"""A child run's idempotency key is `umt.child:<parent id>:<start step name>` (`_steps`)."""
+"""A child run's idempotency key is `umt.child:<parent id>:<start step name>` (`_steps`), and
+the fact a child stores for its parent when it finishes is `umt.child:<child id>`."""
+
+MAP_KEY_PREFIX = "umt.map:"
+"""A map's child's idempotency key is `umt.map:<parent id>:<step name>:<index>` (`_steps`)."""
 
 _CHILD_PAGE = 1000
 

@@ -48,6 +48,10 @@ A member of a child group (`ChildGroupStore`, optional) also counts itself out o
 in that write: the group's `remaining` goes down by one; at zero, the group's fact is stored
 for the parent (waking it, as above: the one wake-up of a fan-out); and a member that had been
 let run (not `held` when it finished) lets the group's first held member run (in input order).
+That release is never lost: a store that cannot make it at once (Postgres skips held members
+another transaction has locked rather than wait for them) keeps it owed and makes it later (the
+next member's finishing write, or a pass of its own), so a map never waits forever with a slot
+free and a member held.
 It may not decide anything else: no retry policy, no limits of its own, no rewriting of what it
 was given. What a backend does on its own (its clock, the lease it extends, what it counts) is
 said on each method and record below. `umt_sdk.testing.BackendContract` checks all of this

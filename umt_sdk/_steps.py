@@ -27,6 +27,7 @@ from umt_sdk._definition import TaskDefinition
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._ids import new_run_id
+from umt_sdk._lifecycle import CHILD_KEY_PREFIX, MAP_KEY_PREFIX
 from umt_sdk._names import check_name, inline_target
 from umt_sdk._rate_limits import RateLimit, ensure_defined, rate_limit_fields, rate_limit_store
 from umt_sdk._retry import RetryPolicy
@@ -544,7 +545,7 @@ class Steps:
         after a crash finds the child it created. Returns the child's run id (recorded)."""
         check_name("step", name)
         parent = self._host.claimed
-        key = f"umt.child:{parent.run_id}:{self.history.next_occurrence(name)}"
+        key = f"{CHILD_KEY_PREFIX}{parent.run_id}:{self.history.next_occurrence(name)}"
         input_json, input_hash = _serde.encode_input(
             input, definition.input_type, what=f"input of child {name!r}"
         )
@@ -725,7 +726,7 @@ class Steps:
                     input_json=input_json,
                     input_hash=input_hash,
                     priority=child_priority,
-                    idempotency_key=f"umt.map:{parent.run_id}:{full}:{i}",
+                    idempotency_key=f"{MAP_KEY_PREFIX}{parent.run_id}:{full}:{i}",
                     trace_context=Telemetry.inject(),
                     parent_run_id=parent.run_id,
                     cancel_with_parent=cancel_with_parent,
@@ -1027,7 +1028,7 @@ when the child's input is refused."""
 
 def child_fact(child_id: UUID) -> str:
     """The fact a child run stores for its parent when it finishes (`NewRun.parent_fact`)."""
-    return f"umt.child:{child_id}"
+    return f"{CHILD_KEY_PREFIX}{child_id}"
 
 
 def _child_envelope(child: RunRecord | None) -> str:

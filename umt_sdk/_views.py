@@ -28,6 +28,7 @@ __all__ = [
     "deadline_passed",
     "execution_outcome",
     "lease_expired",
+    "trace_id_of",
     "with_execution_outcomes",
 ]
 
@@ -60,6 +61,8 @@ class StepView:
     wake_at: datetime | None = None
     error: ErrorInfo | None = None
     inferred: bool = False
+    output_json: str | None = None
+    """The recorded output as stored (a step's result, the payload a fact wait received)."""
 
 
 @frozen(kw_only=True)
@@ -122,6 +125,9 @@ class RunInfo:
     deadline_passed: bool = False
     """Unfinished, but past its deadline (or, never claimed, past its start deadline) when
     the backend read it: the next worker to claim it ends it failed."""
+    trace_id: str | None = None
+    """The OpenTelemetry trace id the run's spans belong to (from the enqueue's stored trace
+    context, 32 hex digits), None when the enqueue had no trace."""
 
     @property
     def display_status(self) -> str:
@@ -210,6 +216,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
                 finished_at=s.finished_at,
                 wake_at=s.wake_at,
                 error=s.error,
+                output_json=s.output_json,
             ),
             s.started_at or record.created_at,
             s.fencing_token,
@@ -294,7 +301,20 @@ def build_run_info(record: RunRecord) -> RunInfo:
         deadline_at=record.deadline_at,
         start_by=record.start_by,
         deadline_passed=deadline_passed(record),
+        trace_id=trace_id_of(record.trace_context),
     )
+
+
+def trace_id_of(trace_context: Mapping[str, str]) -> str | None:
+    """The trace id of a stored W3C trace context (`traceparent`), None without a valid one."""
+    parts = trace_context.get("traceparent", "").split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+        try:
+            int(parts[1], 16)
+        except ValueError:
+            return None
+        return parts[1].lower()
+    return None
 
 
 def deadline_passed(record: RunRecord) -> bool:

@@ -277,6 +277,12 @@ async def main(schema: str, otel: str | None) -> int:
         if provider is not None:
             provider.shutdown()
     say(f"done; inspect with: umt --schema {schema} runs list" if ok else "EXACTLY-ONCE VIOLATED")
+    if ok:
+        # The killed worker's interrupted execution and the takeover are on each download's
+        # timeline (the runs page lists them; open one).
+        say(
+            f"see it in a browser: umt --schema {schema} dashboard  (then open http://127.0.0.1:8765/)"
+        )
     return 0 if ok else 1
 
 

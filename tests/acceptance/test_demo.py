@@ -33,6 +33,7 @@ def test_demo_tells_the_whole_story(pg_url: str) -> None:
         "transfer   step  interrupted",
         "on io-1: interrupted",
         "done; inspect with: umt --schema",
+        f"see it in a browser: umt --schema {schema} dashboard",
     ):
         assert line in out, f"missing {line!r} in:\n{out}"
     assert "lost the lease" not in done.stderr, done.stderr

@@ -137,12 +137,21 @@ def _only(folder: Path, pattern: str) -> Path:
     return found[0]
 
 
-def test_the_wheel_and_the_sdist_hold_every_sql_file_and_py_typed(dist: Path) -> None:
+def test_the_wheel_and_the_sdist_hold_every_sql_file_py_typed_and_the_dashboard_files(
+    dist: Path,
+) -> None:
     sql = sorted(str(p.relative_to(REPO)) for p in (REPO / "umt_backend_pg").rglob("*.sql"))
     assert any("migrations/" in s for s in sql), sql
     typed = [
         f"{package}/py.typed" for package in ("umt_sdk", "umt_backend_memory", "umt_backend_pg")
     ]
+    # The dashboard's templates and static files (umt-tasks[dashboard] serves them from there).
+    typed += sorted(
+        str(p.relative_to(REPO))
+        for folder in ("templates", "static")
+        for p in (REPO / "umt_sdk" / "dashboard" / folder).iterdir()
+    )
+    assert "umt_sdk/dashboard/templates/run.html" in typed
     with zipfile.ZipFile(_only(dist, "*.whl")) as wheel:
         names = set(wheel.namelist())
     assert set(sql + typed) <= names, sorted(set(sql + typed) - names)

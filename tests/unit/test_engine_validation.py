@@ -94,6 +94,48 @@ async def test_a_512_character_key_is_accepted(engine: Engine) -> None:
     assert (await engine.get(handle.run_id)).idempotency_key == "k" * 512
 
 
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        (f"umt.child:{uuid4()}:start", "ctx.step.start_child"),
+        ("umt.child:", "ctx.step.start_child"),
+        (f"umt.map:{uuid4()}:tenants:0", "ctx.step.map"),
+        ("umt.schedule:nightly:2030-01-01T03:00:00Z", "schedules"),
+    ],
+)
+async def test_idempotency_keys_umt_makes_itself_are_refused(
+    engine: Engine, key: str, why: str
+) -> None:
+    """A caller's run under a child's key would take the child's place: the parent's step
+    would find it and adopt it as its child."""
+    with pytest.raises(UsageError, match=r"reserved by umt|made by umt only") as caught:
+        await engine.enqueue(job, Job(key="r"), idempotency_key=key)
+    _refused(caught, "idempotency_key")
+    assert key in str(caught.value), "the message names the key"
+    assert why in str(caught.value), "and says what makes such keys"
+    assert await _stored(engine) == 0
+
+
+@pytest.mark.parametrize("key", ["umt.children", "my:umt.child:x", "umt.mapping:1", "UMT.child:x"])
+async def test_keys_that_only_look_reserved_are_accepted(engine: Engine, key: str) -> None:
+    handle = await engine.enqueue(job, Job(key="r"), idempotency_key=key)
+    assert (await engine.get(handle.run_id)).idempotency_key == key
+
+
+async def test_a_childs_fact_name_cannot_be_sent(engine: Engine) -> None:
+    """`umt.child:<child id>` is the fact a child's ending stores for its parent: a signal of
+    that name would wake the parent as if its child had finished."""
+    handle = await engine.enqueue(job, Job(key="f"))
+    name = f"umt.child:{uuid4()}"
+    with pytest.raises(UsageError, match="reserved by umt") as caught:
+        await engine.signal(handle.run_id, name)
+    _refused(caught, "name")
+    assert name in str(caught.value)
+    with pytest.raises(UsageError, match="reserved by umt"):
+        await engine.broadcast(name)
+    assert await engine.signal(handle.run_id, "umt.childhood") is True
+
+
 @pytest.mark.parametrize("delay", [timedelta(microseconds=-1), timedelta(days=-1), 5, 0.5])
 async def test_delay_must_be_a_non_negative_timedelta(engine: Engine, delay: Any) -> None:
     with pytest.raises(UsageError, match="delay must be a timedelta >= 0") as caught:

@@ -18,6 +18,7 @@ from umt_sdk import _serde
 PUBLIC_MODULES = [
     "umt_sdk",
     "umt_sdk.backend",
+    "umt_sdk.dashboard",
     "umt_sdk.exceptions",
     "umt_sdk.testing",
     "umt_backend_memory",

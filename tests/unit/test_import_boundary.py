@@ -277,3 +277,30 @@ def test_the_sdk_modules_import_each_other_without_a_circle() -> None:
 def test_the_circle_finder_finds_one() -> None:
     assert _a_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _a_circle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_sdk_and_its_cli_import_without_the_dashboard_extra() -> None:
+    """Without Starlette and Jinja2, `umt_sdk` and the `umt` group load (and list
+    `dashboard`), and importing `umt_sdk.dashboard` says which extra to install."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('starlette', 'jinja2', 'uvicorn'):\n"
+        "            raise ImportError(f'blocked: {name}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import umt_sdk\n"
+        "from umt_sdk.cli import cli\n"
+        "print('dashboard' in cli.commands)\n"
+        "try:\n"
+        "    import umt_sdk.dashboard\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    listed, message = done.stdout.strip().splitlines()
+    assert listed == "True"
+    assert "pip install 'umt-tasks[dashboard]'" in message

@@ -122,6 +122,11 @@ FROM unnest(%(payloads)s::text[]) AS p (payload);
 -- Is the connection still there (the LISTEN connection, after a quiet while)?
 SELECT 1;
 
+-- name: session_settings
+-- Run once on each new connection of the engine's pool (PostgresBackend.open): a client that
+-- stops between the statements of a transaction has it rolled back, its locks released.
+SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, false);
+
 -- name: async_commit
 -- This transaction's commit need not wait for its WAL to reach disk (see _all_async_commit).
 SET LOCAL synchronous_commit TO off;
@@ -422,6 +427,26 @@ WITH page AS MATERIALIZED (
 SELECT (SELECT count(*) FROM page) AS scanned, (SELECT count(*) FROM requeued) AS requeued,
        (SELECT available_at FROM last) AS last_at, (SELECT id FROM last) AS last_id;
 
+-- name: pay_group_releases
+-- Releases that maps owe (see migrations/0015_group_releases.sql): about once a second a
+-- worker takes up to %(limit)s groups that owe (the partial index child_groups_owing: an empty
+-- index nearly always), each locked unless another write holds it (that write pays first),
+-- and lets their held members run as far as they are free (release_held); what is still owed
+-- stays for the next pass.
+WITH owing AS (
+    SELECT g.parent_run_id, g.name, g.owed FROM {schema}.child_groups g
+    WHERE g.owed > 0
+    LIMIT %(limit)s
+    FOR NO KEY UPDATE SKIP LOCKED
+), paid AS (
+    UPDATE {schema}.child_groups g
+    SET owed = {schema}.release_held(o.parent_run_id, o.name, o.owed, %(channel)s)
+    FROM owing o
+    WHERE g.parent_run_id = o.parent_run_id AND g.name = o.name
+    RETURNING o.owed - g.owed AS released
+)
+SELECT count(*) AS groups, COALESCE(sum(released), 0) AS released FROM paid;
+
 -- name: heartbeat
 WITH beats AS (
     SELECT b.id, b.token, b.step, b.step_started_at
@@ -510,9 +535,19 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(name)s, 7219));
 -- %(wait_for)s, run after lock_fact_name_shared, in a new statement of the same transaction,
 -- so a concurrent signal is either seen here or sees this run waiting. A canceled execution
 -- keeps the step it was in (the worker names it with a last beat): the timeline shows it.
-WITH locked AS (
+-- An ending that finishes a child writes its parent's row (the fact and wake-up, or its
+-- group's last member's) after its own: it locks the parent first (`parent_locked`, an
+-- InitPlan run before `locked` takes the child's row), the order a cancel of the parent takes
+-- (its row, then its children's), so the two cannot deadlock (test_family_lock_order.py).
+WITH parent_locked AS MATERIALIZED (
+    SELECT p.id FROM {schema}.runs p
+    WHERE %(status)s::text IN ('completed', 'failed', 'canceled')
+      AND p.id = (SELECT c.parent_run_id FROM {schema}.runs c WHERE c.id = %(run_id)s)
+    FOR NO KEY UPDATE
+), locked AS (
     SELECT id, status, cancel_requested_at IS NOT NULL AS cancel_requested FROM {schema}.runs
     WHERE id = %(run_id)s AND fencing_token = %(token)s
+      AND (SELECT count(*) FROM parent_locked) >= 0
     FOR NO KEY UPDATE
 ), owned AS (
     SELECT id, cancel_requested FROM locked WHERE status = 'running'
@@ -665,7 +700,16 @@ WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 -- (`lapsed`, judged here once, by the database's clock: its holder is gone, and the lease is
 -- counted and its execution interrupted as a takeover would). A held run keeps running: its
 -- holder reads the request from its heartbeat. A finished run is left as it is (`status` NULL).
-WITH target AS (
+-- The parent of an unfinished child is locked first (`parent_locked`, an InitPlan run before
+-- `target` takes the child's row): a child that ends here writes its parent's row after its
+-- own (finish_child, group_member_canceled), and a cancel of the parent takes the parent's
+-- row, then the children's: one order for both (see end_execution).
+WITH parent_locked AS MATERIALIZED (
+    SELECT p.id FROM {schema}.runs p
+    WHERE p.id = (SELECT c.parent_run_id FROM {schema}.runs c
+                  WHERE c.id = %(run_id)s AND c.status NOT IN ('completed', 'failed', 'canceled'))
+    FOR NO KEY UPDATE
+), target AS (
     SELECT r.id, r.status, r.fencing_token, n.lapsed,
            r.status IN ('pending', 'waiting') OR n.lapsed AS ends,
            r.task_name, r.task_version, r.concurrency_key, r.count_waiting,
@@ -675,7 +719,7 @@ WITH target AS (
     CROSS JOIN LATERAL (
         SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
     ) AS n
-    WHERE r.id = %(run_id)s
+    WHERE r.id = %(run_id)s AND (SELECT count(*) FROM parent_locked) >= 0
     FOR NO KEY UPDATE OF r
 ), changed AS (
     UPDATE {schema}.runs r SET

@@ -1,0 +1,67 @@
+"""Tasks the dashboard tests run: a shipment with steps, a task that fails with a hostile
+message, one that waits for a fact (a form's input type has fields of several kinds)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from umt_sdk import Registry, TaskContext, TaskDefinition, task
+
+
+@attrs.frozen
+class Order:
+    customer: str
+    quantity: int
+    express: bool = False
+    weight: float = 1.0
+    carrier: Literal["post", "courier"] = "post"
+    tags: list[str] = attrs.field(factory=list)
+
+
+@task("dash.ship", version=1)
+async def ship(ctx: TaskContext[Order]) -> str:
+    async def label() -> str:
+        return f"{ctx.input.customer} x{ctx.input.quantity}"
+
+    async def post(text: str) -> str:
+        return f"posted {text}"
+
+    text: str = await ctx.step.run("label", label)
+    done: str = await ctx.step.run("post", post, text)
+    return done
+
+
+@attrs.frozen
+class Trouble:
+    message: str
+
+
+@task("dash.fail", version=1)
+async def fail(ctx: TaskContext[Trouble]) -> None:
+    async def explode() -> None:
+        raise ValueError(ctx.input.message)
+
+    await ctx.step.run("explode", explode)
+
+
+@attrs.frozen
+class Approval:
+    item: str
+
+
+@task("dash.approve", version=1)
+async def approve(ctx: TaskContext[Approval]) -> Any:
+    return await ctx.step.wait_for_fact("approval")
+
+
+TASKS: list[TaskDefinition[Any, Any]] = [ship, fail, approve]
+
+
+def registry() -> Registry:
+    return Registry(TASKS)
+
+
+TASKS_REGISTRY = registry()
+"""For `umt dashboard --registry tests.dashboard.tasks:TASKS_REGISTRY`."""

@@ -1,0 +1,409 @@
+"""The dashboard's ASGI app: routes, the pages' rendering and the actions.
+
+Everything it reads and writes goes through the engine's public API (`engine.list`, `get`,
+`cancel`, `signal`, `rerun`, `enqueue`, `pause`, `resume`, `schedules`) and the backend SPI's
+read records (`umt_sdk.backend`): the dashboard holds no SQL and works on any backend.
+Templates are Jinja2 with autoescape on for every template; no inline script or style runs
+(the content security policy forbids it), so a stored value can only ever show as text.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlencode
+from uuid import UUID
+
+import jinja2
+import markupsafe
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from umt_sdk import _check as check
+from umt_sdk import _serde
+from umt_sdk._engine import Engine
+from umt_sdk.dashboard import _pages as pages
+from umt_sdk.dashboard import _security as security
+from umt_sdk.exceptions import RunNotFoundError, UmtError, UsageError
+
+__all__ = ["create_app"]
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _visible(value: Any) -> Any:
+    """Every value a template prints: control characters (but tab and newlines) shown as
+    `\\xNN`, so a stored value cannot hide text or garble the page; escaping follows."""
+    if (
+        isinstance(value, str)
+        and not isinstance(value, markupsafe.Markup)
+        and _CONTROL.search(value)
+    ):
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
+    return value
+
+
+_TEMPLATES = jinja2.Environment(
+    finalize=_visible,
+    loader=jinja2.PackageLoader("umt_sdk.dashboard", "templates"),
+    autoescape=True,  # every template, whatever its name
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+_TEMPLATES.globals.update(
+    when=pages.when,
+    age=pages.age,
+    cell=pages.cell,
+    pretty_json=pages.pretty_json,
+    error_text=pages.error_text,
+    finished=pages.finished,
+    statuses=pages.STATUSES,
+)
+
+
+class _Dashboard:
+    """The state behind the routes: the engine and how the app was configured."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        read_only: bool,
+        token: str | None,
+        trace_url_template: str | None,
+        title: str,
+    ) -> None:
+        self.engine = engine
+        self.read_only = read_only
+        self.token = token
+        self.trace_url_template = trace_url_template
+        self.title = title
+
+    # -- rendering ------------------------------------------------------------------------------
+
+    def render(
+        self, request: Request, template: str, status_code: int = 200, **context: Any
+    ) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        context.setdefault("notice", "")
+        html = _TEMPLATES.get_template(template).render(
+            root=root,
+            path=request.url.path,
+            title=self.title,
+            read_only=self.read_only,
+            csrf_field=security.CSRF_FIELD,
+            csrf=security.csrf_token(request),
+            now=datetime.now(UTC),
+            **context,
+        )
+        return HTMLResponse(html, status_code=status_code)
+
+    def problem(self, request: Request, status_code: int, message: str) -> HTMLResponse:
+        return self.render(request, "problem.html", status_code=status_code, message=message)
+
+    def trace_url(self, trace_id: str | None) -> str | None:
+        if trace_id is None or not self.trace_url_template:
+            return None
+        return self.trace_url_template.replace("{trace_id}", trace_id)
+
+    # -- access ---------------------------------------------------------------------------------
+
+    async def guard(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        """Middleware: with a token, nothing but the login page and the static files is served
+        to a request that does not carry it."""
+        if self.token is None:
+            return await call_next(request)
+        path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+        if path.startswith(("/login", "/static/")) or security.token_matches(request, self.token):
+            return await call_next(request)
+        if path == "/metrics" or "text/html" not in request.headers.get("accept", ""):
+            return PlainTextResponse(
+                "this dashboard needs its access token (Authorization: Bearer ...)",
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        root = request.scope.get("root_path", "")
+        return RedirectResponse(f"{root}/login?{urlencode({'next': path})}", status_code=303)
+
+    async def login(self, request: Request) -> Response:
+        next_path = str(request.query_params.get("next", "/runs"))
+        if not next_path.startswith("/") or next_path.startswith("//"):
+            next_path = "/runs"
+        if request.method == "GET":
+            return self.render(request, "login.html", next_path=next_path, failed=False)
+        form = await request.form()
+        given = str(form.get("token", ""))
+        if self.token is None or not security.csrf_ok(
+            request, str(form.get(security.CSRF_FIELD, ""))
+        ):
+            return self.problem(request, 403, "the login form expired: load it again")
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
+            return self.render(
+                request, "login.html", status_code=401, next_path=next_path, failed=True
+            )
+        root = request.scope.get("root_path", "")
+        response = RedirectResponse(f"{root}{next_path}", status_code=303)
+        response.set_cookie(
+            security.TOKEN_COOKIE, self.token, httponly=True, samesite="strict", path=root or "/"
+        )
+        return response
+
+    async def action_form(self, request: Request) -> Mapping[str, Any] | Response:
+        """The form of an action, or the response refusing it (read-only, CSRF, origin)."""
+        if self.read_only:
+            return self.problem(request, 403, "this dashboard is read-only (--read-only)")
+        form = await request.form()
+        if not security.same_origin(request) or not security.csrf_ok(
+            request, str(form.get(security.CSRF_FIELD, ""))
+        ):
+            return self.problem(
+                request,
+                403,
+                "the form's CSRF check failed (it came from another site, or it expired): "
+                "reload the page and try again",
+            )
+        return {key: form.get(key) for key in form}
+
+    def back(self, request: Request, path: str, **notice: str) -> RedirectResponse:
+        root = request.scope.get("root_path", "")
+        query = f"?{urlencode(notice)}" if notice else ""
+        return RedirectResponse(f"{root}{path}{query}", status_code=303)
+
+    # -- runs -------------------------------------------------------------------------------------
+
+    async def runs(self, request: Request) -> Response:
+        filters = pages.RunFilters.parse(request.query_params)
+        view = await pages.fetch_runs(self.engine, filters)
+        template = "runs_rows.html" if request.url.path.endswith("/rows") else "runs.html"
+        return self.render(
+            request,
+            template,
+            view=view,
+            filters=view.filters,
+            notice=str(request.query_params.get("notice", ""))[:300],
+        )
+
+    async def _run_info(self, request: Request) -> Any:
+        text = request.path_params["run_id"]
+        try:
+            run_id = UUID(text)
+        except ValueError:
+            return self.problem(request, 404, "not a run id (a UUID)")
+        try:
+            return await self.engine.get(run_id)
+        except RunNotFoundError as exc:
+            return self.problem(request, 404, str(exc))
+
+    async def run(self, request: Request) -> Response:
+        info = await self._run_info(request)
+        if isinstance(info, Response):
+            return info
+        children = await self.engine.list(parent=info.run_id, limit=100)
+        try:
+            heads = await self.engine.stream_heads([info.run_id])
+        except UsageError:  # a backend that stores no streams
+            heads = {}
+        streams = heads.get(info.run_id, {})
+        facts = [v for v in info.timeline if v.kind == "fact"]
+        template = "run_live.html" if request.url.path.endswith("/live") else "run.html"
+        return self.render(
+            request,
+            template,
+            info=info,
+            timeline=pages.build_timeline(info, datetime.now(UTC)),
+            children=children,
+            streams=streams,
+            facts=facts,
+            trace_url=self.trace_url(info.trace_id),
+            notice=str(request.query_params.get("notice", ""))[:300],
+            stream_json=lambda item: pages.cell(json.dumps(item.value), 300),
+        )
+
+    async def cancel_run(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        info = await self._run_info(request)
+        if isinstance(info, Response):
+            return info
+        reason = str(form.get("reason") or "canceled from the dashboard")[:500]
+        try:
+            outcome = await self.engine.cancel(info.run_id, reason=reason)
+        except UmtError as exc:
+            return self.problem(request, 400, str(exc))
+        text = {
+            "canceled": "canceled",
+            "requested": "cancel requested: the run stops at its next step",
+            "already_finished": "the run had already finished: nothing to cancel",
+        }[outcome]
+        return self.back(request, f"/runs/{info.run_id}", notice=text)
+
+    async def signal_run(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        info = await self._run_info(request)
+        if isinstance(info, Response):
+            return info
+        name = str(form.get("name") or "").strip()
+        payload_text = str(form.get("payload") or "null")
+        errors: dict[str, str] = {}
+        payload: Any = None
+        try:
+            payload = _serde.parse_json(payload_text, what="payload")
+        except UmtError as exc:
+            errors["payload"] = str(exc)
+        if not name:
+            errors["name"] = "the fact's name is needed"
+        if not errors:
+            try:
+                stored = await self.engine.signal(info.run_id, name, payload)
+            except UsageError as exc:
+                errors["name"] = str(exc)
+            except UmtError as exc:
+                errors["payload"] = str(exc)
+            else:
+                text = (
+                    f"fact {name!r} stored"
+                    if stored
+                    else f"the run already had a fact {name!r}: the first one stays"
+                )
+                return self.back(request, f"/runs/{info.run_id}", notice=text)
+        return self.render(
+            request,
+            "signal.html",
+            status_code=400,
+            info=info,
+            errors=errors,
+            name=name,
+            payload=payload_text,
+        )
+
+    async def rerun_run(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        info = await self._run_info(request)
+        if isinstance(info, Response):
+            return info
+        try:
+            handle = await self.engine.rerun(info.run_id)
+        except UmtError as exc:
+            return self.problem(request, 400, str(exc))
+        return self.back(
+            request, f"/runs/{handle.run_id}", notice=f"started again as a new run of {info.run_id}"
+        )
+
+    async def cancel_matching(self, request: Request) -> Response:
+        """GET: how many unfinished runs match the filter, and a form to confirm; POST: cancel
+        them (at most the count confirmed)."""
+        if request.method == "GET":
+            filters = pages.RunFilters.parse(request.query_params)
+            found = await pages.matching_unfinished(self.engine, filters)
+            return self.render(request, "cancel_matching.html", filters=filters, found=found)
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        filters = pages.RunFilters.parse({k: str(v) for k, v in form.items() if v is not None})
+        try:
+            confirmed = int(str(form.get("count", "0")))
+        except ValueError:
+            confirmed = 0
+        found = await pages.matching_unfinished(self.engine, filters, limit=confirmed)
+        if found.error:
+            return self.problem(request, 400, found.error)
+        outcomes = await pages.cancel_all(self.engine, found.run_ids, reason="canceled in bulk")
+        text = ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())) or "nothing"
+        return self.back(request, "/runs", notice=f"cancel of the matching runs: {text}")
+
+
+def create_app(
+    engine: Engine,
+    *,
+    read_only: bool = False,
+    token: str | None = None,
+    trace_url_template: str | None = None,
+    title: str = "umt",
+) -> Starlette:
+    """The dashboard as an ASGI app, to serve with uvicorn or mount in your own app.
+
+    Mount it under a prefix in Starlette (`Mount("/umt", app=create_app(engine))`) or FastAPI
+    (`app.mount("/umt", create_app(engine))`); every link it draws is relative to that prefix.
+
+    Args:
+        engine: the engine whose runs it shows (`await umt_sdk.connect(...)`); its registry
+            gives the enqueue forms their fields and the tasks page its tasks.
+        read_only: show, never act: no cancel, fact, rerun, enqueue or pause (each refused
+            with 403).
+        token: an access token every request must carry (typed once on `/login`, kept in a
+            cookie, or sent as `Authorization: Bearer TOKEN`); None: no token.
+        trace_url_template: a URL of your tracing UI with `{trace_id}` in it (such as
+            `http://localhost:16686/trace/{trace_id}` for Jaeger): a run's trace id becomes
+            a link to it.
+        title: the name in the page titles and the header.
+    """
+    check.optional(token, str, "token", "a string (the access token) or None", where="create_app()")
+    if token is not None and len(token) < 8:
+        raise UsageError(
+            "create_app(token=...): an access token needs at least 8 characters "
+            "(such as the output of `python -c 'import secrets; print(secrets.token_urlsafe())'`)",
+            argument="token",
+        )
+    if trace_url_template is not None and "{trace_id}" not in str(trace_url_template):
+        raise UsageError(
+            "create_app(trace_url_template=...) needs {trace_id} in it, such as "
+            "'http://localhost:16686/trace/{trace_id}'",
+            argument="trace_url_template",
+        )
+    if not isinstance(engine, Engine):
+        check.refuse("engine", "an Engine (await umt_sdk.connect(url, ...))", engine)
+    board = _Dashboard(
+        engine,
+        read_only=bool(read_only),
+        token=token,
+        trace_url_template=trace_url_template,
+        title=str(title),
+    )
+
+    async def home(request: Request) -> Response:
+        return board.back(request, "/runs")
+
+    routes = [
+        Route("/", home),
+        Route("/login", board.login, methods=["GET", "POST"]),
+        Route("/runs", board.runs),
+        Route("/runs/rows", board.runs),
+        Route("/runs/cancel", board.cancel_matching, methods=["GET", "POST"]),
+        Route("/runs/{run_id}", board.run),
+        Route("/runs/{run_id}/live", board.run),
+        Route("/runs/{run_id}/cancel", board.cancel_run, methods=["POST"]),
+        Route("/runs/{run_id}/signal", board.signal_run, methods=["POST"]),
+        Route("/runs/{run_id}/rerun", board.rerun_run, methods=["POST"]),
+        Mount(
+            "/static", app=StaticFiles(packages=[("umt_sdk.dashboard", "static")]), name="static"
+        ),
+    ]
+    middleware = [
+        Middleware(BaseHTTPMiddleware, dispatch=security.security_headers),
+        Middleware(BaseHTTPMiddleware, dispatch=board.guard),
+    ]
+    return Starlette(routes=routes, middleware=middleware)
