@@ -190,9 +190,9 @@ class Served:
 
     async def _serve(self, url: str) -> None:
         import uvicorn
-        from umt_sdk.dashboard import create_app
 
         from umt_sdk import connect
+        from umt_sdk.dashboard import create_app
 
         engine = await connect(url, schema=SCHEMA, run_migrations=False, listen=False)
         try:

@@ -48,6 +48,7 @@ class ServedDashboard:
 
     async def _serve(self, db_url: str, schema: str, registry: Registry, options: Any) -> None:
         import uvicorn
+
         from umt_sdk.dashboard import create_app
 
         engine = await connect(db_url, registry=registry, schema=schema, run_migrations=False)
