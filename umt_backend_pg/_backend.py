@@ -16,7 +16,7 @@ Round trips (each one statement and one commit unless noted):
 - heartbeat: 1 per worker per interval, for every run it holds (also without the flush wait);
 - ready-queue rotation: 1 per worker about every quarter second, offered before a claim (a
   no-op unless a slot behind is due; see `_ready`); the sweep of lost `ready` rows: 1 per worker
-  every 30 s.
+  every 30 s; the releases maps owe (`pay_group_releases`): 1 per worker every second.
 A 1-step run therefore costs 4 server transactions: enqueue, claim, checkpoint, complete. The
 claim reads the ready queue always, and the timers (due sleeps, backoffs, expired leases)
 about once a second, so a due timer starts within about a second of its time.
@@ -30,7 +30,7 @@ coalesced NOTIFY); `_rows` turns rows into records.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -48,6 +48,7 @@ from umt_backend_pg._migrate import migrate
 from umt_backend_pg._notifier import Notifier
 from umt_backend_pg._ready import (
     MAX_MOVED,
+    RELEASES_PAGE,
     SWEEP_GRACE,
     SWEEP_PAGE,
     TIMERS_MARGIN,
@@ -84,6 +85,7 @@ from umt_sdk.backend import (
     PruneBatch,
     PrunedRun,
     PruneQuery,
+    RateLimitInfo,
     RunQuery,
     RunRecord,
     ScheduleQuery,
@@ -93,6 +95,8 @@ from umt_sdk.backend import (
     StreamAppend,
     StreamEntry,
     TaskPair,
+    TokenGrant,
+    TokenRequest,
     WorkerRecord,
     WorkerState,
 )
@@ -134,6 +138,34 @@ async def _refuse_unfinished_pipeline(conn: psycopg.AsyncConnection[Any]) -> Non
         raise psycopg.ProgrammingError(
             "connection handed back in pipeline mode (a cancelled statement): discarded"
         )
+
+
+def _idle_in_transaction_ms(value: object, *, where: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, timedelta) or value < timedelta(seconds=1):
+        _args.refuse(
+            "idle_in_transaction_timeout",
+            "a timedelta of at least 1 s, or None to leave the server's setting",
+            value,
+            where=where,
+        )
+    return int(_args.duration(value, "idle_in_transaction_timeout", where=where) / _MS)
+
+
+_MS = timedelta(milliseconds=1)
+
+
+def _session_settings(
+    schema: str, idle_ms: int
+) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
+    """The pool's configure step: the settings every connection of the engine runs with."""
+    text = render(queries()["session_settings"], schema)
+
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute(text, {"idle_ms": str(idle_ms)})
+
+    return configure
 
 
 def _network_defaults(url: str) -> dict[str, Any]:
@@ -187,8 +219,16 @@ class PostgresBackend:
         min_size: int = 1,
         max_size: int = 10,
         listen: bool = True,
+        idle_in_transaction_timeout: timedelta | None = timedelta(seconds=10),
     ) -> PostgresBackend:
-        """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll."""
+        """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll.
+
+        `idle_in_transaction_timeout` is set on every connection of the pool: a client that
+        stops between the statements of a transaction (a process frozen by SIGSTOP, a stalled
+        VM) has its transaction rolled back by the server after that long, instead of holding
+        row locks (a claimed or heartbeated run's) until it wakes up, which would keep every
+        other worker from taking the run over. `None` leaves the server's setting.
+        """
         where = "the Postgres backend"
         _args.text(url, "url", where=where, expected="a database URL (postgresql://...)")
         validate_schema(schema)
@@ -196,6 +236,7 @@ class PostgresBackend:
         _args.integer(min_size, "min_size", at_least=0, where=where)
         _args.integer(max_size, "max_size", at_least=max(1, min_size), where=where)
         _args.flag(listen, "listen", where=where)
+        idle_ms = _idle_in_transaction_ms(idle_in_transaction_timeout, where=where)
         if run_migrations:
             await migrate(url, schema=schema)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
@@ -204,6 +245,7 @@ class PostgresBackend:
             max_size=max_size,
             kwargs={"autocommit": True, **_network_defaults(url)},
             reset=_refuse_unfinished_pipeline,
+            configure=None if idle_ms is None else _session_settings(schema, idle_ms),
             open=False,
             name=f"umt-{schema}",
         )
@@ -280,6 +322,8 @@ class PostgresBackend:
             "deadline_at": new.deadline_at,
             "timeout": new.timeout,
             "start_within": new.start_within,
+            "rate_limit": new.rate_limit,
+            "rate_limit_key": new.rate_limit_key,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -355,6 +399,8 @@ class PostgresBackend:
             await self._rotate_ready()
         if self._clocks.sweep_due():
             await self._sweep_ready()
+        if self._clocks.releases_due():
+            await self._pay_group_releases()
         key = frozenset(pairs)
         timers = self._clocks.timers(key)
         started = time.monotonic()
@@ -427,6 +473,17 @@ class PostgresBackend:
                     self._clocks.disable_rotation(str(exc).strip())
         finally:
             self._clocks.rotated(outcome)
+
+    async def _pay_group_releases(self) -> None:
+        """Let run the held members whose release a map owes (see pay_group_releases)."""
+        groups = 0
+        try:
+            row = await self._one(
+                "pay_group_releases", {"limit": RELEASES_PAGE, "channel": self.work_channel}
+            )
+            groups = row["groups"] if row else 0
+        finally:
+            self._clocks.releases_paid(groups=groups)
 
     async def _sweep_ready(self) -> None:
         """Give queued runs whose `ready` row is gone back to the claim (see sweep_ready)."""
@@ -962,6 +1019,101 @@ class PostgresBackend:
             )
             for r in rows
         ]
+
+    # -- rate limits (RateLimitStore) ----------------------------------------------------------
+
+    @staticmethod
+    def _rate_limit(row: Mapping[str, Any]) -> RateLimitInfo:
+        return RateLimitInfo(
+            name=row["name"],
+            limit=row["token_limit"],
+            per=timedelta(microseconds=row["per_us"]),
+            paused=row["paused"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+        )
+
+    async def define_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        row = await self._one(
+            "define_rate_limit",
+            {"name": name, "limit": limit, "per_us": per // timedelta(microseconds=1)},
+        )
+        assert row is not None
+        return self._rate_limit(row)
+
+    async def _unpark(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        name: str,
+        rescale: tuple[int, int] | None = None,
+    ) -> None:
+        """In the transaction that changed or resumed the limit: wait for the takes in flight
+        (their parks committed), rescale the buckets to a new interval (`rescale`: old and
+        new, in microseconds), then make the runs it parked claimable."""
+        await conn.execute(self._q["lock_rate_buckets"], {"name": name})
+        if rescale is not None and rescale[0] != rescale[1]:
+            await conn.execute(
+                self._q["rescale_rate_buckets"],
+                {"name": name, "old_us": rescale[0], "new_us": rescale[1]},
+            )
+        await conn.execute(
+            self._q["unpark_rate_limited"], {"name": name, "channel": self.work_channel}
+        )
+
+    async def set_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.cursor(row_factory=dict_row).execute(
+                    self._q["set_rate_limit"],
+                    {"name": name, "limit": limit, "per_us": per // timedelta(microseconds=1)},
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                if row["old_interval_us"] is not None:
+                    await self._unpark(conn, name, (row["old_interval_us"], row["interval_us"]))
+        return self._rate_limit(row)
+
+    async def get_rate_limit(self, name: str) -> RateLimitInfo | None:
+        row = await self._one("get_rate_limit", {"name": name})
+        return None if row is None else self._rate_limit(row)
+
+    async def list_rate_limits(self) -> Sequence[RateLimitInfo]:
+        return [self._rate_limit(r) for r in await self._all("list_rate_limits", {})]
+
+    async def pause_rate_limit(self, name: str, *, paused: bool) -> bool:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(
+                    self._q["pause_rate_limit"], {"name": name, "paused": paused}
+                )
+                changed = await cur.fetchone() is not None
+                if changed and not paused:
+                    await self._unpark(conn, name)
+        return changed
+
+    async def take_rate_token(self, lease: Lease, request: TokenRequest) -> TokenGrant:
+        row = await self._one(
+            "take_rate_token",
+            {
+                "run_id": lease.run_id,
+                "token": lease.fencing_token,
+                "step": request.step,
+                "attempt": request.attempt,
+                "limit": request.limit,
+                "key": request.key,
+            },
+        )
+        assert row is not None
+        if not row["held"]:
+            raise self._fenced(lease, f"take a token of rate limit {request.limit!r}")
+        if row["granted"] or row["state"] == "taken":
+            return TokenGrant(status="granted", observed_at=row["db_now"])
+        status = row["state"]
+        return TokenGrant(
+            status=status,
+            next_at=row["next_at"] if status == "wait" else None,
+            observed_at=row["db_now"],
+        )
 
     # -- retention (RetentionStore) --------------------------------------------------------------
 

@@ -10,7 +10,8 @@ says no due timer can be before (`timers_from` of claim_runs: the earliest one i
 `TIMERS_MARGIN` before it ran), with a full read at the first claim and every
 `FULL_TIMERS_EVERY` (for a timer that a transaction open longer than the margin wrote into the
 past). `rotate_ready` is offered every `ROTATE_EVERY` and `sweep_ready` runs every
-`SWEEP_EVERY`; see migrations/0003_ready_queue.sql.
+`SWEEP_EVERY`; see migrations/0003_ready_queue.sql. `pay_group_releases` runs every
+`RELEASES_EVERY` (migrations/0015_group_releases.sql).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ SWEEP_EVERY = 30.0
 SWEEP_GRACE = timedelta(seconds=10)
 SWEEP_PAGE = 5_000
 SWEEP_PAGE_EVERY = 1.0
+RELEASES_EVERY = 1.0
+"""How often a worker pays the releases maps owe (a held member whose release was lost to a
+lock another write held starts within about this long)."""
+RELEASES_PAGE = 100
+"""Groups paid per pass at most (more: the next pass, at once)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class ClaimClocks:
         self._rotate_at = float("-inf")
         self._sweep_at = time.monotonic() + SWEEP_EVERY
         self._swept_to: tuple[datetime, uuid.UUID] | None = None
+        self._releases_at = float("-inf")
         self.rotation_enabled = True
 
     def timers(self, pairs: frozenset[TaskPair]) -> TimersRead:
@@ -143,6 +150,13 @@ class ClaimClocks:
         else:
             self._swept_to = None
             self._sweep_at = time.monotonic() + SWEEP_EVERY
+
+    def releases_due(self) -> bool:
+        return time.monotonic() >= self._releases_at
+
+    def releases_paid(self, *, groups: int) -> None:
+        """A pass of pay_group_releases took `groups`: a full page goes on at the next claim."""
+        self._releases_at = time.monotonic() + (0.0 if groups >= RELEASES_PAGE else RELEASES_EVERY)
 
     def sweep_failed(self) -> None:
         self._sweep_at = time.monotonic() + SWEEP_EVERY

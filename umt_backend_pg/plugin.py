@@ -29,7 +29,9 @@ __all__ = [
 ]
 
 _SCHEMES = ("postgresql", "postgres")
-_OPTIONS = frozenset({"schema", "run_migrations", "min_size", "max_size", "listen"})
+_OPTIONS = frozenset(
+    {"schema", "run_migrations", "min_size", "max_size", "listen", "idle_in_transaction_timeout"}
+)
 
 
 @hookimpl

@@ -24,6 +24,7 @@ from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._insight import TaskStats, WorkerInfo
+from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
@@ -33,6 +34,7 @@ from umt_sdk._spi import (
     KeyUsage,
     OverlapPolicy,
     PausedTask,
+    RateLimitInfo,
     RunStatus,
     TaskPair,
 )
@@ -99,6 +101,9 @@ __all__ = [
     "PayloadCodec",
     "PayloadError",
     "PruneReport",
+    "RateLimit",
+    "RateLimitInfo",
+    "RateLimits",
     "Registry",
     "RetryPolicy",
     "RunCanceledError",

@@ -44,6 +44,7 @@ from umt_sdk._spi import (
     InsightStore,
     Ledger,
     LifecycleStore,
+    RateLimitStore,
     RetentionStore,
     ScheduleStore,
     StreamStore,
@@ -204,6 +205,7 @@ _PROTOCOLS: tuple[type, ...] = (
     StreamStore,
     LifecycleStore,
     InsightStore,
+    RateLimitStore,
 )
 _PROTOCOL_METHODS = frozenset(
     name for protocol in _PROTOCOLS for name in vars(protocol) if not name.startswith("_")

@@ -6,7 +6,9 @@ their results, one handle at a time, or all at once with `ctx.step.gather`, or f
 or start children of their own. The
 machine interleaves at random: executing one due run at a time (the inline driver, in this
 loop, under a `FakeClock`), crashes of an execution at any point it reaches (a lost lease, as
-after SIGKILL), leases lapsing, facts sent, and cancels of any run. After every rule it checks:
+after SIGKILL), leases lapsing, facts sent, and cancels of any run, of a map's child held back
+by its `max_concurrency`, and of a map's parent while some of its children are held. After
+every rule it checks:
 
 - exactly once: no parent ever has two children for one start step;
 - no parent waits forever: a parent parked on a child that has finished, or on a map or
@@ -117,6 +119,11 @@ async def parent(ctx: TaskContext[Family]) -> list[str]:
     return outcome
 
 
+def _held(run: Any) -> bool:
+    """A child of a map held back by its max_concurrency (waiting for its turn)."""
+    return bool(run.status == "waiting" and run.wait_for == HELD and run.available_at is None)
+
+
 def _said(outcome: object) -> str:
     if isinstance(outcome, ChildFailedError):
         return "failed"
@@ -138,6 +145,13 @@ families = st.builds(
     close=st.sampled_from(["cancel", "abandon"]),
     mode=st.sampled_from(["each", "gather", "map"]),
     limit=st.one_of(st.none(), st.integers(min_value=1, max_value=2)),
+)
+limited_maps = st.builds(
+    Family,
+    kids=st.lists(kids, min_size=3, max_size=4, unique_by=lambda k: k.tag).map(tuple),
+    close=st.sampled_from(["cancel", "abandon"]),
+    mode=st.just("map"),
+    limit=st.integers(min_value=1, max_value=2),
 )
 HELD = "umt turn"
 point_kinds = st.sampled_from(["step.before", "step.returned", "park", "end"])
@@ -179,6 +193,12 @@ class ChildrenMachine(RuleBasedStateMachine):
         run_id: UUID = handle.run_id
         return run_id
 
+    @rule(target=parents, family=limited_maps)
+    def enqueue_limited_map(self, family: Family) -> UUID:
+        """A map with more children than its max_concurrency: some are held once it starts
+        (what the cancel rules below act on)."""
+        return self.enqueue_parent(family)
+
     @rule(executions=st.integers(min_value=1, max_value=4))
     def execute(self, executions: int) -> None:
         async def go() -> None:
@@ -215,6 +235,36 @@ class ChildrenMachine(RuleBasedStateMachine):
             runs = await self._all()
             if runs:
                 await self.engine.cancel(runs[choice % len(runs)].run_id, reason="chosen")
+
+        self._run(go())
+
+    @rule(choice=st.integers(min_value=0, max_value=50))
+    def cancel_held_child(self, choice: int) -> None:
+        """A child of a map held back by its max_concurrency gives up its turn: the others
+        still run, the limit still holds, and the parent still wakes once."""
+
+        async def go() -> None:
+            held = [run for run in await self._all() if _held(run)]
+            if held:
+                event("a held child canceled")
+                chosen = held[choice % len(held)].run_id
+                assert await self.engine.cancel(chosen, reason="chosen") == "canceled"
+
+        self._run(go())
+
+    @rule(choice=st.integers(min_value=0, max_value=50))
+    def cancel_parent_while_children_are_held(self, choice: int) -> None:
+        """A map's parent canceled while some of its children wait for their turn: the held
+        ones end canceled with the others (or, abandoned, run on and finish)."""
+
+        async def go() -> None:
+            runs = await self._all()
+            holding = sorted({run.parent_run_id for run in runs if _held(run)}, key=str)
+            if holding:
+                event("a parent canceled while its children were held")
+                parent_id = holding[choice % len(holding)]
+                assert parent_id is not None
+                await self.engine.cancel(parent_id, reason="chosen")
 
         self._run(go())
 
@@ -273,11 +323,7 @@ class ChildrenMachine(RuleBasedStateMachine):
                     event("a group's parent woken")
             if family.get("mode") != "map":
                 continue
-            held = [
-                r
-                for r in unfinished
-                if r.status == "waiting" and r.wait_for == HELD and r.available_at is None
-            ]
+            held = [r for r in unfinished if _held(r)]
             active = len(unfinished) - len(held)
             limit = family.get("limit")
             if limit is None:

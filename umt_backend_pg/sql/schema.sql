@@ -53,7 +53,12 @@ CREATE TABLE {schema}.runs (
     tags                jsonb NOT NULL DEFAULT '{{}}',
     -- A member of a child group of its parent (map, gather), and its place in it (0013).
     child_group         text,
-    group_index         integer
+    group_index         integer,
+    -- The rate limit a start takes a token of and its bucket, and the limit the run waits for
+    -- a token of (parked by the claim, or by a step) (migration 0014).
+    rate_limit          text,
+    rate_limit_key      text,
+    waits_for_limit     text
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -380,57 +385,97 @@ CREATE TABLE {schema}.child_groups (
     remaining       integer NOT NULL,
     max_concurrency integer,
     created_at      timestamptz NOT NULL DEFAULT now(),
+    -- Releases due and not made while a held member remains (0015_group_releases.sql).
+    owed            integer NOT NULL DEFAULT 0,
     PRIMARY KEY (parent_run_id, name)
 );
+
+-- The groups that owe releases: what a worker's pay_group_releases reads (empty nearly always).
+CREATE INDEX child_groups_owing ON {schema}.child_groups (parent_run_id, name) WHERE owed > 0;
 
 -- The held members of a group, in input order: the next one to let run is the first entry.
 CREATE INDEX runs_group_held ON {schema}.runs (parent_run_id, child_group, group_index)
     WHERE status = 'waiting' AND wait_for = 'umt turn' AND available_at IS NULL;
 
--- A member of group `grp` of run `parent` finished: one fewer remaining; at zero the group's
--- fact for the parent, waking it if it waits for it; and, when the member had been let run
--- (`released`), the first held member lets run (claimable now, queued in `ready`). Its own
--- statements each read a fresh snapshot, so it counts on the group row as it is after the
--- lock, and a held member let run by a concurrent ending (committed meanwhile) is not taken
--- again; held members locked by another write (a cancel) are skipped, not waited for. The
--- parent is read by id alone and tested afterwards (see the note atop queries.sql). Returns
--- the members remaining (NULL: no such group).
-CREATE FUNCTION {schema}.child_group_ended(parent uuid, grp text, released boolean, channel text)
+-- Lets up to `due` held members of group `grp` of run `parent` run (claimable now, queued in
+-- `ready`), in input order, skipping those another write holds (never waiting for them: that
+-- write may hold the group next, see the lock order in end_execution). Returns what is still
+-- owed: the releases it could not make while a held member remains (locked by that write),
+-- else 0 (no member is held any more: nothing can be owed). Its statements each read a fresh
+-- snapshot: a member let run by a write that committed meanwhile is not taken again.
+CREATE FUNCTION {schema}.release_held(parent uuid, grp text, due integer, channel text)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
-    left_over integer;
-    limited integer;
     next_id uuid;
     pair text;
-    waiter record;
+    paid integer := 0;
 BEGIN
-    UPDATE {schema}.child_groups SET remaining = remaining - 1
-    WHERE parent_run_id = parent AND name = grp
-    RETURNING remaining, max_concurrency INTO left_over, limited;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
-    -- Only a map with a max_concurrency holds members back: no other group looks for one.
-    IF released AND limited IS NOT NULL THEN
+    WHILE paid < due LOOP
+        next_id := NULL;
         SELECT r.id INTO next_id FROM {schema}.runs r
         WHERE r.parent_run_id = parent AND r.child_group = grp
           AND r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
         ORDER BY r.group_index
         LIMIT 1
         FOR NO KEY UPDATE SKIP LOCKED;
-        IF next_id IS NOT NULL THEN
-            UPDATE {schema}.runs SET available_at = now(), wait_for = NULL, updated_at = now()
-            WHERE id = next_id;
-            INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at,
-                                        slot)
-            SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
-                   {schema}.ready_slot()
-            FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
-              AND NOT EXISTS (  -- a paused task's runs hold no `ready` rows (the claim's
-                  SELECT 1 FROM {schema}.paused_tasks p  -- timers find it when resumed)
-                  WHERE p.task_name = r.task_name AND p.task_version IN (0, r.task_version))
-            RETURNING task_name || '@' || task_version INTO pair;
-            PERFORM pg_notify(channel, COALESCE(pair, ''));
+        EXIT WHEN next_id IS NULL;
+        UPDATE {schema}.runs SET available_at = now(), wait_for = NULL, updated_at = now()
+        WHERE id = next_id;
+        pair := NULL;
+        INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at,
+                                    slot)
+        SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at,
+               {schema}.ready_slot()
+        FROM {schema}.runs r WHERE r.id = next_id AND r.concurrency_key IS NULL
+          AND NOT EXISTS (  -- a paused task's runs hold no `ready` rows (the claim's
+              SELECT 1 FROM {schema}.paused_tasks p  -- timers find it when resumed)
+              WHERE p.task_name = r.task_name AND p.task_version IN (0, r.task_version))
+        RETURNING task_name || '@' || task_version INTO pair;
+        PERFORM pg_notify(channel, COALESCE(pair, ''));
+        paid := paid + 1;
+    END LOOP;
+    IF paid < due AND EXISTS (
+        SELECT 1 FROM {schema}.runs r
+        WHERE r.parent_run_id = parent AND r.child_group = grp
+          AND r.status = 'waiting' AND r.wait_for = 'umt turn' AND r.available_at IS NULL
+    ) THEN
+        RETURN due - paid;
+    END IF;
+    RETURN 0;
+END
+$$;
+
+-- A member of group `grp` of run `parent` finished: one fewer remaining; at zero the group's
+-- fact for the parent, waking it if it waits for it. In a map with a max_concurrency, the
+-- releases due: one when the member had been let run (`released`: its slot is free), plus
+-- those the group owes (`owed`, see release_held); what cannot be paid now stays owed, paid
+-- by the next write that ends a member or by a worker's pay_group_releases. Its own
+-- statements each read a fresh snapshot, so it counts on the group row as it is after the
+-- lock. The parent is read by id alone and tested afterwards (see the note atop queries.sql).
+-- Returns the members remaining (NULL: no such group).
+CREATE FUNCTION {schema}.child_group_ended(parent uuid, grp text, released boolean, channel text)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    left_over integer;
+    limited integer;
+    owing integer;
+    still_owed integer;
+    waiter record;
+BEGIN
+    UPDATE {schema}.child_groups SET remaining = remaining - 1
+    WHERE parent_run_id = parent AND name = grp
+    RETURNING remaining, max_concurrency, owed INTO left_over, limited, owing;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- Only a map with a max_concurrency holds members back: no other group looks for one.
+    IF limited IS NOT NULL AND (released OR owing > 0) THEN
+        still_owed := {schema}.release_held(parent, grp,
+                                            owing + CASE WHEN released THEN 1 ELSE 0 END,
+                                            channel);
+        IF still_owed <> owing THEN
+            UPDATE {schema}.child_groups SET owed = still_owed
+            WHERE parent_run_id = parent AND name = grp;
         END IF;
     END IF;
     IF left_over = 0 THEN
@@ -457,6 +502,106 @@ BEGIN
         END IF;
     END IF;
     RETURN left_over;
+END
+$$;
+
+-- Rate limits (migration 0014): named token buckets (see umt_sdk._rate_limits.take_tokens),
+-- taken in the claim (runs) and by steps, each take under its bucket's row lock.
+CREATE INDEX runs_waits_for_limit ON {schema}.runs (waits_for_limit)
+    WHERE waits_for_limit IS NOT NULL;
+
+CREATE TABLE {schema}.rate_limits (
+    name            text PRIMARY KEY,
+    token_limit     integer NOT NULL CHECK (token_limit >= 1),
+    per_us          bigint NOT NULL CHECK (per_us >= 1),
+    paused          boolean NOT NULL DEFAULT false,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE {schema}.rate_buckets (
+    limit_name      text NOT NULL,
+    bucket_key      text NOT NULL,
+    tat             timestamptz NOT NULL DEFAULT '-infinity',
+    PRIMARY KEY (limit_name, bucket_key)
+) WITH (
+    fillfactor = 50, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 100,
+    autovacuum_vacuum_cost_delay = 0
+);
+
+CREATE TABLE {schema}.rate_grants (
+    run_id          uuid NOT NULL REFERENCES {schema}.runs (id) ON DELETE CASCADE,
+    step_name       text NOT NULL,
+    attempt         integer NOT NULL,
+    limit_name      text NOT NULL,
+    bucket_key      text NOT NULL,
+    granted_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, step_name, attempt)
+);
+
+-- Take up to p_wanted tokens of the bucket (p_limit, p_key) now, under its row lock (with
+-- p_skip_locked, a bucket another transaction holds is left alone: state 'busy', nothing
+-- taken). Each statement reads the newest committed rows (a volatile function in READ
+-- COMMITTED), and the limit is read after the bucket is locked, so a change or a resume that
+-- locked the limit's buckets first is seen. States: 'taken' (taken > 0), 'wait' (no free
+-- token: next_at is when one is due), 'paused', 'unknown' (no such limit: nothing to keep,
+-- every token asked for is given), 'busy'.
+CREATE FUNCTION {schema}.take_rate_tokens(
+    p_limit text, p_key text, p_wanted integer, p_skip_locked boolean,
+    OUT taken integer, OUT next_at timestamptz, OUT interval_us bigint, OUT state text
+) LANGUAGE plpgsql AS $$
+DECLARE
+    lim record;
+    b_tat timestamptz;
+    base timestamptz;
+    owed bigint;
+    free bigint;
+BEGIN
+    IF p_skip_locked THEN
+        SELECT b.tat INTO b_tat FROM {schema}.rate_buckets b
+        WHERE b.limit_name = p_limit AND b.bucket_key = p_key
+        FOR NO KEY UPDATE SKIP LOCKED;
+    ELSE
+        SELECT b.tat INTO b_tat FROM {schema}.rate_buckets b
+        WHERE b.limit_name = p_limit AND b.bucket_key = p_key
+        FOR NO KEY UPDATE;
+    END IF;
+    IF NOT FOUND THEN
+        INSERT INTO {schema}.rate_buckets (limit_name, bucket_key) VALUES (p_limit, p_key)
+        ON CONFLICT DO NOTHING
+        RETURNING tat INTO b_tat;
+        IF NOT FOUND THEN  -- it exists: another transaction holds it (or just made it)
+            IF p_skip_locked THEN
+                taken := 0; state := 'busy';
+                RETURN;
+            END IF;
+            SELECT b.tat INTO b_tat FROM {schema}.rate_buckets b
+            WHERE b.limit_name = p_limit AND b.bucket_key = p_key
+            FOR NO KEY UPDATE;
+        END IF;
+    END IF;
+    SELECT l.token_limit, l.per_us, l.paused INTO lim
+    FROM {schema}.rate_limits l WHERE l.name = p_limit;
+    IF NOT FOUND THEN
+        taken := p_wanted; next_at := now(); state := 'unknown';
+        RETURN;
+    END IF;
+    IF lim.paused THEN
+        taken := 0; state := 'paused';
+        RETURN;
+    END IF;
+    interval_us := (lim.per_us + lim.token_limit - 1) / lim.token_limit;
+    base := greatest(b_tat, now());
+    owed := (extract(epoch FROM base - now()) * 1000000)::bigint;
+    free := lim.token_limit - (owed + interval_us - 1) / interval_us;
+    taken := greatest(0, least(p_wanted, free));
+    base := base + (taken * interval_us) * interval '1 microsecond';
+    IF taken > 0 THEN
+        UPDATE {schema}.rate_buckets SET tat = base
+        WHERE limit_name = p_limit AND bucket_key = p_key;
+    END IF;
+    next_at := base - ((lim.token_limit - 1) * interval_us) * interval '1 microsecond';
+    state := CASE WHEN taken > 0 THEN 'taken' ELSE 'wait' END;
 END
 $$;
 

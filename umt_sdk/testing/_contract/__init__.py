@@ -33,6 +33,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
+- `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from umt_sdk.testing._contract import (
     _listing,
     _payloads,
     _pruning,
+    _rate_limits,
     _replay,
     _retries,
     _runs,
@@ -95,6 +97,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_streams.TASKS,
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
+    *_rate_limits.TASKS,
     *_deadlines.TASKS,
     *_insight.TASKS,
 )
@@ -127,6 +130,7 @@ class BackendContract(
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
+    _rate_limits.RateLimitsContract,
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
     _base.ContractBase,

@@ -245,6 +245,37 @@ class FanOutContract:
         assert outcome == ["0", "1", "canceled: skip", "9"]
         assert (await engine.get(handle.run_id)).attempts == 2
 
+    async def test_cancels_of_held_children_racing_endings_never_strand_the_map(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        """Held children canceled while their running siblings end (the writes that let the
+        next one run): every child ends, never more than the limit at once, and the parent
+        is woken once with every outcome in place."""
+        _require_groups(engine)
+        key = "map-8-limit2-exc"
+        handle = await engine.enqueue(map_parent, Job(key=key))
+        async with engine.worker(concurrency=8):
+            await wait_until(engine, handle.run_id, lambda i: i.status == "waiting")
+            await eventually(lambda: holds(tally.business.get(f"active:{key}", [0])[0] == 2))
+            children = sorted(
+                await self._children(engine, handle.run_id), key=lambda c: c.input["n"]
+            )
+            chosen = [3, 5, 6, 7]
+            tally.gate(key).set()  # the running ones end while the cancels go in
+            await asyncio.gather(
+                *(engine.cancel(children[n].run_id, reason="skip") for n in chosen)
+            )
+            outcome = await handle.result(timeout=30)
+        for n in range(8):
+            if n in chosen:  # its turn may have come (and gone) before its cancel
+                assert outcome[n] in (str(n * n), "canceled: skip"), outcome
+            else:
+                assert outcome[n] == str(n * n), outcome
+        assert tally.business[f"active:{key}"][1] <= 2, "never more than 2 at once"
+        assert (await engine.get(handle.run_id)).attempts == 2, "woken once"
+        ended = await self._children(engine, handle.run_id)
+        assert {c.status for c in ended} <= {"completed", "canceled"}
+
     async def test_gather_wakes_the_parent_once_and_keeps_the_handles_order(
         self, engine: Engine, tally: Tally
     ) -> None:
