@@ -1290,15 +1290,23 @@ WHERE s.run_id = ANY (%(run_ids)s::uuid[])
 -- name: pause_task
 -- First write wins for a pause; a new one also takes the pair's runs out of `ready` (they wait
 -- in runs_claim_ready, pending and not queued), so paused runs never keep its slots from being
--- truncated.
+-- truncated. The runs of those `ready` rows are locked first, in id order, as a claim locks
+-- them (the run's row, then its `ready` row): a pause that deleted a `ready` row and then waited
+-- for its run's row, while a claim held that row and waited for the `ready` row, deadlocked.
 WITH paused AS (
     INSERT INTO {schema}.paused_tasks (task_name, task_version)
     VALUES (%(task_name)s, %(task_version)s)
     ON CONFLICT (task_name, task_version) DO NOTHING
     RETURNING task_name, task_version
+), held AS (
+    SELECT r.id FROM paused p
+    JOIN {schema}.ready q
+      ON q.task_name = p.task_name AND p.task_version IN (0, q.task_version)
+    JOIN {schema}.runs r ON r.id = q.run_id
+    ORDER BY r.id
+    FOR NO KEY UPDATE OF r
 ), dequeued AS (
-    DELETE FROM {schema}.ready q USING paused p
-    WHERE q.task_name = p.task_name AND p.task_version IN (0, q.task_version)
+    DELETE FROM {schema}.ready q USING held h WHERE q.run_id = h.id
     RETURNING q.run_id
 ), unqueued AS (
     UPDATE {schema}.runs r SET queued = false
