@@ -411,3 +411,61 @@ async def test_every_waiting_run_of_a_filter_is_canceled_after_a_count(
         assert (await demo.engine.get(run.run_id)).status == "canceled"
     assert (await demo.engine.get(kept.run_id)).status != "canceled"
     no_console_errors(browser, "the runs page after the bulk cancel")
+
+
+async def test_a_run_enqueued_from_the_form_runs(
+    demo: Demo, dashboard: str, browser: Any, shots: Callable[[str], Path]
+) -> None:
+    await demo.worker("agent", "agent-1")
+    browser.get(f"{dashboard}/tasks")
+    browser.find_element("css selector", "a[href$='/tasks/summarize/1/enqueue']").click()
+    wait_until(
+        browser,
+        lambda: "summarize@1" in browser.find_element("tag name", "h1").text,
+        what="the enqueue form of summarize@1",
+    )
+    item = browser.find_element("name", "field.item")
+
+    # An empty required field: the error beside it, nothing stored.
+    browser.find_element("xpath", "//button[normalize-space()='Enqueue']").click()
+    error = wait_until(
+        browser,
+        lambda: browser.find_elements("id", "error-item"),
+        what="the error beside the empty field",
+    )
+    assert error[0].text == "required"
+    shots("enqueue-invalid")
+    refused = console_errors(console_entries(browser))
+    assert [(e.source, "400" in e.message) for e in refused] == [("network", True)], refused
+    assert (await demo.engine.list(task_name="summarize")).runs == ()
+
+    item = browser.find_element("name", "field.item")
+    item.send_keys("from the form")
+    browser.find_element("xpath", "//button[normalize-space()='Enqueue']").click()
+    wait_until(
+        browser,
+        lambda: "enqueued" in browser.find_element("tag name", "body").text,
+        what="the new run's page with its notice",
+    )
+    mark_page(browser)
+    wait_until(
+        browser,
+        lambda: "completed" in browser.find_element("id", "run-status").text,
+        what="the run enqueued from the form to complete",
+    )
+    assert same_page(browser)
+    (run,) = (await demo.engine.list(task_name="summarize")).runs
+    assert run.status == "completed"
+    assert str(run.run_id) in browser.find_element("tag name", "h1").text
+    assert '"from the form"' in browser.find_element("tag name", "body").text
+    shots("enqueued")
+    no_console_errors(browser, "the enqueued run's page")
+
+    browser.get(f"{dashboard}/workers")
+    assert "agent-1" in browser.find_element("tag name", "body").text
+    shots("workers")
+    no_console_errors(browser, "the workers page")
+    browser.get(f"{dashboard}/tasks")
+    assert "summarize" in browser.find_element("tag name", "body").text
+    shots("tasks")
+    no_console_errors(browser, "the tasks page")
