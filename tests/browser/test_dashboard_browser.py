@@ -469,3 +469,39 @@ async def test_a_run_enqueued_from_the_form_runs(
     assert "summarize" in browser.find_element("tag name", "body").text
     shots("tasks")
     no_console_errors(browser, "the tasks page")
+
+
+async def test_with_a_token_the_browser_logs_in_once_and_acts(
+    demo: Demo, browser: Any, shots: Callable[[str], Path]
+) -> None:
+    token = "correct horse battery staple"
+    pending = await demo.engine.enqueue(demo_tasks.fetch_metadata, {"item": "locked"})
+    with served(
+        demo.url, schema=demo.schema, registry=demo_tasks.registry, token=token
+    ) as dashboard:
+        browser.get(f"{dashboard}/runs/{pending.run_id}")
+        assert "/login" in browser.current_url
+        assert browser.find_element("tag name", "h1").text == "Access token"
+        browser.find_element("name", "token").send_keys("not the token")
+        browser.find_element("xpath", "//button[normalize-space()='Log in']").click()
+        assert "That is not the token." in browser.find_element("tag name", "body").text
+        # The refused login answers 401, which the console reports; nothing else may.
+        refused = console_errors(console_entries(browser))
+        assert [(e.source, "401" in e.message) for e in refused] == [("network", True)], refused
+
+        browser.find_element("name", "token").send_keys(token)
+        browser.find_element("xpath", "//button[normalize-space()='Log in']").click()
+        wait_until(
+            browser,
+            lambda: str(pending.run_id) in browser.find_element("tag name", "h1").text,
+            what="the run's page the login was asked for",
+        )
+        # The cookies a real browser keeps (token, CSRF) carry an action through.
+        browser.find_element("xpath", "//button[normalize-space()='Cancel run']").click()
+        wait_until(
+            browser,
+            lambda: "canceled" in browser.find_element("id", "run-status").text,
+            what="the run canceled by the logged-in browser",
+        )
+        assert (await demo.engine.get(pending.run_id)).status == "canceled"
+        no_console_errors(browser, "the dashboard behind its token")
