@@ -604,3 +604,17 @@ BEGIN
     state := CASE WHEN taken > 0 THEN 'taken' ELSE 'wait' END;
 END
 $$;
+
+-- Each worker's newest report of itself, for operators (see migrations/0016_workers.sql).
+CREATE TABLE {schema}.workers (
+    worker_id       text PRIMARY KEY,
+    host            text NOT NULL,
+    pid             integer NOT NULL,
+    pairs           jsonb NOT NULL,
+    concurrency     integer NOT NULL,
+    runs_held       integer NOT NULL,
+    started_at      timestamptz NOT NULL,
+    last_seen_at    timestamptz NOT NULL,
+    stopped_at      timestamptz
+);
+CREATE INDEX workers_seen ON {schema}.workers (last_seen_at);
