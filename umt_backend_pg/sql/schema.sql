@@ -526,7 +526,7 @@ CREATE TABLE {schema}.rate_buckets (
     PRIMARY KEY (limit_name, bucket_key),
     -- The last wait slot handed out to a run or step with no token (umt_sdk._rate_limits.
     -- park_slot): the next one waits an interval later, so parked runs keep their order
-    -- (migration 0016).
+    -- (migration 0017).
     parked_until    timestamptz NOT NULL DEFAULT '-infinity'
 ) WITH (
     fillfactor = 50, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 100,
@@ -618,3 +618,17 @@ BEGIN
     state := CASE WHEN taken > 0 THEN 'taken' ELSE 'wait' END;
 END
 $$;
+
+-- Each worker's newest report of itself, for operators (see migrations/0016_workers.sql).
+CREATE TABLE {schema}.workers (
+    worker_id       text PRIMARY KEY,
+    host            text NOT NULL,
+    pid             integer NOT NULL,
+    pairs           jsonb NOT NULL,
+    concurrency     integer NOT NULL,
+    runs_held       integer NOT NULL,
+    started_at      timestamptz NOT NULL,
+    last_seen_at    timestamptz NOT NULL,
+    stopped_at      timestamptz
+);
+CREATE INDEX workers_seen ON {schema}.workers (last_seen_at);
