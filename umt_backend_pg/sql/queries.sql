@@ -296,9 +296,9 @@ WITH served AS (
     JOIN tokens t ON t.rate_limit = l.rate_limit AND t.rate_limit_key = l.rate_limit_key
     WHERE l.limited
 ), parked AS (
-    -- No token: back until the bucket's next token is due (the i-th of the batch i intervals
-    -- later), never past the run's deadline; under a paused limit until a resume (or the
-    -- deadline).
+    -- No token: back until its wait slot (the bucket's next token, or an interval after the
+    -- last run it parked: the i-th of the batch i intervals after the first), never past the
+    -- run's deadline; under a paused limit until a resume (or the deadline).
     UPDATE {schema}.runs r SET
         waits_for_limit = r.rate_limit,
         queued = false,
@@ -1334,8 +1334,9 @@ ORDER BY task_name, task_version;
 -- name: start_group
 -- A map's children, in one statement: the group (first write wins: nothing else is written when
 -- it exists, and the caller reads its members with group_members), and each child as insert_run
--- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready`, the
--- rest held (waiting for their turn, outside every claim index).
+-- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready` (but
+-- a child with a rate limit: the claim takes its token, as insert_run says), the rest held
+-- (waiting for their turn, outside every claim index).
 WITH grp AS (
     INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining, max_concurrency)
     VALUES (%(parent_run_id)s, %(name)s, cardinality(%(ids)s::uuid[]),
@@ -1344,27 +1345,30 @@ WITH grp AS (
     RETURNING 1
 ), items AS (
     SELECT i.id, i.task_name, i.task_version, i.priority, i.idempotency_key, i.input_hash,
-           i.input, i.ord - 1 AS group_index,
+           i.input, i.ord - 1 AS group_index, i.rate_limit, i.rate_limit_key,
            %(max_concurrency)s::integer IS NOT NULL AND i.ord > %(max_concurrency)s AS held
     FROM unnest(%(ids)s::uuid[], %(task_names)s::text[], %(task_versions)s::integer[],
                 %(priorities)s::smallint[], %(keys)s::text[], %(hashes)s::text[],
-                %(inputs)s::text[])
+                %(inputs)s::text[], %(rate_limits)s::text[], %(rate_keys)s::text[])
          WITH ORDINALITY AS i (id, task_name, task_version, priority, idempotency_key,
-                               input_hash, input, ord)
+                               input_hash, input, rate_limit, rate_limit_key, ord)
     WHERE EXISTS (SELECT 1 FROM grp)
 ), inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, wait_for, child_group, group_index, deadline_at
+        cancel_with_parent, wait_for, child_group, group_index, deadline_at, rate_limit,
+        rate_limit_key
     )
     SELECT i.id, i.task_name, i.task_version,
            CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
            CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
-           %(trace_context)s, i.input::jsonb, NOT i.held AND NOT z.paused,
+           %(trace_context)s, i.input::jsonb,
+           NOT i.held AND NOT z.paused AND i.rate_limit IS NULL,
            %(parent_run_id)s, NULL, %(cancel_with_parent)s,
            CASE WHEN i.held THEN 'umt turn' END, %(name)s, i.group_index,
-           now() + %(timeout)s::interval
+           now() + %(timeout)s::interval, i.rate_limit,
+           CASE WHEN i.rate_limit IS NOT NULL THEN i.rate_limit_key END
     FROM items i
     -- As insert_run: a paused task's runs hold no `ready` rows.
     CROSS JOIN LATERAL (
@@ -1572,13 +1576,11 @@ RETURNING name;
 
 -- name: lock_rate_buckets
 -- After a change or a resume of the limit: wait for the claims and steps taking its tokens
--- now. Each take locks its bucket before it reads the limit, so a take after this sees the
--- change, and one before it has parked its runs by the time unpark_rate_limited (a new
--- statement, a new snapshot) looks for them.
-SELECT count(*) AS buckets FROM (
-    SELECT 1 FROM {schema}.rate_buckets b WHERE b.limit_name = %(name)s
-    FOR NO KEY UPDATE
-) AS l;
+-- now, and forget the wait slots handed out (unpark_rate_limited makes those runs claimable:
+-- they wait in new slots). Each take locks its bucket before it reads the limit, so a take
+-- after this sees the change, and one before it has parked its runs by the time
+-- unpark_rate_limited (a new statement, a new snapshot) looks for them.
+UPDATE {schema}.rate_buckets b SET parked_until = '-infinity' WHERE b.limit_name = %(name)s;
 
 -- name: unpark_rate_limited
 -- The runs waiting for a token of the limit (parked by a claim, or by a step), claimable now:
