@@ -193,6 +193,8 @@ class Spawner:
         grace: float = 1.0,
         max_size: int = 0,
         url: str | None = None,
+        pooled: bool = False,
+        listen_url: str = "",
     ) -> Process:
         """A worker process (`tests/_procs/worker.py`) serving `versions` (all when empty)
         as worker `<group>-<pid>`; its process is named `<group>-<n>`."""
@@ -210,6 +212,8 @@ class Spawner:
             args += ["--business", self.business]
         if self.business_url:
             args += ["--business-url", self.business_url]
+        if pooled:  # `url` goes through PgBouncer: poll, or LISTEN on `listen_url`
+            args += ["--pooled", *(["--listen-url", listen_url] if listen_url else [])]
         return self.run(WORKER, *args, name=f"{group}-{len(self.started)}")
 
     def run(self, module: str, *args: str, name: str) -> Process:

@@ -3,7 +3,7 @@
     python -m tests._procs.worker --tasks tests.integration.tasks --url URL --schema S
         --workdir DIR [--versions t_io@1,t_agent@1] [--lease 1] [--group default]
         [--concurrency 4] [--poll 1] [--grace 1] [--max-size N] [--business TABLE]
-        [--business-url URL]
+        [--business-url URL] [--pooled [--listen-url URL]]
 
 It imports the module `--tasks` (its list `TASKS` of task definitions) and serves those tasks
 with `engine.worker(...)`, the pairs of `--versions` or all of them, as worker `<group>-<pid>`,
@@ -116,6 +116,16 @@ async def exit_when_orphaned(parent: int) -> None:
             os._exit(3)
 
 
+def _pooler_options(args: argparse.Namespace) -> dict[str, object]:
+    """`--pooled` (the URL goes through PgBouncer in transaction mode): poll, or LISTEN on
+    `--listen-url`."""
+    if not args.pooled:
+        return {}
+    if args.listen_url:
+        return {"pooled": True, "listen_url": args.listen_url}
+    return {"pooled": True, "listen": False}
+
+
 async def serve(args: argparse.Namespace) -> None:
     tasks = importlib.import_module(args.tasks).TASKS
     _CONFIG.append(
@@ -136,6 +146,7 @@ async def serve(args: argparse.Namespace) -> None:
         schema=args.schema,
         run_migrations=False,
         max_size=args.max_size or args.concurrency + 4,
+        **_pooler_options(args),
     )
     async with engine:
         worker = engine.worker(
@@ -168,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", required=True, help="the test's switch and receipt files")
     parser.add_argument("--business", default="", help="business table in the schema")
     parser.add_argument("--business-url", default="", help="business database")
+    parser.add_argument("--pooled", action="store_true", help="--url is through PgBouncer")
+    parser.add_argument("--listen-url", default="", help="with --pooled: a direct URL to LISTEN")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING,
