@@ -64,6 +64,7 @@ from umt_sdk.backend import (
     TokenRequest,
     WorkerRecord,
     WorkerState,
+    park_slot,
     take_tokens,
     unstorable_json_reason,
     unstorable_reason,
@@ -329,6 +330,7 @@ class MemoryBackend:
             self._workers: dict[str, WorkerRecord] = {}
             self._rate_limits: dict[str, _Limit] = {}
             self._buckets: dict[tuple[str, str], datetime] = {}
+            self._parked_until: dict[tuple[str, str], datetime] = {}
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -894,7 +896,6 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
-            parked: dict[tuple[str, str], int] = {}
             open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
@@ -914,15 +915,14 @@ class MemoryBackend:
                     run = self._pop_ready(pair, now)
                     if run is None:
                         continue
-                    if run.needs_token(now) and not self._take_run_token(run, now, parked):
+                    if run.needs_token(now) and not self._take_run_token(run, now):
                         continue
                     claimed.append(self._take(run, worker_id, lease, now))
             return claimed
 
-    def _take_run_token(self, run: _Run, now: datetime, parked: dict[tuple[str, str], int]) -> bool:
+    def _take_run_token(self, run: _Run, now: datetime) -> bool:
         """Take a token of the run's bucket for its start; without one, park the run until
-        the bucket's next token (the i-th parked run of this claim i intervals later), or,
-        under a paused limit, until its deadline or a resume. `parked` counts per bucket."""
+        its slot (`park_slot`), or, under a paused limit, until its deadline or a resume."""
         assert run.rate_limit is not None
         limit = self._rate_limits.get(run.rate_limit)
         if limit is None:  # never stored (the SDK stores it first): no limit to keep
@@ -938,15 +938,19 @@ class MemoryBackend:
             if took.taken:
                 self._buckets[bucket] = took.tat
                 return True
-            behind = parked.get(bucket, 0)
-            parked[bucket] = behind + 1
-            interval = limit.info(run.rate_limit).interval
-            wake = min([took.next_at + behind * interval] + [d for d in deadlines if d is not None])
+            slot = self._park(bucket, took.next_at, limit.info(run.rate_limit).interval)
+            wake = min([slot] + [d for d in deadlines if d is not None])
         run.waits_for_limit = run.rate_limit
         run.available_at = wake
         run.updated_at = now
         self._schedule(run)
         return False
+
+    def _park(self, bucket: tuple[str, str], next_at: datetime, interval: timedelta) -> datetime:
+        """The bucket's next wait slot (`park_slot`), kept as its `parked_until`."""
+        slot = park_slot(next_at, self._parked_until.get(bucket), interval)
+        self._parked_until[bucket] = slot
+        return slot
 
     def _take(self, run: _Run, worker_id: str, lease: timedelta, now: datetime) -> ClaimedRun:
         ready_at = run.lease_expires_at if run.status == "running" else run.available_at
@@ -1506,7 +1510,10 @@ class MemoryBackend:
             return True
 
     def _unpark(self, name: str, now: datetime) -> None:
-        """The runs the limit parked, claimable now (they take their token by its new rule)."""
+        """The runs waiting for a token of the limit, claimable now (they take their token by
+        its new rule, and wait in new slots)."""
+        for bucket in [b for b in self._parked_until if b[0] == name]:
+            del self._parked_until[bucket]
         for run in self._runs.values():
             if run.waits_for_limit == name and run.status in ("pending", "waiting"):
                 run.waits_for_limit = None
@@ -1539,7 +1546,8 @@ class MemoryBackend:
             )
             if not took.taken:
                 run.waits_for_limit = request.limit
-                return TokenGrant(status="wait", next_at=took.next_at, observed_at=now)
+                slot = self._park(bucket, took.next_at, stored.info(request.limit).interval)
+                return TokenGrant(status="wait", next_at=slot, observed_at=now)
             self._buckets[bucket] = took.tat
             run.token_grants.add(attempt)
             return TokenGrant(status="granted", observed_at=now)

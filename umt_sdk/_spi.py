@@ -715,11 +715,12 @@ class Backend(Protocol):
         of that bucket (across workers), unless the run's cancel was requested or its
         deadline (or, on a first claim, its start deadline) has passed: the SDK ends those
         without running them. A run that finds no token is not claimed and is *parked*: it
-        stays as it is, its `available_at` moved to when its bucket's next token is due (the
-        i-th such run of a claim to i intervals later), never later than its deadline; under
-        a paused limit, to its deadline or (without one) None, until `resume_rate_limit`
-        makes it claimable. A parked run takes no part of the claim's `limit`'s order but
-        counts in it. Takeovers and wake-ups (a sleep's end, a fact) take no token."""
+        stays as it is, its `available_at` moved to its bucket's next wait slot
+        (`umt_sdk.backend.park_slot`, kept as the bucket's `parked_until`), never later than
+        its deadline; under a paused limit, to its deadline or (without one) None, until a
+        resume makes it claimable. A parked run may count in the claim's `limit` (a claim
+        may return fewer runs). Takeovers and wake-ups (a sleep's end, a fact) take no
+        token."""
         ...
 
     async def heartbeat(
@@ -1382,8 +1383,9 @@ class RateLimitStore(Protocol):
     A backend that implements it keeps, per limit, its `limit`, `per` and pause, and per
     bucket (limit, key) the one time GCRA needs; it takes tokens only by
     `umt_sdk.backend.take_tokens`, atomically with the bucket's other takes (a row lock on
-    Postgres), in the claim (see `Backend.claim`) and in `take_rate_token`. A paused limit
-    gives no token.
+    Postgres), in the claim (see `Backend.claim`) and in `take_rate_token`; and, per bucket,
+    the last wait slot it handed out (`parked_until`, see `umt_sdk.backend.park_slot`),
+    forgotten when the limit is changed or resumed. A paused limit gives no token.
     """
 
     async def define_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
@@ -1420,5 +1422,7 @@ class RateLimitStore(Protocol):
         Once per attempt: a request for an attempt that has its token is `granted` again
         without taking another (a run taken over after a crash between the take and the
         step's record asks again). The grant is stored atomically with the take and goes
-        when the run goes."""
+        when the run goes. Without a token (`wait`), `next_at` is the bucket's next wait
+        slot (`park_slot`, kept as its `parked_until`), and the run is noted as waiting for
+        the limit, so a change or a resume makes it claimable at once."""
         ...

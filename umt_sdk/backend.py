@@ -14,7 +14,7 @@ from umt_sdk._codec import check_codec, open_json, seal_json, sealed_by
 from umt_sdk._codec_backend import CodecBackend
 from umt_sdk._engine import new_run_id
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
-from umt_sdk._rate_limits import TokenTake, take_tokens, token_interval
+from umt_sdk._rate_limits import TokenTake, park_slot, take_tokens, token_interval
 from umt_sdk._serde import encode_payload, unstorable_json_reason, unstorable_reason
 from umt_sdk._spi import (
     HELD_WAIT,
@@ -139,6 +139,7 @@ __all__ = [
     "hookimpl",
     "new_run_id",
     "open_json",
+    "park_slot",
     "seal_json",
     "sealed_by",
     "take_tokens",

@@ -296,9 +296,9 @@ WITH served AS (
     JOIN tokens t ON t.rate_limit = l.rate_limit AND t.rate_limit_key = l.rate_limit_key
     WHERE l.limited
 ), parked AS (
-    -- No token: back until the bucket's next token is due (the i-th of the batch i intervals
-    -- later), never past the run's deadline; under a paused limit until a resume (or the
-    -- deadline).
+    -- No token: back until its wait slot (the bucket's next token, or an interval after the
+    -- last run it parked: the i-th of the batch i intervals after the first), never past the
+    -- run's deadline; under a paused limit until a resume (or the deadline).
     UPDATE {schema}.runs r SET
         waits_for_limit = r.rate_limit,
         queued = false,
@@ -1564,13 +1564,11 @@ RETURNING name;
 
 -- name: lock_rate_buckets
 -- After a change or a resume of the limit: wait for the claims and steps taking its tokens
--- now. Each take locks its bucket before it reads the limit, so a take after this sees the
--- change, and one before it has parked its runs by the time unpark_rate_limited (a new
--- statement, a new snapshot) looks for them.
-SELECT count(*) AS buckets FROM (
-    SELECT 1 FROM {schema}.rate_buckets b WHERE b.limit_name = %(name)s
-    FOR NO KEY UPDATE
-) AS l;
+-- now, and forget the wait slots handed out (unpark_rate_limited makes those runs claimable:
+-- they wait in new slots). Each take locks its bucket before it reads the limit, so a take
+-- after this sees the change, and one before it has parked its runs by the time
+-- unpark_rate_limited (a new statement, a new snapshot) looks for them.
+UPDATE {schema}.rate_buckets b SET parked_until = '-infinity' WHERE b.limit_name = %(name)s;
 
 -- name: unpark_rate_limited
 -- The runs waiting for a token of the limit (parked by a claim, or by a step), claimable now:
