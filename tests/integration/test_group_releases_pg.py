@@ -6,7 +6,8 @@ by a write that then does not end it (a cancel rolled back, a dropped connection
 write), that release must not be lost: the group row keeps it owed, and the next write that
 ends a member, or a worker's pass about once a second, pays it
 (migrations/0015_group_releases.sql). Each test holds the held member's row from a second
-connection while its running sibling ends, then rolls that connection back.
+connection while its running sibling ends, then rolls that connection back (or has the server
+end its session).
 """
 
 from __future__ import annotations
