@@ -45,6 +45,7 @@ from umt_sdk.backend import (
     PruneBatch,
     PrunedRun,
     PruneQuery,
+    RateLimitInfo,
     RunQuery,
     RunRecord,
     RunStatus,
@@ -56,6 +57,9 @@ from umt_sdk.backend import (
     StreamAppend,
     StreamEntry,
     TaskPair,
+    TokenGrant,
+    TokenRequest,
+    take_tokens,
     unstorable_json_reason,
     unstorable_reason,
 )
@@ -167,6 +171,13 @@ class _Run:
     count_waiting: bool = False
     deadline_at: datetime | None = None
     start_by: datetime | None = None
+    rate_limit: str | None = None
+    rate_limit_key: str = ""
+    waits_for_limit: str | None = None
+    """The rate limit it waits for a token of (parked by a claim, or by a step that found
+    none): made claimable at once when that limit is changed or resumed."""
+    token_grants: set[tuple[str, int]] = field(factory=set)
+    """The step attempts that took a token of a rate limit (`take_rate_token`)."""
     steps: dict[tuple[str, int], StepRecord] = field(factory=dict)
     executions: list[_Execution] = field(factory=list)
 
@@ -186,11 +197,41 @@ class _Run:
             self.status == "running" or (self.status == "waiting" and self.count_waiting)
         )
 
+    def needs_token(self, now: datetime) -> bool:
+        """Whether a claim of the run now must take a token of its rate limit: its start (a
+        first claim, or a pending run's), unless the SDK will end it without running it."""
+        return (
+            self.rate_limit is not None
+            and (self.status == "pending" or (self.status == "waiting" and self.claims == 0))
+            and self.cancel_requested_at is None
+            and (self.deadline_at is None or self.deadline_at > now)
+            and (self.claims > 0 or self.start_by is None or self.start_by > now)
+        )
+
     @property
     def wants_slot(self) -> bool:
         """A keyed run wants a slot while pending, and while waiting without count_waiting."""
         return self.concurrency_key is not None and (
             self.status == "pending" or (self.status == "waiting" and not self.count_waiting)
+        )
+
+
+@define(eq=False)
+class _Limit:
+    limit: int
+    per: timedelta
+    created_at: datetime
+    updated_at: datetime
+    paused: bool = False
+
+    def info(self, name: str) -> RateLimitInfo:
+        return RateLimitInfo(
+            name=name,
+            limit=self.limit,
+            per=self.per,
+            paused=self.paused,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
         )
 
 
@@ -280,6 +321,8 @@ class MemoryBackend:
             self._tombstones: dict[UUID, PrunedRun] = {}
             self._tombstone_keys: dict[tuple[str, str], UUID] = {}
             self._streams: dict[UUID, dict[str, _Stream]] = {}
+            self._rate_limits: dict[str, _Limit] = {}
+            self._buckets: dict[tuple[str, str], datetime] = {}
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -667,6 +710,8 @@ class MemoryBackend:
             concurrency_key=run.concurrency_key,
             deadline_at=run.deadline_at,
             start_by=run.start_by,
+            rate_limit=run.rate_limit,
+            rate_limit_key=None if run.rate_limit is None else run.rate_limit_key,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,
@@ -755,6 +800,8 @@ class MemoryBackend:
             concurrency_key=new.concurrency_key,
             count_waiting=new.count_waiting,
             tags=dict(new.tags),
+            rate_limit=new.rate_limit,
+            rate_limit_key=new.rate_limit_key,
             deadline_at=deadline_at,
             start_by=_after(now + (new.delay or timedelta(0)), new.start_within),
         )
@@ -841,6 +888,7 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
+            parked: dict[tuple[str, str], int] = {}
             open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
@@ -860,8 +908,39 @@ class MemoryBackend:
                     run = self._pop_ready(pair, now)
                     if run is None:
                         continue
+                    if run.needs_token(now) and not self._take_run_token(run, now, parked):
+                        continue
                     claimed.append(self._take(run, worker_id, lease, now))
             return claimed
+
+    def _take_run_token(self, run: _Run, now: datetime, parked: dict[tuple[str, str], int]) -> bool:
+        """Take a token of the run's bucket for its start; without one, park the run until
+        the bucket's next token (the i-th parked run of this claim i intervals later), or,
+        under a paused limit, until its deadline or a resume. `parked` counts per bucket."""
+        assert run.rate_limit is not None
+        limit = self._rate_limits.get(run.rate_limit)
+        if limit is None:  # never stored (the SDK stores it first): no limit to keep
+            return True
+        bucket = (run.rate_limit, run.rate_limit_key)
+        deadlines = [run.deadline_at] + ([run.start_by] if run.claims == 0 else [])
+        if limit.paused:
+            wake: datetime | None = min((d for d in deadlines if d is not None), default=None)
+        else:
+            took = take_tokens(
+                tat=self._buckets.get(bucket), now=now, limit=limit.limit, per=limit.per, wanted=1
+            )
+            if took.taken:
+                self._buckets[bucket] = took.tat
+                return True
+            behind = parked.get(bucket, 0)
+            parked[bucket] = behind + 1
+            interval = limit.info(run.rate_limit).interval
+            wake = min([took.next_at + behind * interval] + [d for d in deadlines if d is not None])
+        run.waits_for_limit = run.rate_limit
+        run.available_at = wake
+        run.updated_at = now
+        self._schedule(run)
+        return False
 
     def _take(self, run: _Run, worker_id: str, lease: timedelta, now: datetime) -> ClaimedRun:
         ready_at = run.lease_expires_at if run.status == "running" else run.available_at
@@ -877,6 +956,7 @@ class MemoryBackend:
         run.lease_expires_at = now + lease
         run.available_at = None
         run.updated_at = now
+        run.waits_for_limit = None
         self._unwait(run)
         run.executions.append(_Execution(run.fencing_token, worker_id, now))
         self._running.add(run.run_id)
@@ -1265,6 +1345,96 @@ class MemoryBackend:
                 )
                 for name, version in keys
             ]
+
+    # -- rate limits (RateLimitStore) ----------------------------------------------------------
+
+    async def define_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        with self._lock:
+            stored = self._rate_limits.get(name)
+            if stored is None:
+                now = self.clock.now()
+                stored = self._rate_limits[name] = _Limit(
+                    limit=limit, per=per, created_at=now, updated_at=now
+                )
+            return stored.info(name)
+
+    async def set_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        with self._lock:
+            now = self.clock.now()
+            stored = self._rate_limits.get(name)
+            if stored is None:
+                stored = self._rate_limits[name] = _Limit(
+                    limit=limit, per=per, created_at=now, updated_at=now
+                )
+            else:
+                old = stored.info(name).interval
+                stored.limit, stored.per, stored.updated_at = limit, per, now
+                new = stored.info(name).interval
+                for bucket, tat in self._buckets.items():
+                    if bucket[0] == name and tat > now:  # the tokens owed, in the new interval
+                        owed = (tat - now) // timedelta(microseconds=1)
+                        self._buckets[bucket] = now + timedelta(microseconds=-(-owed * new // old))
+                self._unpark(name, now)
+            return stored.info(name)
+
+    async def get_rate_limit(self, name: str) -> RateLimitInfo | None:
+        with self._lock:
+            stored = self._rate_limits.get(name)
+            return None if stored is None else stored.info(name)
+
+    async def list_rate_limits(self) -> Sequence[RateLimitInfo]:
+        with self._lock:
+            return [self._rate_limits[name].info(name) for name in sorted(self._rate_limits)]
+
+    async def pause_rate_limit(self, name: str, *, paused: bool) -> bool:
+        with self._lock:
+            stored = self._rate_limits.get(name)
+            if stored is None or stored.paused == paused:
+                return False
+            now = self.clock.now()
+            stored.paused, stored.updated_at = paused, now
+            if not paused:
+                self._unpark(name, now)
+            return True
+
+    def _unpark(self, name: str, now: datetime) -> None:
+        """The runs the limit parked, claimable now (they take their token by its new rule)."""
+        for run in self._runs.values():
+            if run.waits_for_limit == name and run.status in ("pending", "waiting"):
+                run.waits_for_limit = None
+                run.available_at = now
+                run.updated_at = now
+                self._schedule(run)
+        self._notify_work()
+        self._maybe_auto_advance()
+
+    async def take_rate_token(self, lease: Lease, request: TokenRequest) -> TokenGrant:
+        with self._lock:
+            run = self._check(lease)
+            now = self.clock.now()
+            attempt = (request.step, request.attempt)
+            if attempt in run.token_grants:
+                return TokenGrant(status="granted", observed_at=now)
+            stored = self._rate_limits.get(request.limit)
+            if stored is None:
+                return TokenGrant(status="unknown", observed_at=now)
+            if stored.paused:
+                run.waits_for_limit = request.limit
+                return TokenGrant(status="paused", observed_at=now)
+            bucket = (request.limit, request.key)
+            took = take_tokens(
+                tat=self._buckets.get(bucket),
+                now=now,
+                limit=stored.limit,
+                per=stored.per,
+                wanted=1,
+            )
+            if not took.taken:
+                run.waits_for_limit = request.limit
+                return TokenGrant(status="wait", next_at=took.next_at, observed_at=now)
+            self._buckets[bucket] = took.tat
+            run.token_grants.add(attempt)
+            return TokenGrant(status="granted", observed_at=now)
 
     # -- retention (RetentionStore) ----------------------------------------------------------------
 

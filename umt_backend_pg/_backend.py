@@ -82,6 +82,7 @@ from umt_sdk.backend import (
     PruneBatch,
     PrunedRun,
     PruneQuery,
+    RateLimitInfo,
     RunQuery,
     RunRecord,
     ScheduleQuery,
@@ -91,6 +92,8 @@ from umt_sdk.backend import (
     StreamAppend,
     StreamEntry,
     TaskPair,
+    TokenGrant,
+    TokenRequest,
 )
 from umt_sdk.exceptions import (
     BackendError,
@@ -314,6 +317,8 @@ class PostgresBackend:
             "deadline_at": new.deadline_at,
             "timeout": new.timeout,
             "start_within": new.start_within,
+            "rate_limit": new.rate_limit,
+            "rate_limit_key": new.rate_limit_key,
         }
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
@@ -925,6 +930,101 @@ class PostgresBackend:
             )
             for r in rows
         ]
+
+    # -- rate limits (RateLimitStore) ----------------------------------------------------------
+
+    @staticmethod
+    def _rate_limit(row: Mapping[str, Any]) -> RateLimitInfo:
+        return RateLimitInfo(
+            name=row["name"],
+            limit=row["token_limit"],
+            per=timedelta(microseconds=row["per_us"]),
+            paused=row["paused"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+        )
+
+    async def define_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        row = await self._one(
+            "define_rate_limit",
+            {"name": name, "limit": limit, "per_us": per // timedelta(microseconds=1)},
+        )
+        assert row is not None
+        return self._rate_limit(row)
+
+    async def _unpark(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        name: str,
+        rescale: tuple[int, int] | None = None,
+    ) -> None:
+        """In the transaction that changed or resumed the limit: wait for the takes in flight
+        (their parks committed), rescale the buckets to a new interval (`rescale`: old and
+        new, in microseconds), then make the runs it parked claimable."""
+        await conn.execute(self._q["lock_rate_buckets"], {"name": name})
+        if rescale is not None and rescale[0] != rescale[1]:
+            await conn.execute(
+                self._q["rescale_rate_buckets"],
+                {"name": name, "old_us": rescale[0], "new_us": rescale[1]},
+            )
+        await conn.execute(
+            self._q["unpark_rate_limited"], {"name": name, "channel": self.work_channel}
+        )
+
+    async def set_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.cursor(row_factory=dict_row).execute(
+                    self._q["set_rate_limit"],
+                    {"name": name, "limit": limit, "per_us": per // timedelta(microseconds=1)},
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                if row["old_interval_us"] is not None:
+                    await self._unpark(conn, name, (row["old_interval_us"], row["interval_us"]))
+        return self._rate_limit(row)
+
+    async def get_rate_limit(self, name: str) -> RateLimitInfo | None:
+        row = await self._one("get_rate_limit", {"name": name})
+        return None if row is None else self._rate_limit(row)
+
+    async def list_rate_limits(self) -> Sequence[RateLimitInfo]:
+        return [self._rate_limit(r) for r in await self._all("list_rate_limits", {})]
+
+    async def pause_rate_limit(self, name: str, *, paused: bool) -> bool:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(
+                    self._q["pause_rate_limit"], {"name": name, "paused": paused}
+                )
+                changed = await cur.fetchone() is not None
+                if changed and not paused:
+                    await self._unpark(conn, name)
+        return changed
+
+    async def take_rate_token(self, lease: Lease, request: TokenRequest) -> TokenGrant:
+        row = await self._one(
+            "take_rate_token",
+            {
+                "run_id": lease.run_id,
+                "token": lease.fencing_token,
+                "step": request.step,
+                "attempt": request.attempt,
+                "limit": request.limit,
+                "key": request.key,
+            },
+        )
+        assert row is not None
+        if not row["held"]:
+            raise self._fenced(lease, f"take a token of rate limit {request.limit!r}")
+        if row["granted"] or row["state"] == "taken":
+            return TokenGrant(status="granted", observed_at=row["db_now"])
+        status = row["state"]
+        return TokenGrant(
+            status=status,
+            next_at=row["next_at"] if status == "wait" else None,
+            observed_at=row["db_now"],
+        )
 
     # -- retention (RetentionStore) --------------------------------------------------------------
 

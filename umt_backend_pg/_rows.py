@@ -122,6 +122,8 @@ def _record(
         concurrency_key=row.get("concurrency_key"),
         deadline_at=row.get("deadline_at"),
         start_by=row.get("start_by"),
+        rate_limit=row.get("rate_limit"),
+        rate_limit_key=row.get("rate_limit_key"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,

@@ -23,6 +23,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
@@ -31,6 +32,7 @@ from umt_sdk._spi import (
     ExecutionRecord,
     OverlapPolicy,
     PausedTask,
+    RateLimitInfo,
     RunStatus,
     TaskPair,
 )
@@ -96,6 +98,9 @@ __all__ = [
     "PayloadCodec",
     "PayloadError",
     "PruneReport",
+    "RateLimit",
+    "RateLimitInfo",
+    "RateLimits",
     "Registry",
     "RetryPolicy",
     "RunCanceledError",

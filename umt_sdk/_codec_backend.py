@@ -43,6 +43,7 @@ from umt_sdk._spi import (
     ErrorInfo,
     Ledger,
     LifecycleStore,
+    RateLimitStore,
     RetentionStore,
     ScheduleStore,
     StreamStore,
@@ -202,6 +203,7 @@ _PROTOCOLS: tuple[type, ...] = (
     ChildGroupStore,
     StreamStore,
     LifecycleStore,
+    RateLimitStore,
 )
 _PROTOCOL_METHODS = frozenset(
     name for protocol in _PROTOCOLS for name in vars(protocol) if not name.startswith("_")

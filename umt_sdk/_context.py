@@ -21,6 +21,7 @@ from umt_sdk._names import (
     check_sleep_arguments,
     check_wait_arguments,
 )
+from umt_sdk._rate_limits import RateLimit, check_step_rate_limit
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
@@ -99,6 +100,8 @@ class StepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -111,6 +114,8 @@ class StepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def run(
@@ -122,6 +127,8 @@ class StepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
@@ -132,12 +139,27 @@ class StepApi:
         `timeout`: how long one attempt may run; past it an async `fn` is cancelled, a plain
         one (a thread cannot be killed) is left to finish on its own and its result ignored,
         and the attempt fails with `StepTimeoutError`, retried per the step's policy.
-        The keywords `retry`, `output_type` and `timeout` are taken by umt; pass a lambda if
-        `fn` has a parameter of one of those names.
+        `rate_limit`: a rate limit's name (stored: `engine.rate_limits.set`) or a `RateLimit`
+        (stored if it is not): each attempt takes one token of it before `fn` runs, once, on
+        any worker; without a free token the step waits for the next one (a wait of more
+        than a second parks the run, freeing the worker's slot, and the step asks again when
+        it is resumed). `rate_limit_key` names the bucket (one per tenant); without it, the
+        limit's one bucket. An unknown name fails the run with `UsageError`.
+        The keywords `retry`, `output_type`, `timeout`, `rate_limit` and `rate_limit_key` are
+        taken by umt; pass a lambda if `fn` has a parameter of one of those names.
         """
         check_run_arguments(name, fn, retry, output_type, timeout)
+        check_step_rate_limit(name, rate_limit, rate_limit_key)
         call = StepCall.inline(
-            name, fn, args, kwargs, retry=retry, output_type=output_type, timeout=timeout
+            name,
+            fn,
+            args,
+            kwargs,
+            retry=retry,
+            output_type=output_type,
+            timeout=timeout,
+            rate_limit=rate_limit,
+            rate_limit_key=rate_limit_key,
         )
         return self._steps.run(call)
 
@@ -406,13 +428,24 @@ class SyncStepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
         check_run_arguments(name, fn, retry, output_type, timeout)
+        check_step_rate_limit(name, rate_limit, rate_limit_key)
         call = StepCall.inline(
-            name, fn, args, kwargs, retry=retry, output_type=output_type, timeout=timeout
+            name,
+            fn,
+            args,
+            kwargs,
+            retry=retry,
+            output_type=output_type,
+            timeout=timeout,
+            rate_limit=rate_limit,
+            rate_limit_key=rate_limit_key,
         )
         value: R = self._steps.from_thread(self._steps.run(call))
         return value

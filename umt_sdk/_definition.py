@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar
 from attrs import frozen
 
 from umt_sdk._concurrency import Concurrency
+from umt_sdk._rate_limits import RateLimit
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
 
@@ -44,6 +45,8 @@ class TaskDefinition(Generic[I, O]):
     """At most `limit` runs of a key running at once (see `Concurrency`); None: no limit."""
     timeout: timedelta | None = None
     """How long a run may take from its enqueue before it fails (see `task`); None: no limit."""
+    rate_limit: RateLimit[Any] | None = None
+    """The rate limit a run takes a token of to start (see `RateLimit`); None: none."""
 
     @property
     def pair(self) -> TaskPair:

@@ -37,6 +37,7 @@ from umt_sdk._lifecycle import (
 )
 from umt_sdk._names import check_name, check_type_argument
 from umt_sdk._plugins import PluginHost
+from umt_sdk._rate_limits import RateLimits, ensure_defined, rate_limit_fields
 from umt_sdk._retention import (
     DEFAULT_BATCH_SIZE,
     Pruner,
@@ -192,6 +193,8 @@ class Engine:
             backend=backend, registry=registry, start=self._start_tick, cancel=self._cancel_for
         )
         """Create, list, pause, resume, delete, trigger and backfill schedules."""
+        self.rate_limits = RateLimits(backend)
+        """Set, read, list, pause and resume the stored rate limits (`RateLimit`)."""
 
     @property
     def codec(self) -> PayloadCodec | None:
@@ -316,6 +319,14 @@ class Engine:
             input_type=definition.input_type,
             input_json=input_json,
         )
+        limited = rate_limit_fields(
+            definition.rate_limit,
+            task_name=definition.name,
+            input_type=definition.input_type,
+            input_json=input_json,
+        )
+        if definition.rate_limit is not None:
+            await ensure_defined(self.backend, definition.rate_limit, "enqueue()")
         strategy = definition.concurrency.strategy if definition.concurrency else "queue"
         if conn is not None and strategy != "queue":
             raise UsageError(
@@ -344,6 +355,7 @@ class Engine:
                 trace_context=self.telemetry.inject(),
                 tags=run_tags,
                 **keyed,
+                **limited,
                 deadline_at=deadline_at,
                 timeout=timeout,
                 start_within=start_within,
@@ -618,6 +630,15 @@ class Engine:
             if definition is not None
             else {}
         )
+        limited: dict[str, Any] = {}
+        if definition is not None and definition.rate_limit is not None:
+            limited = rate_limit_fields(
+                definition.rate_limit,
+                task_name=definition.name,
+                input_type=definition.input_type,
+                input_json=input_json,
+            )
+            await ensure_defined(self.backend, definition.rate_limit, "rerun()")
         call = "rerun" if rerun else "fork"
         attributes = {
             **Telemetry.task_attributes(record.task_name, version),
@@ -640,6 +661,7 @@ class Engine:
                 kept_steps=() if plan is None else plan.kept_steps,
                 tags=dict(record.tags),  # found by the same tags as the run it starts again
                 **keyed,
+                **limited,
                 # A new run: the task's timeout counts from now (a definition this process
                 # does not register sets none).
                 timeout=definition.timeout if definition is not None else None,

@@ -99,6 +99,8 @@ __all__ = [
     "PruneBatch",
     "PruneQuery",
     "PrunedRun",
+    "RateLimitInfo",
+    "RateLimitStore",
     "RetentionStore",
     "RunQuery",
     "RunRecord",
@@ -115,6 +117,8 @@ __all__ = [
     "StreamEntry",
     "StreamStore",
     "TaskPair",
+    "TokenGrant",
+    "TokenRequest",
 ]
 
 RunStatus = Literal["pending", "running", "waiting", "completed", "failed", "canceled"]
@@ -288,6 +292,11 @@ class NewRun:
     start_within: timedelta | None = None
     """How long after it becomes claimable (the enqueue plus `delay`) the run may still be
     started: stored as `RunRecord.start_by`. None: no start deadline."""
+    rate_limit: str | None = None
+    """The rate limit the run's starts take a token of (`@task(rate_limit=...)`; the SDK
+    stored the limit first, `RateLimitStore.define_rate_limit`): see `claim`. None: none."""
+    rate_limit_key: str = ""
+    """With `rate_limit`: the run's bucket of that limit ("" : the limit's one bucket)."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -536,6 +545,10 @@ class RunRecord:
     """When the run must be finished by (`NewRun.deadline_at` / `timeout`), None: never."""
     start_by: datetime | None = None
     """When the run must have been claimed by (`NewRun.start_within`), None: no limit."""
+    rate_limit: str | None = None
+    """The rate limit the run's starts take a token of (`NewRun.rate_limit`), None: none."""
+    rate_limit_key: str | None = None
+    """With `rate_limit`: the run's bucket ("" : the limit's one bucket)."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)
@@ -684,7 +697,20 @@ class Backend(Protocol):
         other keys and without a key are claimed as if they were not there. A run that holds
         a slot (a lapsed lease taken over, a `count_waiting` run woken) is claimed as any
         other. A write that frees a slot (an ending, a cancel) makes the key's next run
-        claimable at once, and wakes `wait_for_work`."""
+        claimable at once, and wakes `wait_for_work`.
+
+        Rate limits (`NewRun.rate_limit`, a backend that implements `RateLimitStore`): a
+        claim that starts a run with a limit (its first claim, or a claim of a `pending` run:
+        a retry, a hand-back) takes one token of the run's bucket (`rate_limit`,
+        `rate_limit_key`) by `umt_sdk.backend.take_tokens`, atomically with the other claims
+        of that bucket (across workers), unless the run's cancel was requested or its
+        deadline (or, on a first claim, its start deadline) has passed: the SDK ends those
+        without running them. A run that finds no token is not claimed and is *parked*: it
+        stays as it is, its `available_at` moved to when its bucket's next token is due (the
+        i-th such run of a claim to i intervals later), never later than its deadline; under
+        a paused limit, to its deadline or (without one) None, until `resume_rate_limit`
+        makes it claimable. A parked run takes no part of the claim's `limit`'s order but
+        counts in it. Takeovers and wake-ups (a sleep's end, a fact) take no token."""
         ...
 
     async def heartbeat(
@@ -1171,4 +1197,100 @@ class LifecycleStore(Protocol):
 
     async def list_paused_tasks(self) -> Sequence[PausedTask]:
         """Every stored pause, by task name then version (the whole task's first)."""
+        ...
+
+
+# -- rate limits --------------------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class RateLimitInfo:
+    """A named rate limit as stored: `limit` tokens per `per`, and whether it is paused."""
+
+    name: str
+    limit: int
+    per: timedelta
+    paused: bool = False
+    created_at: datetime = field(validator=_tz_aware_required)
+    updated_at: datetime = field(validator=_tz_aware_required)
+
+    @property
+    def interval(self) -> timedelta:
+        """How often a bucket gets a token back: `per / limit`, rounded up to the microsecond."""
+        per_us = self.per // timedelta(microseconds=1)
+        return timedelta(microseconds=-(-per_us // self.limit))
+
+
+@frozen(kw_only=True)
+class TokenRequest:
+    """A step's request for one token (`ctx.step.run(..., rate_limit=...)`), as the SDK made
+    it: the token is for the attempt `attempt` of the step `step` of the lease's run."""
+
+    limit: str
+    key: str = ""
+    step: str
+    attempt: int
+
+
+@frozen(kw_only=True)
+class TokenGrant:
+    """What `take_rate_token` did."""
+
+    status: Literal["granted", "wait", "paused", "unknown"]
+    """`granted`: the attempt has its token (taken now, or by an earlier request of the same
+    attempt); `wait`: no token free (`next_at` says when one is due); `paused`: the limit is
+    paused; `unknown`: no limit of that name is stored."""
+    next_at: datetime | None = field(default=None, validator=_tz_aware)
+    observed_at: datetime = field(validator=_tz_aware_required)
+    """The store's clock at the take."""
+
+
+@runtime_checkable
+class RateLimitStore(Protocol):
+    """What a backend implements to store rate limits (`RateLimit`, `engine.rate_limits`).
+    Optional: on a backend without it, tasks and steps with a rate limit are refused with a
+    `UsageError` that says so.
+
+    A backend that implements it keeps, per limit, its `limit`, `per` and pause, and per
+    bucket (limit, key) the one time GCRA needs; it takes tokens only by
+    `umt_sdk.backend.take_tokens`, atomically with the bucket's other takes (a row lock on
+    Postgres), in the claim (see `Backend.claim`) and in `take_rate_token`. A paused limit
+    gives no token.
+    """
+
+    async def define_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        """Store the limit if no limit of that name is stored (first write wins); return the
+        stored one either way."""
+        ...
+
+    async def set_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
+        """Store the limit, replacing `limit` and `per` of a stored one (its pause stays).
+        The tokens taken stay taken: each bucket's time still ahead of now is rescaled to the
+        new interval, `now + ceil((tat - now) * new interval / old interval)` (in
+        microseconds), atomically with the bucket's takes. Runs parked by the limit become
+        claimable now, so they take their token by the new rule. Returns the stored limit."""
+        ...
+
+    async def get_rate_limit(self, name: str) -> RateLimitInfo | None:
+        """The stored limit, or None."""
+        ...
+
+    async def list_rate_limits(self) -> Sequence[RateLimitInfo]:
+        """Every stored limit, by name."""
+        ...
+
+    async def pause_rate_limit(self, name: str, *, paused: bool) -> bool:
+        """Pause (no token is given, runs wait unharmed) or resume the limit; resuming makes
+        the runs it parked claimable now. False when no limit of that name is stored or it
+        already was so."""
+        ...
+
+    async def take_rate_token(self, lease: Lease, request: TokenRequest) -> TokenGrant:
+        """Take one token of `request`'s bucket for the step attempt it names, if the run is
+        still held under `lease`'s token (else `FencingError`, nothing taken).
+
+        Once per attempt: a request for an attempt that has its token is `granted` again
+        without taking another (a run taken over after a crash between the take and the
+        step's record asks again). The grant is stored atomically with the take and goes
+        when the run goes."""
         ...

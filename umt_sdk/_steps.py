@@ -29,12 +29,14 @@ from umt_sdk._history import History
 from umt_sdk._ids import new_run_id
 from umt_sdk._lifecycle import CHILD_KEY_PREFIX, MAP_KEY_PREFIX
 from umt_sdk._names import check_name, inline_target
+from umt_sdk._rate_limits import RateLimit, ensure_defined, rate_limit_fields, rate_limit_store
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import (
     Backend,
     ChildGroup,
     ChildGroupStore,
     ClaimedRun,
+    ControllableClock,
     ErrorInfo,
     ExecutionOutcome,
     Fact,
@@ -44,6 +46,7 @@ from umt_sdk._spi import (
     SimulatedCrash,
     StepKind,
     StepRecord,
+    TokenRequest,
 )
 from umt_sdk._streams import StepScope, step_scope
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
@@ -62,7 +65,22 @@ from umt_sdk.exceptions import (
     UsageError,
 )
 
-__all__ = ["StepCall", "StepHost", "Steps", "error_info", "group_fact"]
+__all__ = [
+    "PAUSED_TOKEN_RECHECK",
+    "SHORT_TOKEN_WAIT",
+    "StepCall",
+    "StepHost",
+    "Steps",
+    "error_info",
+    "group_fact",
+]
+
+SHORT_TOKEN_WAIT = timedelta(seconds=1)
+"""A step whose rate limit's next token is due within this waits for it in the worker; a
+longer wait parks the run (its slot freed) until the token is due."""
+PAUSED_TOKEN_RECHECK = timedelta(minutes=5)
+"""A step whose rate limit is paused parks its run this long, then asks again (its resume
+wakes the run at once: this only covers a wake-up that was lost)."""
 
 T = TypeVar("T")
 
@@ -83,6 +101,10 @@ class StepCall:
     """What the output decodes to, on the first execution and on every replay."""
     timeout: timedelta | None = None
     """How long one attempt may run before it fails with `StepTimeoutError`; None: no limit."""
+    rate_limit: str | RateLimit[Any] | None = None
+    """The rate limit each attempt takes a token of before its body runs; None: none."""
+    rate_limit_key: str | None = None
+    """With `rate_limit`: its bucket (None: the limit's one bucket)."""
 
     @classmethod
     def inline(
@@ -95,6 +117,8 @@ class StepCall:
         retry: RetryPolicy | None,
         output_type: Any,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
     ) -> StepCall:
         """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
         the name checked, and a decorated `fn` replaced by its plain function, its output type
@@ -110,6 +134,8 @@ class StepCall:
             retry=retry,
             output_type=declared if output_type is None else output_type,
             timeout=timeout,
+            rate_limit=rate_limit,
+            rate_limit_key=rate_limit_key,
         )
 
 
@@ -264,6 +290,8 @@ class Steps:
         attempt = (last.attempt + 1) if last is not None else 1
         self._host.check_before_step()
         self._host.go_live()
+        if call.rate_limit is not None:
+            await self._take_token(call, full, attempt)
         with self._telemetry.step(full, attempt) as step_trace:
             try:
                 return await self._execute_step(call, full, attempt, step_trace)
@@ -273,6 +301,52 @@ class Steps:
             finally:
                 # Only now: a refused write of its record still names the step.
                 self.current_step = self.current_step_started_at = None
+
+    async def _take_token(self, call: StepCall, full: str, attempt: int) -> None:
+        """One token of the step's rate limit for this attempt (once: a run taken over asks
+        again and is granted the token its attempt took). Without a free token: wait here
+        for one due within `SHORT_TOKEN_WAIT` (on a clock a test moves, never), else park the
+        run until it is due (a paused limit: `PAUSED_TOKEN_RECHECK`) and ask again then."""
+        host = self._host
+        limit = call.rate_limit
+        assert limit is not None
+        if isinstance(limit, RateLimit):
+            await host.guard(ensure_defined(host.backend, limit, f"step {full!r}"))
+            name = limit.name
+        else:
+            name = limit
+        store = rate_limit_store(host.backend, f"step {full!r} with a rate_limit")
+        request = TokenRequest(
+            limit=name, key=call.rate_limit_key or "", step=full, attempt=attempt
+        )
+        while True:
+            grant = await host.guard(store.take_rate_token(host.lease, request))
+            if grant.status == "granted":
+                return
+            if grant.status == "unknown":
+                raise UsageError(
+                    f"step {full!r}: no rate limit {name!r} is stored; store it with "
+                    f"engine.rate_limits.set({name!r}, limit=..., per=...) (or `umt limits set`), "
+                    "or pass a RateLimit(...) as the step's rate_limit",
+                    argument="rate_limit",
+                )
+            wait = (
+                grant.next_at - grant.observed_at
+                if grant.status == "wait" and grant.next_at is not None
+                else PAUSED_TOKEN_RECHECK
+            )
+            until = host.now() + max(wait, timedelta(0))
+            clock = host.backend.clock
+            if wait <= SHORT_TOKEN_WAIT and not isinstance(clock, ControllableClock):
+                await wait_until(host.now, until, clock)
+                host.check_before_step()
+                continue
+            deadline = host.claimed.deadline_at
+            if deadline is not None and until > deadline:
+                until = deadline  # the deadline ends the run then
+            _probe.reach(host.aborts, "park", full, attempt=attempt, step_kind="step")
+            await host.park(outcome="waiting", step=None, available_at=until)
+            raise Suspend
 
     def _stop_outcome(self) -> str:
         """How a step cut off by a stop ended: its lease was lost, or the process is going
@@ -481,9 +555,19 @@ class Steps:
             input_type=definition.input_type,
             input_json=input_json,
         )
+        limited = rate_limit_fields(
+            definition.rate_limit,
+            task_name=definition.name,
+            input_type=definition.input_type,
+            input_json=input_json,
+        )
 
         async def enqueue_child() -> UUID:
             child_id = new_run_id()
+            if definition.rate_limit is not None:
+                await self._host.guard(
+                    ensure_defined(self._host.backend, definition.rate_limit, "start_child()")
+                )
             result = await self._host.guard(
                 self._host.backend.enqueue(
                     NewRun(
@@ -499,6 +583,7 @@ class Steps:
                         parent_fact=child_fact(child_id),
                         cancel_with_parent=cancel_with_parent,
                         **keyed,
+                        **limited,
                         timeout=definition.timeout,
                     )
                 )
@@ -613,6 +698,12 @@ class Steps:
                 f"map {name!r}: task {definition.name!r} has a concurrency key, which map does "
                 "not combine with its own held children; use max_concurrency, or start_child "
                 "and gather",
+                argument="task",
+            )
+        if definition.rate_limit is not None:
+            raise UsageError(
+                f"map {name!r}: task {definition.name!r} has a rate limit, which map does not "
+                "combine with its own held children yet; use start_child and gather",
                 argument="task",
             )
         parent = self._host.claimed

@@ -19,6 +19,7 @@ from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execu
 from umt_sdk._cron import CronSpec
 from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, TaskDefinition
 from umt_sdk._names import check_name, check_retry, check_storable, hints, unwrap_awaitable
+from umt_sdk._rate_limits import RateLimit, check_rate_limit
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import OverlapPolicy, TaskPair
 from umt_sdk._steps import StepCall
@@ -65,6 +66,7 @@ def task(
     retention: timedelta | None = None,
     concurrency: Concurrency[Any] | None = None,
     timeout: timedelta | None = None,
+    rate_limit: RateLimit[Any] | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
 
@@ -92,6 +94,10 @@ def task(
             signal, its step in progress is cut off), sleeping, waiting for a fact or still
             pending; never retried. `enqueue(deadline=...)` can set an earlier one. None (the
             default): no limit.
+        rate_limit: a run starts only when a token of this limit is free, across all
+            workers (`RateLimit("openai", limit=600, per=timedelta(minutes=1))`); without one
+            it waits, pending and unharmed, until the next token is due. See
+            docs/flow-control.md.
     """
     check_name("task", name)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -124,6 +130,7 @@ def task(
             argument="retention",
         )
     concurrency = check_concurrency(concurrency, task_name=name)
+    rate_limit = check_rate_limit(rate_limit, task_name=name)
 
     if timeout is not None:
         _check_timeout(timeout, where=f"task {name!r}")
@@ -169,6 +176,7 @@ def task(
             retention=retention,
             concurrency=concurrency,
             timeout=timeout,
+            rate_limit=rate_limit,
         )
 
     return typing.cast(_TaskDecorator, decorate)

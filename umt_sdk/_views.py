@@ -112,6 +112,11 @@ class RunInfo:
     concurrency_key: str | None = None
     """The run's concurrency key (`@task(concurrency=...)`), computed at enqueue; a `pending`
     run of a full key waits for a slot. `engine.list(concurrency_key=...)` finds its runs."""
+    rate_limit: str | None = None
+    """The rate limit its starts take a token of (`@task(rate_limit=...)`); a `pending` run
+    whose bucket had no token waits until `available_at`, when the next one is due."""
+    rate_limit_key: str | None = None
+    """With `rate_limit`: the run's bucket ("": the limit's one bucket)."""
     deadline_at: datetime | None = None
     """When the run must be finished by (`@task(timeout=...)`, `enqueue(deadline=...)`);
     None: no deadline."""
@@ -291,6 +296,8 @@ def build_run_info(record: RunRecord) -> RunInfo:
         forked_at_step=record.forked_at_step,
         tags=dict(record.tags),
         concurrency_key=record.concurrency_key,
+        rate_limit=record.rate_limit,
+        rate_limit_key=record.rate_limit_key,
         deadline_at=record.deadline_at,
         start_by=record.start_by,
         deadline_passed=deadline_passed(record),

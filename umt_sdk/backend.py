@@ -14,6 +14,7 @@ from umt_sdk._codec import check_codec, open_json, seal_json, sealed_by
 from umt_sdk._codec_backend import CodecBackend
 from umt_sdk._engine import new_run_id
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
+from umt_sdk._rate_limits import TokenTake, take_tokens, token_interval
 from umt_sdk._serde import encode_payload, unstorable_json_reason, unstorable_reason
 from umt_sdk._spi import (
     HELD_WAIT,
@@ -45,6 +46,8 @@ from umt_sdk._spi import (
     PruneBatch,
     PrunedRun,
     PruneQuery,
+    RateLimitInfo,
+    RateLimitStore,
     RetentionStore,
     RunQuery,
     RunRecord,
@@ -61,6 +64,8 @@ from umt_sdk._spi import (
     StreamEntry,
     StreamStore,
     TaskPair,
+    TokenGrant,
+    TokenRequest,
 )
 
 __all__ = [
@@ -94,6 +99,8 @@ __all__ = [
     "PruneBatch",
     "PruneQuery",
     "PrunedRun",
+    "RateLimitInfo",
+    "RateLimitStore",
     "RetentionStore",
     "RunQuery",
     "RunRecord",
@@ -112,6 +119,9 @@ __all__ = [
     "SystemClock",
     "TERMINAL_STATUSES",
     "TaskPair",
+    "TokenGrant",
+    "TokenRequest",
+    "TokenTake",
     "check_codec",
     "encode_payload",
     "hookimpl",
@@ -119,6 +129,8 @@ __all__ = [
     "open_json",
     "seal_json",
     "sealed_by",
+    "take_tokens",
+    "token_interval",
     "unstorable_json_reason",
     "unstorable_reason",
 ]

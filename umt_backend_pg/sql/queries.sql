@@ -15,7 +15,8 @@
 -- its pair is paused (it waits in runs_claim_ready: paused runs never hold `ready` rows, which
 -- would keep its slots from being truncated); a run with a concurrency key never is (it waits
 -- for a slot: runs_claim_keyed), and its key's row counts it (`queued`) and takes the limit it
--- was enqueued with.
+-- was enqueued with. A run with a rate limit is not queued either: the claim takes its token
+-- (claim_runs), finding it in runs_claim_ready as a delayed run.
 -- A keyed run is not inserted when the key's run was pruned (its tombstone in `pruned_runs`,
 -- one index probe, only for keyed runs); its tags (if any) go to `run_tags`.
 -- Its deadline is the earlier of %(deadline_at)s and now() + %(timeout)s (NULL: none given),
@@ -26,20 +27,22 @@ WITH inserted AS (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
         cancel_with_parent, rerun_of, forked_from, forked_at_step, concurrency_key,
-        count_waiting, tags, deadline_at, start_by
+        count_waiting, tags, deadline_at, start_by, rate_limit, rate_limit_key
     )
     SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
         least(now() + %(delay)s::interval, d.deadline_at), %(idempotency_key)s::text,
         %(input_hash)s, %(trace_context)s, %(input)s::jsonb,
         %(delay)s::interval <= interval '0' AND %(concurrency_key)s::text IS NULL
+        AND %(rate_limit)s::text IS NULL
         AND NOT EXISTS (
             SELECT 1 FROM {schema}.paused_tasks z
             WHERE z.task_name = %(task_name)s AND z.task_version IN (0, %(task_version)s)),
         %(parent_run_id)s::uuid, %(parent_fact)s::text, %(cancel_with_parent)s,
         %(rerun_of)s::uuid, %(forked_from)s::uuid, %(forked_at_step)s::text,
         %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb, d.deadline_at,
-        now() + %(delay)s::interval + %(start_within)s::interval
+        now() + %(delay)s::interval + %(start_within)s::interval, %(rate_limit)s::text,
+        CASE WHEN %(rate_limit)s::text IS NOT NULL THEN %(rate_limit_key)s::text END
     FROM (SELECT least(%(deadline_at)s::timestamptz, now() + %(timeout)s::interval)
               AS deadline_at) AS d
     WHERE %(idempotency_key)s::text IS NULL OR NOT EXISTS (
@@ -250,7 +253,15 @@ WITH served AS (
     SELECT r.id, r.status AS previous_status, r.fencing_token AS previous_token,
            CASE WHEN r.status = 'running' THEN r.lease_expires_at ELSE r.available_at END
                AS ready_at,
-           c.keyed
+           c.keyed, c.turn, c.priority,
+           -- A start of a run with a rate limit takes a token (see tokens), unless the worker
+           -- will end the run without running it (its cancel, its deadline, its start deadline).
+           r.rate_limit IS NOT NULL
+               AND (r.status = 'pending' OR (r.status = 'waiting' AND r.claims = 0))
+               AND r.cancel_requested_at IS NULL
+               AND (r.deadline_at IS NULL OR r.deadline_at > now())
+               AND (r.claims > 0 OR r.start_by IS NULL OR r.start_by > now()) AS limited,
+           r.rate_limit, r.rate_limit_key
     FROM distinct_candidates c
     JOIN {schema}.runs r ON r.id = c.id
     WHERE r.status IN ('pending', 'waiting', 'running') AND r.available_at <= now()
@@ -262,6 +273,47 @@ WITH served AS (
     ORDER BY c.turn, c.priority DESC, c.available_at
     LIMIT %(limit)s
     FOR UPDATE OF r SKIP LOCKED
+), token_wants AS (
+    SELECT l.rate_limit, l.rate_limit_key, count(*)::integer AS wanted
+    FROM locked l WHERE l.limited
+    GROUP BY l.rate_limit, l.rate_limit_key
+), tokens AS (
+    -- One take per bucket the batch starts runs of, under the bucket's row lock (a bucket
+    -- another claim holds is skipped: its runs stay as they are). Never called for runs
+    -- without a rate limit.
+    SELECT w.rate_limit, w.rate_limit_key, t.taken, t.next_at, t.interval_us, t.state
+    FROM token_wants w
+    CROSS JOIN LATERAL {schema}.take_rate_tokens(
+        w.rate_limit, w.rate_limit_key, w.wanted, true) AS t
+), token_turns AS (
+    -- The runs of each bucket in the claim's order: the first `taken` start, the others park.
+    SELECT l.id, t.taken, t.next_at, t.interval_us, t.state,
+           row_number() OVER (
+               PARTITION BY l.rate_limit, l.rate_limit_key
+               ORDER BY l.turn, l.priority DESC, l.ready_at
+           ) AS place
+    FROM locked l
+    JOIN tokens t ON t.rate_limit = l.rate_limit AND t.rate_limit_key = l.rate_limit_key
+    WHERE l.limited
+), parked AS (
+    -- No token: back until the bucket's next token is due (the i-th of the batch i intervals
+    -- later), never past the run's deadline; under a paused limit until a resume (or the
+    -- deadline).
+    UPDATE {schema}.runs r SET
+        waits_for_limit = r.rate_limit,
+        queued = false,
+        available_at = least(
+            CASE WHEN t.state <> 'paused'
+                 THEN t.next_at + ((t.place - t.taken - 1) * t.interval_us)
+                                  * interval '1 microsecond' END,
+            r.deadline_at,
+            CASE WHEN r.claims = 0 THEN r.start_by END),
+        updated_at = now()
+    FROM token_turns t
+    WHERE r.id = t.id AND t.place > t.taken AND t.state IN ('taken', 'wait', 'paused')
+    RETURNING r.id
+), unqueued AS (
+    DELETE FROM {schema}.ready q USING parked p WHERE q.run_id = p.id
 ), claimed AS (
     UPDATE {schema}.runs r SET
         status = 'running',
@@ -274,9 +326,11 @@ WITH served AS (
         available_at = now() + %(lease)s::interval,
         lease_expires_at = now() + %(lease)s::interval,
         wait_for = NULL,
+        waits_for_limit = NULL,
         updated_at = now()
     FROM locked l
     WHERE r.id = l.id
+      AND (NOT l.limited OR l.id IN (SELECT t.id FROM token_turns t WHERE t.place <= t.taken))
     RETURNING r.id, r.task_name, r.task_version, r.input, r.priority, r.fencing_token,
               r.claims, r.failures, r.trace_context, r.idempotency_key, l.previous_status,
               l.previous_token, l.ready_at, r.forked_from IS NOT NULL AS forked, l.keyed,
@@ -847,7 +901,7 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
        forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
-       now() AS db_now
+       rate_limit, rate_limit_key, now() AS db_now
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps
@@ -868,7 +922,7 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
        forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
-       now() AS db_now
+       rate_limit, rate_limit_key, now() AS db_now
 FROM {schema}.runs
 WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(task_version)s::integer IS NULL OR task_version = %(task_version)s)
@@ -899,7 +953,7 @@ CROSS JOIN LATERAL (
            r.lease_expires_at, r.finished_at, r.cancel_requested_at, r.cancel_reason,
            r.wait_for, r.trace_context, r.parent_run_id, r.rerun_of, r.forked_from,
            r.forked_at_step, r.concurrency_key, r.tags, r.deadline_at, r.start_by,
-           now() AS db_now
+           r.rate_limit, r.rate_limit_key, now() AS db_now
     FROM {schema}.runs r
     WHERE r.id = t.run_id
       AND r.tags @> %(tags)s::jsonb
@@ -1363,3 +1417,114 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
 FROM {schema}.runs
 WHERE parent_run_id = %(parent_run_id)s AND child_group = %(name)s
 ORDER BY group_index;
+
+-- name: define_rate_limit
+-- A limit, stored unless one of that name is (first write wins); the stored one either way.
+WITH inserted AS (
+    INSERT INTO {schema}.rate_limits (name, token_limit, per_us)
+    VALUES (%(name)s, %(limit)s, %(per_us)s)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING name, token_limit, per_us, paused, created_at, updated_at
+)
+SELECT * FROM inserted
+UNION ALL
+SELECT name, token_limit, per_us, paused, created_at, updated_at FROM {schema}.rate_limits
+WHERE name = %(name)s AND NOT EXISTS (SELECT 1 FROM inserted);
+
+-- name: set_rate_limit
+-- A limit stored or changed (its pause stays), with its interval before (NULL: new). Run first
+-- in a transaction, then lock_rate_buckets, rescale_rate_buckets and unpark_rate_limited, each
+-- its own statement.
+WITH old AS (
+    SELECT (l.per_us + l.token_limit - 1) / l.token_limit AS interval_us
+    FROM {schema}.rate_limits l WHERE l.name = %(name)s
+), stored AS (
+    INSERT INTO {schema}.rate_limits (name, token_limit, per_us)
+    VALUES (%(name)s, %(limit)s, %(per_us)s)
+    ON CONFLICT (name) DO UPDATE SET
+        token_limit = EXCLUDED.token_limit, per_us = EXCLUDED.per_us, updated_at = now()
+    RETURNING name, token_limit, per_us, paused, created_at, updated_at
+)
+SELECT s.*, (s.per_us + s.token_limit - 1) / s.token_limit AS interval_us,
+       (SELECT o.interval_us FROM old o) AS old_interval_us
+FROM stored s;
+
+-- name: rescale_rate_buckets
+-- After a change of the limit, its buckets locked (lock_rate_buckets): the tokens taken stay
+-- taken, each bucket's time ahead of now rescaled to the new interval (rounded up).
+UPDATE {schema}.rate_buckets b SET
+    tat = now() + ceil((extract(epoch FROM b.tat - now()) * 1000000)::numeric
+                       * %(new_us)s / %(old_us)s)::bigint * interval '1 microsecond'
+WHERE b.limit_name = %(name)s AND b.tat > now();
+
+-- name: pause_rate_limit
+-- Pause or resume a limit; no row when it is unknown or was so already. A resume is followed
+-- by lock_rate_buckets and unpark_rate_limited in the same transaction.
+UPDATE {schema}.rate_limits SET paused = %(paused)s, updated_at = now()
+WHERE name = %(name)s AND paused <> %(paused)s
+RETURNING name;
+
+-- name: lock_rate_buckets
+-- After a change or a resume of the limit: wait for the claims and steps taking its tokens
+-- now. Each take locks its bucket before it reads the limit, so a take after this sees the
+-- change, and one before it has parked its runs by the time unpark_rate_limited (a new
+-- statement, a new snapshot) looks for them.
+SELECT count(*) AS buckets FROM (
+    SELECT 1 FROM {schema}.rate_buckets b WHERE b.limit_name = %(name)s
+    FOR NO KEY UPDATE
+) AS l;
+
+-- name: unpark_rate_limited
+-- The runs waiting for a token of the limit (parked by a claim, or by a step), claimable now:
+-- they take their token by its new rule.
+WITH unparked AS (
+    UPDATE {schema}.runs r SET waits_for_limit = NULL, available_at = now(), updated_at = now()
+    WHERE r.waits_for_limit = %(name)s
+      AND r.status IN ('pending', 'waiting')
+    RETURNING r.task_name, r.task_version
+)
+SELECT (SELECT count(*) FROM unparked) AS unparked,
+       (SELECT pg_notify(%(channel)s, string_agg(DISTINCT u.task_name || '@' || u.task_version,
+                                                 ','))
+        FROM unparked u HAVING count(*) > 0) AS notified;
+
+-- name: get_rate_limit
+SELECT name, token_limit, per_us, paused, created_at, updated_at FROM {schema}.rate_limits
+WHERE name = %(name)s;
+
+-- name: list_rate_limits
+SELECT name, token_limit, per_us, paused, created_at, updated_at FROM {schema}.rate_limits
+ORDER BY name;
+
+-- name: take_rate_token
+-- One token for a step attempt of a held run (fenced by its token), once per attempt: an
+-- attempt that has its grant is granted again without a take. The take waits for the
+-- bucket's lock (a claim holds it for one statement). The run is read by id alone. Without a
+-- token, the run is marked as waiting for the limit (its park follows), so a change or a
+-- resume of the limit wakes it.
+WITH run AS MATERIALIZED (
+    SELECT r.id, r.status, r.fencing_token FROM {schema}.runs r WHERE r.id = %(run_id)s
+), held AS (
+    SELECT r.id FROM run r WHERE r.status = 'running' AND r.fencing_token = %(token)s
+), granted AS (
+    SELECT 1 FROM {schema}.rate_grants g
+    WHERE g.run_id = %(run_id)s AND g.step_name = %(step)s AND g.attempt = %(attempt)s
+), asking AS (
+    SELECT %(limit)s::text AS limit_name, %(key)s::text AS bucket_key FROM held h
+    WHERE NOT EXISTS (SELECT 1 FROM granted)
+), took AS MATERIALIZED (
+    SELECT a.limit_name, a.bucket_key, t.taken, t.next_at, t.state
+    FROM asking a
+    CROSS JOIN LATERAL {schema}.take_rate_tokens(a.limit_name, a.bucket_key, 1, false) AS t
+), recorded AS (
+    INSERT INTO {schema}.rate_grants (run_id, step_name, attempt, limit_name, bucket_key)
+    SELECT %(run_id)s, %(step)s, %(attempt)s, t.limit_name, t.bucket_key
+    FROM took t WHERE t.state = 'taken'
+    ON CONFLICT DO NOTHING
+), marked AS (
+    UPDATE {schema}.runs r SET waits_for_limit = t.limit_name
+    FROM took t WHERE r.id = %(run_id)s AND t.state IN ('wait', 'paused')
+)
+SELECT EXISTS (SELECT 1 FROM held) AS held, EXISTS (SELECT 1 FROM granted) AS granted,
+       t.state, t.next_at, now() AS db_now
+FROM (SELECT 1) AS one LEFT JOIN took t ON true;

@@ -32,6 +32,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
+- `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from umt_sdk.testing._contract import (
     _listing,
     _payloads,
     _pruning,
+    _rate_limits,
     _replay,
     _retries,
     _runs,
@@ -93,6 +95,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_streams.TASKS,
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
+    *_rate_limits.TASKS,
     *_deadlines.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
@@ -124,6 +127,7 @@ class BackendContract(
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
+    _rate_limits.RateLimitsContract,
     _deadlines.DeadlinesContract,
     _base.ContractBase,
 ):
