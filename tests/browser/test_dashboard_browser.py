@@ -151,6 +151,10 @@ def row_status(browser: Any, run_id: UUID) -> str | None:
     return str(rows[0].find_element("css selector", ".status").text.strip())
 
 
+STATUS_CELL = "//*[@id='run-status']/.."
+"""A run's status with what it waits for, on its page."""
+
+
 def no_console_errors(browser: Any, where: str) -> None:
     errors = console_errors(console_entries(browser))
     assert errors == [], f"console errors on {where}: {errors}"
@@ -296,3 +300,114 @@ async def test_hostile_values_show_as_text(
         ).text.replace("\\u0007", ""), page
         no_console_errors(browser, page)
     shots("hostile")
+
+
+async def test_a_fact_from_the_page_finishes_a_run_and_a_retry_links_to_it(
+    demo: Demo, dashboard: str, browser: Any, shots: Callable[[str], Path]
+) -> None:
+    await demo.worker("agent", "agent-1")
+    waiting = await demo.engine.enqueue(demo_tasks.download, {"item": "ubuntu-3"})
+    browser.get(f"{dashboard}/runs/{waiting.run_id}")
+    wait_until(  # past its durable sleep (also "waiting"), at the wait for its approval
+        browser,
+        lambda: "for fact approved" in browser.find_element("xpath", STATUS_CELL).text,
+        what="the run to wait for its approval",
+    )
+
+    # The actions are drawn with the page (a live refresh would clobber what is typed), so
+    # the fact's name is filled in once the page is loaded while the run waits (opened anew:
+    # a reload would restore the empty field the browser had).
+    browser.get(f"{dashboard}/runs/{waiting.run_id}")
+    # A payload that is not JSON: shown next to its field, nothing stored.
+    fact_form = "//form[contains(@action, '/signal')]"
+    assert (
+        browser.find_element("xpath", f"{fact_form}//input[@name='name']").get_attribute("value")
+        == "approved"
+    ), "the fact's name defaults to the one the run waits for"
+    payload = browser.find_element("xpath", f"{fact_form}//textarea[@name='payload']")
+    payload.clear()
+    payload.send_keys('{"by": carol}')
+    browser.find_element("xpath", f"{fact_form}//button").click()
+    error = wait_until(
+        browser,
+        lambda: browser.find_elements("css selector", ".field-error"),
+        what="the payload's error next to its field",
+    )
+    assert "payload" in error[0].find_element("xpath", "./..").text.lower(), error[0].text
+    shots("fact-invalid")
+    # The refused form comes back as 400, which the console reports; nothing else may.
+    refused = console_errors(console_entries(browser))
+    assert [(e.source, "/signal" in e.message, "400" in e.message) for e in refused] == [
+        ("network", True, True)
+    ], refused
+    info = await demo.engine.get(waiting.run_id)
+    assert info.status == "waiting"
+    assert info.waiting_for == "approved"
+
+    payload = browser.find_element("css selector", "textarea[name='payload']")
+    payload.clear()
+    payload.send_keys('{"by": "carol"}')
+    browser.find_element("xpath", "//button[normalize-space()='Send fact']").click()
+    wait_until(
+        browser,
+        lambda: "stored" in browser.find_element("tag name", "body").text,
+        what="the notice that the fact was stored",
+    )
+    mark_page(browser)
+    wait_until(
+        browser,
+        lambda: "completed" in browser.find_element("id", "run-status").text,
+        what="the approved run to complete",
+    )
+    assert same_page(browser), "the run's page was reloaded: its status must change in place"
+    assert (await demo.engine.get(waiting.run_id)).output is not None
+    no_console_errors(browser, "the approved run's page")
+
+    # A finished run offers "Retry as a new run": same input, linked back to this one.
+    browser.get(f"{dashboard}/runs/{waiting.run_id}")  # actions are drawn with the page
+    browser.find_element("xpath", "//button[normalize-space()='Retry as a new run']").click()
+    wait_until(
+        browser,
+        lambda: (
+            f"/runs/{waiting.run_id}"
+            in (
+                browser.find_element(
+                    "xpath", "//dt[normalize-space()='Retry of']/following-sibling::dd[1]/a"
+                ).get_attribute("href")
+                or ""
+            )
+        ),
+        what="the new run's page, linked to the original",
+    )
+    assert str(waiting.run_id) not in browser.find_element("tag name", "h1").text
+    shots("retried")
+    no_console_errors(browser, "the retried run's page")
+
+
+async def test_every_waiting_run_of_a_filter_is_canceled_after_a_count(
+    demo: Demo, dashboard: str, browser: Any, shots: Callable[[str], Path]
+) -> None:
+    await demo.worker("agent", "agent-1")
+    runs = [
+        await demo.engine.enqueue(demo_tasks.download, {"item": f"batch-{n}"}) for n in range(3)
+    ]
+    kept = await demo.engine.enqueue(demo_tasks.summarize, {"item": "keep me"})
+    browser.get(f"{dashboard}/runs?task=download%401")
+    wait_until(
+        browser,
+        lambda: all(row_status(browser, r.run_id) == "waiting" for r in runs),
+        what="the three downloads to wait for their approvals",
+    )
+    browser.find_element("partial link text", "Cancel all unfinished runs matching").click()
+    assert browser.find_element("id", "match-count").text == "3"
+    shots("cancel-matching")
+    browser.find_element("xpath", "//button[contains(., 'Yes, cancel 3 run')]").click()
+    wait_until(
+        browser,
+        lambda: "3 canceled" in browser.find_element("tag name", "body").text,
+        what="the notice of the bulk cancel",
+    )
+    for run in runs:
+        assert (await demo.engine.get(run.run_id)).status == "canceled"
+    assert (await demo.engine.get(kept.run_id)).status != "canceled"
+    no_console_errors(browser, "the runs page after the bulk cancel")

@@ -314,6 +314,25 @@ class RateLimitsContract:
         for earlier, later in itertools.pairwise(started):
             assert later.claimed_at - earlier.claimed_at >= per, "never two in one interval"
 
+    async def test_parked_runs_keep_their_order_and_a_newcomer_waits_behind_them(
+        self, engine: Engine
+    ) -> None:
+        backend = engine.backend
+        await _store(engine).define_rate_limit("contract.rl.order", limit=1, per=LONG)
+        runs = [await _enqueue(backend, "contract.rl.order") for _ in range(3)]
+        assert set(await _claim(backend)) == {runs[0]}
+        newcomer = await _enqueue(backend, "contract.rl.order")
+        assert await _claim(backend) == {}
+        slots = []
+        for run_id in (*runs[1:], newcomer):
+            head = await backend.get_run_head(run_id)
+            assert head is not None
+            assert head.available_at is not None
+            slots.append(head.available_at)
+        assert slots == sorted(slots), "each waits for its own token, in order"
+        assert len(set(slots)) == len(slots), "never two parked for the same token"
+        assert slots[1] - slots[0] >= LONG, "one token per interval"
+
     async def test_a_paused_limit_holds_runs_unharmed_until_resumed(
         self, engine: Engine, harness: BackendHarness
     ) -> None:
