@@ -768,6 +768,8 @@ class PostgresBackend:
             "keys": [new.idempotency_key for new in runs],
             "hashes": [new.input_hash for new in runs],
             "inputs": [new.input_json for new in runs],
+            "rate_limits": [new.rate_limit for new in runs],
+            "rate_keys": [new.rate_limit_key for new in runs],
             "trace_context": Jsonb(dict(runs[0].trace_context) if runs else {}),
             "cancel_with_parent": bool(runs) and runs[0].cancel_with_parent,
             "timeout": runs[0].timeout if runs else None,

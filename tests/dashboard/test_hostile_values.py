@@ -24,6 +24,7 @@ from umt_sdk.backend import (
     Lease,
     LifecycleStore,
     NewRun,
+    RateLimitStore,
     StepRecord,
     TaskPair,
     WorkerState,
@@ -130,6 +131,8 @@ async def _seed(engine: Engine) -> tuple[UUID, UUID]:
     )
     assert isinstance(backend, LifecycleStore)
     await backend.pause_task(task_name=TASK, task_version=None)
+    assert isinstance(backend, RateLimitStore)
+    await backend.define_rate_limit(TASK, limit=1, per=timedelta(seconds=1))
     return failed.run_id, waiting.run_id
 
 
@@ -165,6 +168,7 @@ def pages_for(failed: UUID, waiting: UUID) -> list[str]:
         "/concurrency",
         "/paused",
         "/schedules",
+        "/rate-limits",
         f"/tasks/{quote(TASK, safe='')}/1/enqueue",
     ]
 
@@ -205,6 +209,7 @@ async def test_hostile_values_are_shown_as_text(board: Browser, seeded: tuple[UU
     assert "&lt;script&gt;alert(&#34;umt&#34;)&lt;/script&gt;" in await board.page("/concurrency")
     assert "evil&lt;script&gt;alert(1)&lt;/script&gt;" in await board.page("/paused")
     assert "evil&lt;script&gt;alert(1)&lt;/script&gt;" in await board.page("/tasks")
+    assert "evil&lt;script&gt;alert(1)&lt;/script&gt;" in await board.page("/rate-limits")
     by_worker = await board.page(f"/runs?worker={quote(WORKER)}")
     assert str(failed) in by_worker
 

@@ -239,3 +239,50 @@ async def test_metrics_need_the_token_when_one_is_set(dash_engine: Engine) -> No
         assert (await client.get("/metrics")).status_code == 401
     async with browser_for(app, authorization="Bearer metrics-token-123") as client:
         assert (await client.get("/metrics")).status_code == 200
+
+
+async def test_the_rate_limits_page_lists_limits_and_pauses_them(
+    dash_engine: Engine, board: Browser
+) -> None:
+    assert "No rate limit is stored" in await board.page("/rate-limits")
+    await dash_engine.rate_limits.set("openai", limit=600, per=timedelta(minutes=1))
+    html = await board.page("/rate-limits")
+    assert "<code>openai</code>" in html
+    assert "<td>600</td>" in html
+    assert "0.100s" in html  # a token every 100 ms
+    paused = await board.submit("/rate-limits/pause", {"name": "openai"})
+    assert paused.status_code == 303
+    assert "paused rate limit openai" in await board.page(paused.headers["location"])
+    (limit,) = await dash_engine.rate_limits.list()
+    assert limit.paused
+    resumed = await board.submit("/rate-limits/resume", {"name": "openai"})
+    assert "resumed rate limit openai" in await board.page(resumed.headers["location"])
+    assert not (await dash_engine.rate_limits.list())[0].paused
+    unknown = await board.submit("/rate-limits/pause", {"name": "nope"})
+    assert unknown.status_code == 400
+    async with browser_for(create_app(dash_engine, read_only=True)) as client:
+        read_only = Browser(client)
+        assert "Pause</button>" not in await read_only.page("/rate-limits")
+        refused = await read_only.submit("/rate-limits/pause", {"name": "openai"})
+        assert refused.status_code == 403
+    assert not (await dash_engine.rate_limits.list())[0].paused
+
+
+async def test_the_runs_list_filters_by_finish_time_and_parent(
+    dash_engine: Engine, board: Browser
+) -> None:
+    run = await dash_engine.enqueue(ship, Order(customer="f", quantity=1))
+    open_run = await dash_engine.enqueue(approve, Approval(item="open"))
+    await dash_engine.cancel(run.run_id)
+    info = await dash_engine.get(run.run_id)
+    assert info.finished_at is not None
+    before = (info.finished_at - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M")
+    listed = re.findall(
+        r'href="/runs/([0-9a-f-]{36})"', await board.page(f"/runs?finished_after={before}")
+    )
+    assert listed == [str(run.run_id)]
+    assert str(open_run.run_id) not in listed
+    children = await board.page(f"/runs?parent={run.run_id}")
+    assert "children of" in children
+    assert re.findall(r'<td><a href="/runs/([0-9a-f-]{36})"', children) == []
+    assert "not a run id" in await board.page("/runs?parent=nope")

@@ -1345,8 +1345,9 @@ ORDER BY task_name, task_version;
 -- name: start_group
 -- A map's children, in one statement: the group (first write wins: nothing else is written when
 -- it exists, and the caller reads its members with group_members), and each child as insert_run
--- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready`, the
--- rest held (waiting for their turn, outside every claim index).
+-- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready` (but
+-- a child with a rate limit: the claim takes its token, as insert_run says), the rest held
+-- (waiting for their turn, outside every claim index).
 WITH grp AS (
     INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining, max_concurrency)
     VALUES (%(parent_run_id)s, %(name)s, cardinality(%(ids)s::uuid[]),
@@ -1355,27 +1356,30 @@ WITH grp AS (
     RETURNING 1
 ), items AS (
     SELECT i.id, i.task_name, i.task_version, i.priority, i.idempotency_key, i.input_hash,
-           i.input, i.ord - 1 AS group_index,
+           i.input, i.ord - 1 AS group_index, i.rate_limit, i.rate_limit_key,
            %(max_concurrency)s::integer IS NOT NULL AND i.ord > %(max_concurrency)s AS held
     FROM unnest(%(ids)s::uuid[], %(task_names)s::text[], %(task_versions)s::integer[],
                 %(priorities)s::smallint[], %(keys)s::text[], %(hashes)s::text[],
-                %(inputs)s::text[])
+                %(inputs)s::text[], %(rate_limits)s::text[], %(rate_keys)s::text[])
          WITH ORDINALITY AS i (id, task_name, task_version, priority, idempotency_key,
-                               input_hash, input, ord)
+                               input_hash, input, rate_limit, rate_limit_key, ord)
     WHERE EXISTS (SELECT 1 FROM grp)
 ), inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, wait_for, child_group, group_index, deadline_at
+        cancel_with_parent, wait_for, child_group, group_index, deadline_at, rate_limit,
+        rate_limit_key
     )
     SELECT i.id, i.task_name, i.task_version,
            CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
            CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
-           %(trace_context)s, i.input::jsonb, NOT i.held AND NOT z.paused,
+           %(trace_context)s, i.input::jsonb,
+           NOT i.held AND NOT z.paused AND i.rate_limit IS NULL,
            %(parent_run_id)s, NULL, %(cancel_with_parent)s,
            CASE WHEN i.held THEN 'umt turn' END, %(name)s, i.group_index,
-           now() + %(timeout)s::interval
+           now() + %(timeout)s::interval, i.rate_limit,
+           CASE WHEN i.rate_limit IS NOT NULL THEN i.rate_limit_key END
     FROM items i
     -- As insert_run: a paused task's runs hold no `ready` rows.
     CROSS JOIN LATERAL (

@@ -440,6 +440,39 @@ class _Dashboard:
             text = f"paused {target}" if changed else f"{target} was paused already"
         return self.back(request, back, notice=text)
 
+    async def rate_limits(self, request: Request) -> Response:
+        error = ""
+        found: list[Any] = []
+        try:
+            found = await self.engine.rate_limits.list()
+        except UsageError as exc:
+            error = str(exc)
+        return self.render(
+            request,
+            "rate_limits.html",
+            limits=found,
+            error=error,
+            duration=pages.duration,
+            notice=str(request.query_params.get("notice", ""))[:300],
+        )
+
+    async def pause_or_resume_limit(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        name = str(form.get("name") or "").strip()
+        resume = request.url.path.endswith("/resume")
+        limits = self.engine.rate_limits
+        try:
+            changed = await (limits.resume(name) if resume else limits.pause(name))
+        except UmtError as exc:
+            return self.problem(request, 400, str(exc))
+        if resume:
+            text = f"resumed rate limit {name}" if changed else f"{name} was not paused"
+        else:
+            text = f"paused rate limit {name}" if changed else f"{name} was paused already"
+        return self.back(request, "/rate-limits", notice=text)
+
     # -- enqueue --------------------------------------------------------------------------------
 
     async def enqueue(self, request: Request) -> Response:
@@ -580,6 +613,9 @@ def create_app(
         Route("/schedules", board.schedules),
         Route("/concurrency", board.concurrency),
         Route("/paused", board.paused),
+        Route("/rate-limits", board.rate_limits),
+        Route("/rate-limits/pause", board.pause_or_resume_limit, methods=["POST"]),
+        Route("/rate-limits/resume", board.pause_or_resume_limit, methods=["POST"]),
         Route("/metrics", board.metrics),
         Mount(
             "/static", app=StaticFiles(packages=[("umt_sdk.dashboard", "static")]), name="static"

@@ -71,6 +71,10 @@ class RunFilters:
     worker: str = ""
     created_after: str = ""
     created_before: str = ""
+    finished_after: str = ""
+    finished_before: str = ""
+    parent: str = ""
+    """Only the children of this run."""
     before: str = ""
     """The page cursor (the last run id of the previous page)."""
     errors: Mapping[str, str] = field(factory=dict)
@@ -91,6 +95,9 @@ class RunFilters:
             worker=text("worker", 255),
             created_after=text("created_after", 40),
             created_before=text("created_before", 40),
+            finished_after=text("finished_after", 40),
+            finished_before=text("finished_before", 40),
+            parent=text("parent", 64),
             before=text("before", 64),
         )
 
@@ -104,6 +111,9 @@ class RunFilters:
             "worker": self.worker,
             "created_after": self.created_after,
             "created_before": self.created_before,
+            "finished_after": self.finished_after,
+            "finished_before": self.finished_before,
+            "parent": self.parent,
             "before": self.before,
             **changes,
         }
@@ -138,7 +148,12 @@ class RunFilters:
                 arguments["idempotency_key"] = self.idempotency_key
         if self.worker:
             arguments["worker_id"] = self.worker
-        for name in ("created_after", "created_before"):
+        if self.parent:
+            try:
+                arguments["parent"] = UUID(self.parent)
+            except ValueError:
+                errors["parent"] = "not a run id (a UUID)"
+        for name in ("created_after", "created_before", "finished_after", "finished_before"):
             value = getattr(self, name)
             if value:
                 try:
@@ -207,6 +222,9 @@ def _fields(filters: RunFilters) -> dict[str, Any]:
             "worker",
             "created_after",
             "created_before",
+            "finished_after",
+            "finished_before",
+            "parent",
             "before",
         )
     }
