@@ -37,10 +37,13 @@ from umt_sdk.backend import (
     ExecutionOutcome,
     ExecutionRecord,
     Fact,
+    FinishedCount,
     HeartbeatResult,
+    KeyUsage,
     Lease,
     LedgerEntry,
     NewRun,
+    PairActivity,
     PausedTask,
     PruneBatch,
     PrunedRun,
@@ -59,6 +62,9 @@ from umt_sdk.backend import (
     TaskPair,
     TokenGrant,
     TokenRequest,
+    WorkerRecord,
+    WorkerState,
+    park_slot,
     take_tokens,
     unstorable_json_reason,
     unstorable_reason,
@@ -321,8 +327,10 @@ class MemoryBackend:
             self._tombstones: dict[UUID, PrunedRun] = {}
             self._tombstone_keys: dict[tuple[str, str], UUID] = {}
             self._streams: dict[UUID, dict[str, _Stream]] = {}
+            self._workers: dict[str, WorkerRecord] = {}
             self._rate_limits: dict[str, _Limit] = {}
             self._buckets: dict[tuple[str, str], datetime] = {}
+            self._parked_until: dict[tuple[str, str], datetime] = {}
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -888,7 +896,6 @@ class MemoryBackend:
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
-            parked: dict[tuple[str, str], int] = {}
             open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
@@ -908,15 +915,14 @@ class MemoryBackend:
                     run = self._pop_ready(pair, now)
                     if run is None:
                         continue
-                    if run.needs_token(now) and not self._take_run_token(run, now, parked):
+                    if run.needs_token(now) and not self._take_run_token(run, now):
                         continue
                     claimed.append(self._take(run, worker_id, lease, now))
             return claimed
 
-    def _take_run_token(self, run: _Run, now: datetime, parked: dict[tuple[str, str], int]) -> bool:
+    def _take_run_token(self, run: _Run, now: datetime) -> bool:
         """Take a token of the run's bucket for its start; without one, park the run until
-        the bucket's next token (the i-th parked run of this claim i intervals later), or,
-        under a paused limit, until its deadline or a resume. `parked` counts per bucket."""
+        its slot (`park_slot`), or, under a paused limit, until its deadline or a resume."""
         assert run.rate_limit is not None
         limit = self._rate_limits.get(run.rate_limit)
         if limit is None:  # never stored (the SDK stores it first): no limit to keep
@@ -932,15 +938,19 @@ class MemoryBackend:
             if took.taken:
                 self._buckets[bucket] = took.tat
                 return True
-            behind = parked.get(bucket, 0)
-            parked[bucket] = behind + 1
-            interval = limit.info(run.rate_limit).interval
-            wake = min([took.next_at + behind * interval] + [d for d in deadlines if d is not None])
+            slot = self._park(bucket, took.next_at, limit.info(run.rate_limit).interval)
+            wake = min([slot] + [d for d in deadlines if d is not None])
         run.waits_for_limit = run.rate_limit
         run.available_at = wake
         run.updated_at = now
         self._schedule(run)
         return False
+
+    def _park(self, bucket: tuple[str, str], next_at: datetime, interval: timedelta) -> datetime:
+        """The bucket's next wait slot (`park_slot`), kept as its `parked_until`."""
+        slot = park_slot(next_at, self._parked_until.get(bucket), interval)
+        self._parked_until[bucket] = slot
+        return slot
 
     def _take(self, run: _Run, worker_id: str, lease: timedelta, now: datetime) -> ClaimedRun:
         ready_at = run.lease_expires_at if run.status == "running" else run.available_at
@@ -1346,6 +1356,108 @@ class MemoryBackend:
                 for name, version in keys
             ]
 
+    # -- what operators look at (InsightStore) -----------------------------------------------------
+
+    async def record_worker(self, state: WorkerState) -> None:
+        with self._lock:
+            now = self.clock.now()
+            self._workers[state.worker_id] = WorkerRecord(
+                worker_id=state.worker_id,
+                host=state.host,
+                pid=state.pid,
+                pairs=tuple(state.pairs),
+                concurrency=state.concurrency,
+                runs_held=state.runs_held,
+                started_at=state.started_at,
+                last_seen_at=now,
+                stopped_at=now if state.stopped else None,
+                observed_at=now,
+            )
+
+    async def list_workers(self, *, limit: int) -> Sequence[WorkerRecord]:
+        with self._lock:
+            now = self.clock.now()
+            newest = sorted(
+                self._workers.values(), key=lambda w: (w.last_seen_at, w.worker_id), reverse=True
+            )
+            return [evolve(w, observed_at=now) for w in newest[:limit]]
+
+    async def forget_workers(self, *, seen_before: datetime) -> int:
+        with self._lock:
+            gone = [k for k, w in self._workers.items() if w.last_seen_at < seen_before]
+            for key in gone:
+                del self._workers[key]
+            return len(gone)
+
+    async def pair_activity(self) -> Sequence[PairActivity]:
+        with self._lock:
+            now = self.clock.now()
+            counts: dict[tuple[str, int], dict[str, int]] = {}
+            oldest: dict[tuple[str, int], datetime] = {}
+            for run in self._runs.values():
+                if run.status not in ("pending", "running", "waiting"):
+                    continue
+                pair = (run.task_name, run.task_version)
+                by_status = counts.setdefault(pair, {"pending": 0, "running": 0, "waiting": 0})
+                by_status[run.status] += 1
+                due = run.available_at
+                if run.status == "pending" and due is not None and due <= now:
+                    oldest[pair] = min(oldest.get(pair, due), due)
+            return [
+                PairActivity(
+                    task_name=name,
+                    task_version=version,
+                    pending=c["pending"],
+                    running=c["running"],
+                    waiting=c["waiting"],
+                    oldest_due_at=oldest.get((name, version)),
+                    observed_at=now,
+                )
+                for (name, version), c in sorted(counts.items())
+            ]
+
+    async def finished_counts(
+        self, *, since: datetime, bucket: timedelta
+    ) -> Sequence[FinishedCount]:
+        with self._lock:
+            counts: dict[tuple[str, int, str, datetime], int] = {}
+            for run in self._runs.values():
+                if run.finished_at is None or run.finished_at < since:
+                    continue
+                start = since + bucket * ((run.finished_at - since) // bucket)
+                key = (run.task_name, run.task_version, run.status, start)
+                counts[key] = counts.get(key, 0) + 1
+            return [
+                FinishedCount(
+                    task_name=name,
+                    task_version=version,
+                    status=status,  # type: ignore[arg-type]  # a terminal status: finished
+                    bucket_start=start,
+                    runs=n,
+                )
+                for (name, version, status, start), n in sorted(counts.items())
+            ]
+
+    async def key_usage(self, *, limit: int) -> Sequence[KeyUsage]:
+        with self._lock:
+            usage: dict[tuple[str, str], list[int]] = {}
+            for run in self._runs.values():
+                key = run.key
+                if key is None or not (run.holds_slot or run.wants_slot):
+                    continue
+                counts = usage.setdefault(key, [0, 0])
+                counts[0 if run.holds_slot else 1] += 1
+            return [
+                KeyUsage(
+                    task_name=name,
+                    concurrency_key=key,
+                    limit=self._limits.get((name, key), 1),
+                    holding=holding,
+                    wanting=wanting,
+                )
+                for (name, key), (holding, wanting) in sorted(usage.items())[:limit]
+            ]
+
     # -- rate limits (RateLimitStore) ----------------------------------------------------------
 
     async def define_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
@@ -1398,7 +1510,10 @@ class MemoryBackend:
             return True
 
     def _unpark(self, name: str, now: datetime) -> None:
-        """The runs the limit parked, claimable now (they take their token by its new rule)."""
+        """The runs waiting for a token of the limit, claimable now (they take their token by
+        its new rule, and wait in new slots)."""
+        for bucket in [b for b in self._parked_until if b[0] == name]:
+            del self._parked_until[bucket]
         for run in self._runs.values():
             if run.waits_for_limit == name and run.status in ("pending", "waiting"):
                 run.waits_for_limit = None
@@ -1431,7 +1546,8 @@ class MemoryBackend:
             )
             if not took.taken:
                 run.waits_for_limit = request.limit
-                return TokenGrant(status="wait", next_at=took.next_at, observed_at=now)
+                slot = self._park(bucket, took.next_at, stored.info(request.limit).interval)
+                return TokenGrant(status="wait", next_at=slot, observed_at=now)
             self._buckets[bucket] = took.tat
             run.token_grants.add(attempt)
             return TokenGrant(status="granted", observed_at=now)
@@ -1626,6 +1742,7 @@ def _matches(run: _Run, query: RunQuery) -> bool:
         and (query.parent_run_id is None or run.parent_run_id == query.parent_run_id)
         and (query.concurrency_key is None or run.concurrency_key == query.concurrency_key)
         and (query.idempotency_key is None or run.idempotency_key == query.idempotency_key)
+        and (query.worker_id is None or any(e.worker_id == query.worker_id for e in run.executions))
         and all(run.tags.get(key) == value for key, value in query.tags.items())
         and (query.created_after is None or run.created_at >= query.created_after)
         and (query.created_before is None or run.created_at < query.created_before)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -75,9 +75,12 @@ from umt_sdk.backend import (
     EndResult,
     EnqueueResult,
     Fact,
+    FinishedCount,
     HeartbeatResult,
+    KeyUsage,
     Lease,
     NewRun,
+    PairActivity,
     PausedTask,
     PruneBatch,
     PrunedRun,
@@ -94,6 +97,8 @@ from umt_sdk.backend import (
     TaskPair,
     TokenGrant,
     TokenRequest,
+    WorkerRecord,
+    WorkerState,
 )
 from umt_sdk.exceptions import (
     BackendError,
@@ -697,6 +702,7 @@ class PostgresBackend:
             "parent_run_id": query.parent_run_id,
             "concurrency_key": query.concurrency_key,
             "idempotency_key": query.idempotency_key,
+            "worker_id": query.worker_id,
             "created_after": query.created_after,
             "created_before": query.created_before,
             "finished_after": query.finished_after,
@@ -757,6 +763,8 @@ class PostgresBackend:
             "keys": [new.idempotency_key for new in runs],
             "hashes": [new.input_hash for new in runs],
             "inputs": [new.input_json for new in runs],
+            "rate_limits": [new.rate_limit for new in runs],
+            "rate_keys": [new.rate_limit_key for new in runs],
             "trace_context": Jsonb(dict(runs[0].trace_context) if runs else {}),
             "cancel_with_parent": bool(runs) and runs[0].cancel_with_parent,
             "timeout": runs[0].timeout if runs else None,
@@ -927,6 +935,89 @@ class PostgresBackend:
                 task_name=r["task_name"],
                 task_version=r["task_version"] or None,
                 paused_at=r["paused_at"],
+            )
+            for r in rows
+        ]
+
+    # -- what operators look at (InsightStore) ---------------------------------------------------
+
+    async def record_worker(self, state: WorkerState) -> None:
+        # Committed without waiting for the WAL flush: a lost report is repeated seconds later.
+        await self._all_async_commit(
+            "record_worker",
+            {
+                "worker_id": state.worker_id,
+                "host": state.host,
+                "pid": state.pid,
+                "pairs": Jsonb([{"name": p.name, "version": p.version} for p in state.pairs]),
+                "concurrency": state.concurrency,
+                "runs_held": state.runs_held,
+                "started_at": state.started_at,
+                "stopped": state.stopped,
+            },
+        )
+
+    async def list_workers(self, *, limit: int) -> Sequence[WorkerRecord]:
+        rows = await self._all("list_workers", {"limit": limit})
+        return [
+            WorkerRecord(
+                worker_id=r["worker_id"],
+                host=r["host"],
+                pid=r["pid"],
+                pairs=tuple(TaskPair(name=p["name"], version=p["version"]) for p in r["pairs"]),
+                concurrency=r["concurrency"],
+                runs_held=r["runs_held"],
+                started_at=r["started_at"],
+                last_seen_at=r["last_seen_at"],
+                stopped_at=r["stopped_at"],
+                observed_at=r["db_now"],
+            )
+            for r in rows
+        ]
+
+    async def forget_workers(self, *, seen_before: datetime) -> int:
+        row = await self._one("forget_workers", {"seen_before": seen_before})
+        return int(row["forgotten"]) if row else 0
+
+    async def pair_activity(self) -> Sequence[PairActivity]:
+        rows = await self._all("pair_activity", {})
+        return [
+            PairActivity(
+                task_name=r["task_name"],
+                task_version=r["task_version"],
+                pending=r["pending"],
+                running=r["running"],
+                waiting=r["waiting"],
+                oldest_due_at=r["oldest_due_at"],
+                observed_at=r["db_now"],
+            )
+            for r in rows
+        ]
+
+    async def finished_counts(
+        self, *, since: datetime, bucket: timedelta
+    ) -> Sequence[FinishedCount]:
+        rows = await self._all("finished_counts", {"since": since, "bucket": bucket})
+        return [
+            FinishedCount(
+                task_name=r["task_name"],
+                task_version=r["task_version"],
+                status=r["status"],
+                bucket_start=r["bucket_start"],
+                runs=r["runs"],
+            )
+            for r in rows
+        ]
+
+    async def key_usage(self, *, limit: int) -> Sequence[KeyUsage]:
+        rows = await self._all("key_usage", {"limit": limit})
+        return [
+            KeyUsage(
+                task_name=r["task_name"],
+                concurrency_key=r["concurrency_key"],
+                limit=r["slot_limit"],
+                holding=r["holding"],
+                wanting=r["wanting"],
             )
             for r in rows
         ]

@@ -23,6 +23,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._insight import TaskStats, WorkerInfo
 from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import PruneReport
 from umt_sdk._retry import RetryPolicy
@@ -30,6 +31,7 @@ from umt_sdk._schedules import ScheduleInfo, Schedules, TickReport
 from umt_sdk._spi import (
     ErrorInfo,
     ExecutionRecord,
+    KeyUsage,
     OverlapPolicy,
     PausedTask,
     RateLimitInfo,
@@ -90,6 +92,7 @@ __all__ = [
     "FencingError",
     "HistoryStep",
     "IdempotencyConflictError",
+    "KeyUsage",
     "LeaseLostTooOftenError",
     "NonDeterminismError",
     "OverlapPolicy",
@@ -132,10 +135,12 @@ __all__ = [
     "TaskContext",
     "TaskDefinition",
     "TaskPair",
+    "TaskStats",
     "TickReport",
     "UmtError",
     "UsageError",
     "Worker",
+    "WorkerInfo",
     "ZlibCodec",
     "connect",
     "connect_sync",

@@ -41,6 +41,7 @@ from umt_sdk._spi import (
     ClaimedRun,
     Clock,
     ErrorInfo,
+    InsightStore,
     Ledger,
     LifecycleStore,
     RateLimitStore,
@@ -203,6 +204,7 @@ _PROTOCOLS: tuple[type, ...] = (
     ChildGroupStore,
     StreamStore,
     LifecycleStore,
+    InsightStore,
     RateLimitStore,
 )
 _PROTOCOL_METHODS = frozenset(

@@ -25,6 +25,14 @@ from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._ids import new_run_id
+from umt_sdk._insight import (
+    TaskStats,
+    WorkerInfo,
+    insight_store,
+    store_now,
+    task_stats,
+    worker_infos,
+)
 from umt_sdk._lifecycle import (
     CHILD_KEY_PREFIX,
     MAP_KEY_PREFIX,
@@ -55,6 +63,7 @@ from umt_sdk._spi import (
     CancelOutcome,
     Clock,
     EnqueueResult,
+    KeyUsage,
     NewRun,
     PausedTask,
     RetentionStore,
@@ -717,6 +726,7 @@ class Engine:
         finished_after: datetime | None = None,
         finished_before: datetime | None = None,
         concurrency_key: str | None = None,
+        worker_id: str | None = None,
     ) -> RunPage:
         """Runs, newest first (by run id, which grows with time), matching every filter given;
         page with `before=page.next_cursor`.
@@ -730,6 +740,8 @@ class Engine:
             tags: only runs carrying all of these tags (`enqueue(..., tags=...)`).
             concurrency_key: only runs of this concurrency key (`@task(concurrency=...)`);
                 keys are per task, so give `task_name` too.
+            worker_id: only runs that an execution of this worker claimed (the ids on the
+                run's timeline; `engine.workers()` lists them).
             created_after: only runs created at or after this time (timezone-aware);
                 `created_before`: strictly before it.
             finished_after: only finished runs, finished at or after this time;
@@ -763,6 +775,9 @@ class Engine:
         wanted_tags = check_tags(tags, where="list()")
         if concurrency_key is not None:
             check.text(concurrency_key, "concurrency_key", empty=False, max_length=255)
+        if worker_id is not None:
+            check.text(worker_id, "worker_id", empty=False, max_length=200)
+            _serde.check_text(worker_id, what="worker_id")
         times = {
             "created_after": created_after,
             "created_before": created_before,
@@ -787,6 +802,7 @@ class Engine:
                 finished_after=finished_after,
                 finished_before=finished_before,
                 concurrency_key=concurrency_key,
+                worker_id=worker_id,
             )
         )
         page = [build_run_info(r) for r in records[:limit]]
@@ -894,6 +910,34 @@ class Engine:
             return self.registry.get(name, version).output_type
         except LookupError:
             return Any
+
+    # -- what operators look at -------------------------------------------------------------
+
+    async def workers(self, *, limit: int = 200) -> builtins.list[WorkerInfo]:
+        """The workers that reported themselves (every few seconds while they run), the most
+        recently seen first: live, stopped (a clean shutdown), or silent (no report for
+        `WORKER_SILENT_AFTER` without a goodbye: crashed, frozen or cut off). A backend that
+        does not keep them (`umt_sdk.backend.InsightStore`) raises `UsageError`."""
+        check.integer(limit, "limit", at_least=1, at_most=10_000, expected="in 1..10000")
+        return await worker_infos(insight_store(self.backend, "workers()"), limit=limit)
+
+    async def task_stats(self) -> builtins.list[TaskStats]:
+        """Per (task, version) pair, by task name then version: its pending, running and
+        waiting runs, how many finished in the last hour (per 5 minutes, and failed), the age
+        of its oldest claimable pending run, and which live workers serve it. Every pair with
+        unfinished or recently finished runs, and every pair of the registry."""
+        store = insight_store(self.backend, "task_stats()")
+        workers = await worker_infos(store, limit=1000)
+        return await task_stats(
+            store, now=store_now(self.backend), known=self.registry.pairs(), workers=workers
+        )
+
+    async def key_usage(self, *, limit: int = 500) -> builtins.list[KeyUsage]:
+        """The concurrency keys in use (a run holding or wanting a slot), by task then key:
+        each key's limit and its holding and wanting runs."""
+        check.integer(limit, "limit", at_least=1, at_most=10_000, expected="in 1..10000")
+        store = insight_store(self.backend, "key_usage()")
+        return builtins.list(await store.key_usage(limit=limit))
 
     # -- streams ----------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ __all__ = [
     "check_rate_limit",
     "check_step_rate_limit",
     "ensure_defined",
+    "park_slot",
     "rate_limit_fields",
     "rate_limit_key",
     "rate_limit_store",
@@ -270,6 +271,17 @@ def take_tokens(
     taken = max(0, min(wanted, free))
     new_tat = base + taken * interval
     return TokenTake(taken=taken, tat=new_tat, next_at=new_tat - (limit - 1) * interval)
+
+
+def park_slot(next_at: datetime, parked_until: datetime | None, interval: timedelta) -> datetime:
+    """When a run (or a step) that found no token waits until: the bucket's next token, or one
+    interval after the last wait the bucket handed out (`parked_until`, None: none), whichever
+    is later. The store keeps the result as the bucket's new `parked_until`, so the runs a
+    bucket parks keep their order and each waits for a token of its own (no herd at each
+    token, no newcomer ahead of the backlog)."""
+    if parked_until is None:
+        return next_at
+    return max(next_at, parked_until + interval)
 
 
 # -- the engine's face ----------------------------------------------------------------------------

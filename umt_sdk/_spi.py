@@ -88,13 +88,17 @@ __all__ = [
     "ExecutionOutcome",
     "ExecutionRecord",
     "Fact",
+    "FinishedCount",
     "HeartbeatResult",
+    "InsightStore",
+    "KeyUsage",
     "Lease",
     "Ledger",
     "LedgerEntry",
     "LifecycleStore",
     "NewRun",
     "OverlapPolicy",
+    "PairActivity",
     "PausedTask",
     "PruneBatch",
     "PruneQuery",
@@ -119,6 +123,8 @@ __all__ = [
     "TaskPair",
     "TokenGrant",
     "TokenRequest",
+    "WorkerRecord",
+    "WorkerState",
 ]
 
 RunStatus = Literal["pending", "running", "waiting", "completed", "failed", "canceled"]
@@ -583,6 +589,9 @@ class RunQuery:
     """Only finished runs, finished at or after this time (`RunRecord.finished_at`)."""
     finished_before: datetime | None = field(default=None, validator=_tz_aware)
     """Only finished runs, finished strictly before this time."""
+    worker_id: str | None = None
+    """Only the runs an execution of this worker claimed (`ExecutionRecord.worker_id`), still
+    newest first by run id."""
 
 
 @frozen(kw_only=True)
@@ -706,11 +715,12 @@ class Backend(Protocol):
         of that bucket (across workers), unless the run's cancel was requested or its
         deadline (or, on a first claim, its start deadline) has passed: the SDK ends those
         without running them. A run that finds no token is not claimed and is *parked*: it
-        stays as it is, its `available_at` moved to when its bucket's next token is due (the
-        i-th such run of a claim to i intervals later), never later than its deadline; under
-        a paused limit, to its deadline or (without one) None, until `resume_rate_limit`
-        makes it claimable. A parked run takes no part of the claim's `limit`'s order but
-        counts in it. Takeovers and wake-ups (a sleep's end, a fact) take no token."""
+        stays as it is, its `available_at` moved to its bucket's next wait slot
+        (`umt_sdk.backend.park_slot`, kept as the bucket's `parked_until`), never later than
+        its deadline; under a paused limit, to its deadline or (without one) None, until a
+        resume makes it claimable. A parked run may count in the claim's `limit` (a claim
+        may return fewer runs). Takeovers and wake-ups (a sleep's end, a fact) take no
+        token."""
         ...
 
     async def heartbeat(
@@ -1200,6 +1210,125 @@ class LifecycleStore(Protocol):
         ...
 
 
+# -- what operators look at (the dashboard) -------------------------------------------------
+
+
+@frozen(kw_only=True)
+class WorkerState:
+    """What a worker says of itself (`InsightStore.record_worker`), stored as given."""
+
+    worker_id: str
+    host: str
+    pid: int
+    pairs: Sequence[TaskPair]
+    """The (task, version) pairs it serves."""
+    concurrency: int
+    runs_held: int
+    """Runs it executes now."""
+    started_at: datetime = field(validator=_tz_aware_required)
+    stopped: bool = False
+    """It stopped on purpose (a clean shutdown): its last report."""
+
+
+@frozen(kw_only=True)
+class WorkerRecord:
+    """A worker's newest report, as stored, with when the store received it."""
+
+    worker_id: str
+    host: str
+    pid: int
+    pairs: Sequence[TaskPair]
+    concurrency: int
+    runs_held: int
+    started_at: datetime = field(validator=_tz_aware_required)
+    last_seen_at: datetime = field(validator=_tz_aware_required)
+    """The store's clock when the newest report arrived."""
+    stopped_at: datetime | None = field(default=None, validator=_tz_aware)
+    """The store's clock when the worker reported it stopped; None while it has not."""
+    observed_at: datetime = field(validator=_tz_aware_required)
+    """The store's clock at the read: what `last_seen_at` is compared with to tell a worker
+    that stopped heartbeating (the SDK's rule, `umt_sdk._insight`)."""
+
+
+@frozen(kw_only=True)
+class PairActivity:
+    """The unfinished runs of one (task, version) pair, counted by the store at one read."""
+
+    task_name: str
+    task_version: int
+    pending: int
+    running: int
+    waiting: int
+    oldest_due_at: datetime | None = field(default=None, validator=_tz_aware)
+    """The earliest `available_at` of its `pending` runs that were due at the read (None when
+    none was): how long the oldest claimable run has waited for a worker."""
+    observed_at: datetime = field(validator=_tz_aware_required)
+
+
+@frozen(kw_only=True)
+class FinishedCount:
+    """How many runs of a pair finished with `status` in the time bucket starting at
+    `bucket_start` (`finished_counts`)."""
+
+    task_name: str
+    task_version: int
+    status: Literal["completed", "failed", "canceled"]
+    bucket_start: datetime = field(validator=_tz_aware_required)
+    runs: int
+
+
+@frozen(kw_only=True)
+class KeyUsage:
+    """A concurrency key as stored: its limit and how many runs hold or want a slot."""
+
+    task_name: str
+    concurrency_key: str
+    limit: int
+    holding: int
+    """Runs holding a slot (running, or waiting with `count_waiting`)."""
+    wanting: int
+    """Runs waiting for a slot (pending, or waiting without `count_waiting`)."""
+
+
+@runtime_checkable
+class InsightStore(Protocol):
+    """What a backend implements so that operators can see its workers and its load (the
+    dashboard, `engine.workers()`, `engine.task_stats()`). Optional: without it those reads
+    raise `UsageError` saying so. Reads only, but `record_worker`, whose row nothing else
+    reads: no claim, lease or ending depends on any of it.
+    """
+
+    async def record_worker(self, state: WorkerState) -> None:
+        """Store `state` as the worker's newest report (replacing the previous one), with the
+        store's clock as `last_seen_at`, and as `stopped_at` when `state.stopped`."""
+        ...
+
+    async def list_workers(self, *, limit: int) -> Sequence[WorkerRecord]:
+        """The workers that reported, the most recently seen first, at most `limit`."""
+        ...
+
+    async def forget_workers(self, *, seen_before: datetime) -> int:
+        """Delete the reports of workers last seen before `seen_before`; how many."""
+        ...
+
+    async def pair_activity(self) -> Sequence[PairActivity]:
+        """Per (task, version) pair with unfinished runs: how many are pending, running and
+        waiting, and the oldest due pending one's `available_at`, by task name then version."""
+        ...
+
+    async def finished_counts(
+        self, *, since: datetime, bucket: timedelta
+    ) -> Sequence[FinishedCount]:
+        """The runs finished at or after `since`, counted per pair, status and time bucket
+        (`bucket_start` = `since` plus a whole number of `bucket`s)."""
+        ...
+
+    async def key_usage(self, *, limit: int) -> Sequence[KeyUsage]:
+        """The concurrency keys with a run holding or wanting a slot, by task name then key,
+        at most `limit`."""
+        ...
+
+
 # -- rate limits --------------------------------------------------------------------------------
 
 
@@ -1254,8 +1383,9 @@ class RateLimitStore(Protocol):
     A backend that implements it keeps, per limit, its `limit`, `per` and pause, and per
     bucket (limit, key) the one time GCRA needs; it takes tokens only by
     `umt_sdk.backend.take_tokens`, atomically with the bucket's other takes (a row lock on
-    Postgres), in the claim (see `Backend.claim`) and in `take_rate_token`. A paused limit
-    gives no token.
+    Postgres), in the claim (see `Backend.claim`) and in `take_rate_token`; and, per bucket,
+    the last wait slot it handed out (`parked_until`, see `umt_sdk.backend.park_slot`),
+    forgotten when the limit is changed or resumed. A paused limit gives no token.
     """
 
     async def define_rate_limit(self, name: str, *, limit: int, per: timedelta) -> RateLimitInfo:
@@ -1292,5 +1422,7 @@ class RateLimitStore(Protocol):
         Once per attempt: a request for an attempt that has its token is `granted` again
         without taking another (a run taken over after a crash between the take and the
         step's record asks again). The grant is stored atomically with the take and goes
-        when the run goes."""
+        when the run goes. Without a token (`wait`), `next_at` is the bucket's next wait
+        slot (`park_slot`, kept as its `parked_until`), and the run is noted as waiting for
+        the limit, so a change or a resume makes it claimable at once."""
         ...

@@ -11,14 +11,15 @@ import time
 import uuid
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._execution import Execution
-from umt_sdk._spi import Backend, ClaimedRun, ControllableClock, TaskPair
+from umt_sdk._insight import WORKER_REPORT_INTERVAL, store_now, worker_state
+from umt_sdk._spi import Backend, ClaimedRun, ControllableClock, InsightStore, TaskPair
 from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import BackendError, BackendUnavailableError
@@ -177,6 +178,7 @@ class Worker:
         self.pruner = pruner
         """What deletes old finished runs in the background (None: no retention)."""
         self.prune_interval = prune_interval
+        self._started_at = datetime.now(UTC)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -215,6 +217,13 @@ class Worker:
                     self._prune_loop(self.pruner), name=f"umt-prune-{self.worker_id}"
                 )
             )
+        if isinstance(self.backend, InsightStore):
+            self._started_at = store_now(self.backend)
+            self._tasks.append(
+                asyncio.create_task(
+                    self._report_loop(self.backend), name=f"umt-report-{self.worker_id}"
+                )
+            )
 
     async def stop(self, *, grace: timedelta | None = None) -> None:
         """Stop claiming; let handlers reach a step boundary; give back what is still held."""
@@ -241,6 +250,8 @@ class Worker:
         # so the loops also check `_stopping`; never hang a shutdown on one of them.
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
+        if self._tasks and isinstance(self.backend, InsightStore) and not self.crashed:
+            await self._report(self.backend, stopped=True)
         self._tasks = []
         # Threads still running a handler that ignored the shutdown finish on their own.
         self._threads.shutdown(wait=False)
@@ -424,6 +435,27 @@ class Worker:
         now = time.monotonic()
         for execution in list(self._executions.values()):
             execution.check_lease(now)
+
+    async def _report(self, store: InsightStore, *, stopped: bool = False) -> None:
+        """Tell the store who this worker is (for operators); never fails the worker."""
+        state = worker_state(
+            worker_id=self.worker_id,
+            pairs=self.pairs,
+            concurrency=self.concurrency,
+            runs_held=len(self._executions),
+            started_at=self._started_at,
+            stopped=stopped,
+        )
+        try:
+            await asyncio.wait_for(store.record_worker(state), timeout=5)
+        except Exception as exc:
+            _log.debug("worker report failed: %s", exc)
+
+    async def _report_loop(self, store: InsightStore) -> None:
+        """Report this worker every `WORKER_REPORT_INTERVAL` (the workers page reads it)."""
+        while not self._stopping:
+            await self._report(store)
+            await asyncio.sleep(WORKER_REPORT_INTERVAL.total_seconds())
 
     async def _depth_loop(self) -> None:
         """Refresh the queue-depth gauge of this worker's pairs (cheap, every 10 s)."""

@@ -14,7 +14,7 @@ from umt_sdk._codec import check_codec, open_json, seal_json, sealed_by
 from umt_sdk._codec_backend import CodecBackend
 from umt_sdk._engine import new_run_id
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
-from umt_sdk._rate_limits import TokenTake, take_tokens, token_interval
+from umt_sdk._rate_limits import TokenTake, park_slot, take_tokens, token_interval
 from umt_sdk._serde import encode_payload, unstorable_json_reason, unstorable_reason
 from umt_sdk._spi import (
     HELD_WAIT,
@@ -35,13 +35,17 @@ from umt_sdk._spi import (
     ExecutionOutcome,
     ExecutionRecord,
     Fact,
+    FinishedCount,
     HeartbeatResult,
+    InsightStore,
+    KeyUsage,
     Lease,
     Ledger,
     LedgerEntry,
     LifecycleStore,
     NewRun,
     OverlapPolicy,
+    PairActivity,
     PausedTask,
     PruneBatch,
     PrunedRun,
@@ -66,6 +70,8 @@ from umt_sdk._spi import (
     TaskPair,
     TokenGrant,
     TokenRequest,
+    WorkerRecord,
+    WorkerState,
 )
 
 __all__ = [
@@ -87,14 +93,18 @@ __all__ = [
     "ExecutionOutcome",
     "ExecutionRecord",
     "Fact",
+    "FinishedCount",
     "HELD_WAIT",
     "HeartbeatResult",
+    "InsightStore",
+    "KeyUsage",
     "Lease",
     "Ledger",
     "LedgerEntry",
     "LifecycleStore",
     "NewRun",
     "OverlapPolicy",
+    "PairActivity",
     "PausedTask",
     "PruneBatch",
     "PruneQuery",
@@ -122,11 +132,14 @@ __all__ = [
     "TokenGrant",
     "TokenRequest",
     "TokenTake",
+    "WorkerRecord",
+    "WorkerState",
     "check_codec",
     "encode_payload",
     "hookimpl",
     "new_run_id",
     "open_json",
+    "park_slot",
     "seal_json",
     "sealed_by",
     "take_tokens",

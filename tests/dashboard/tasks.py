@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
-from umt_sdk import Registry, TaskContext, TaskDefinition, task
+from umt_sdk import Concurrency, Registry, TaskContext, TaskDefinition, task
 
 
 @attrs.frozen
@@ -56,7 +56,17 @@ async def approve(ctx: TaskContext[Approval]) -> Any:
     return await ctx.step.wait_for_fact("approval")
 
 
-TASKS: list[TaskDefinition[Any, Any]] = [ship, fail, approve]
+@attrs.frozen
+class Report:
+    tenant: str
+
+
+@task("dash.report", version=1, concurrency=Concurrency(key=lambda r: r.tenant, limit=1))
+async def report(ctx: TaskContext[Report]) -> str:
+    return ctx.input.tenant
+
+
+TASKS: list[TaskDefinition[Any, Any]] = [ship, fail, approve, report]
 
 
 def registry() -> Registry:

@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -125,6 +126,22 @@ def test_umt_dashboard_serves_until_interrupted(
         except OSError:
             time.sleep(0.05)
     assert "<title>Runs · umt</title>" in body
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+        form = client.get("/tasks/dash.ship/1/enqueue")
+        assert 'name="field.customer"' in form.text
+        enqueued = client.post(
+            "/tasks/dash.ship/1/enqueue",
+            data={
+                "csrf": client.cookies["umt_csrf"],
+                "field.customer": "cli",
+                "field.quantity": "1",
+            },
+        )
+        assert enqueued.status_code == 303, enqueued.text
+        metrics = client.get("/metrics").text
+    assert 'umt_runs_unfinished{status="pending",task="dash.ship",version="1"} 1.0' in metrics
+    # The engine's own OpenTelemetry counter, through the OpenTelemetry Prometheus exporter.
+    assert "umt_runs_enqueued" in metrics
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 0
     assert process.stdout.read().strip().endswith("umt dashboard stopped")

@@ -17,7 +17,19 @@ import pytest
 
 from tests.fixtures.dashboard import Browser
 from umt_sdk import Engine
-from umt_sdk.backend import Ending, ErrorInfo, Lease, NewRun, StepRecord, TaskPair, new_run_id
+from umt_sdk.backend import (
+    Ending,
+    ErrorInfo,
+    InsightStore,
+    Lease,
+    LifecycleStore,
+    NewRun,
+    RateLimitStore,
+    StepRecord,
+    TaskPair,
+    WorkerState,
+    new_run_id,
+)
 
 SCRIPT = '<script>alert("umt")</script>'
 HOSTILE = f"{SCRIPT}'\"&<img src=x onerror=alert(1)>\x1b[31m\x07end"
@@ -93,6 +105,34 @@ async def _seed(engine: Engine) -> tuple[UUID, UUID]:
                 ),
             )
         assert await backend.end_execution(lease, ending) == "ended"
+    # A worker's report, a concurrency key and a pause, all hostile.
+    assert isinstance(backend, InsightStore)
+    await backend.record_worker(
+        WorkerState(
+            worker_id=WORKER,
+            host=HOSTILE,
+            pid=1,
+            pairs=(pair,),
+            concurrency=1,
+            runs_held=0,
+            started_at=claimed[0].claimed_at,
+        )
+    )
+    await backend.enqueue(
+        NewRun(
+            run_id=new_run_id(),
+            task_name=TASK,
+            task_version=1,
+            input_json="null",
+            input_hash="h3",
+            concurrency_key=HOSTILE[:200],
+            concurrency_limit=1,
+        )
+    )
+    assert isinstance(backend, LifecycleStore)
+    await backend.pause_task(task_name=TASK, task_version=None)
+    assert isinstance(backend, RateLimitStore)
+    await backend.define_rate_limit(TASK, limit=1, per=timedelta(seconds=1))
     return failed.run_id, waiting.run_id
 
 
@@ -122,6 +162,14 @@ def pages_for(failed: UUID, waiting: UUID) -> list[str]:
         f"/runs/{waiting}",
         f"/runs/{waiting}/live",
         f"/login?next={hostile}",
+        f"/runs?worker={quote(WORKER)}",
+        "/tasks",
+        "/workers",
+        "/concurrency",
+        "/paused",
+        "/schedules",
+        "/rate-limits",
+        f"/tasks/{quote(TASK, safe='')}/1/enqueue",
     ]
 
 
@@ -131,6 +179,16 @@ async def test_every_page_escapes_hostile_values(board: Browser, seeded: tuple[U
         response = await board.get(path)
         assert response.status_code in (200, 400, 404), (path, response.status_code)
         _assert_escaped(response.text, path)
+
+
+async def test_metrics_escape_labels_as_the_prometheus_format_says(
+    board: Browser, seeded: tuple[UUID, UUID]
+) -> None:
+    response = await board.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")  # never rendered as HTML
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert 'task="evil<script>alert(1)</script>\'\\""' in response.text
 
 
 async def test_hostile_values_are_shown_as_text(board: Browser, seeded: tuple[UUID, UUID]) -> None:
@@ -145,6 +203,15 @@ async def test_hostile_values_are_shown_as_text(board: Browser, seeded: tuple[UU
     assert "&lt;b&gt;" + "y" * 1000 in page  # the long string, escaped, not cut at once
     waiting_page = await board.page(f"/runs/{waiting}")
     assert "fact wait approval" in waiting_page
+    workers = await board.page("/workers")
+    assert "w&#34;&gt;&lt;svg onload=alert(2)&gt;\\x1b" in workers
+    assert "&lt;script&gt;alert(&#34;umt&#34;)&lt;/script&gt;" in workers  # the host
+    assert "&lt;script&gt;alert(&#34;umt&#34;)&lt;/script&gt;" in await board.page("/concurrency")
+    assert "evil&lt;script&gt;alert(1)&lt;/script&gt;" in await board.page("/paused")
+    assert "evil&lt;script&gt;alert(1)&lt;/script&gt;" in await board.page("/tasks")
+    assert "evil&lt;script&gt;alert(1)&lt;/script&gt;" in await board.page("/rate-limits")
+    by_worker = await board.page(f"/runs?worker={quote(WORKER)}")
+    assert str(failed) in by_worker
 
 
 async def test_a_hostile_fact_and_reason_come_back_escaped(

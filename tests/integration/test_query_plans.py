@@ -36,6 +36,10 @@ BY_ID = {
     "append_stream": {"runs_pkey"},
     # A canceled member of a child group counts itself out of its group.
     "group_member_canceled": {"runs_pkey"},
+    # Rate limits: a step's token is fenced by its run, read by id; a change or a resume of a
+    # limit wakes the runs waiting for it through its own partial index, never a scan.
+    "take_rate_token": {"runs_pkey"},
+    "unpark_rate_limited": {"runs_waits_for_limit"},
 }
 
 

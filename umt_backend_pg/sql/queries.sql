@@ -296,9 +296,9 @@ WITH served AS (
     JOIN tokens t ON t.rate_limit = l.rate_limit AND t.rate_limit_key = l.rate_limit_key
     WHERE l.limited
 ), parked AS (
-    -- No token: back until the bucket's next token is due (the i-th of the batch i intervals
-    -- later), never past the run's deadline; under a paused limit until a resume (or the
-    -- deadline).
+    -- No token: back until its wait slot (the bucket's next token, or an interval after the
+    -- last run it parked: the i-th of the batch i intervals after the first), never past the
+    -- run's deadline; under a paused limit until a resume (or the deadline).
     UPDATE {schema}.runs r SET
         waits_for_limit = r.rate_limit,
         queued = false,
@@ -917,6 +917,9 @@ FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
 -- A page of runs, newest first, keyset-paginated by id: the primary key read backwards from the
 -- cursor (or runs_by_task, runs_children, runs_idempotency when the filter names a task, a parent
 -- or a key), stopping after %(limit)s matches. A filter by tag uses list_runs_tagged instead.
+-- A filter by worker checks each run's executions by their primary key (no index of its own:
+-- the claim writes no extra entry for it), so it reads runs back from the cursor until the
+-- worker's runs fill the page: quick for a worker that ran recently.
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
@@ -930,6 +933,9 @@ WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(parent_run_id)s::uuid IS NULL OR parent_run_id = %(parent_run_id)s)
   AND (%(concurrency_key)s::text IS NULL OR concurrency_key = %(concurrency_key)s)
   AND (%(idempotency_key)s::text IS NULL OR idempotency_key = %(idempotency_key)s)
+  AND (%(worker_id)s::text IS NULL OR EXISTS (
+        SELECT 1 FROM {schema}.executions e
+        WHERE e.run_id = runs.id AND e.worker_id = %(worker_id)s))
   AND (%(created_after)s::timestamptz IS NULL OR created_at >= %(created_after)s)
   AND (%(created_before)s::timestamptz IS NULL OR created_at < %(created_before)s)
   AND (%(finished_after)s::timestamptz IS NULL OR finished_at >= %(finished_after)s)
@@ -963,6 +969,9 @@ CROSS JOIN LATERAL (
       AND (%(parent_run_id)s::uuid IS NULL OR r.parent_run_id = %(parent_run_id)s)
       AND (%(concurrency_key)s::text IS NULL OR r.concurrency_key = %(concurrency_key)s)
       AND (%(idempotency_key)s::text IS NULL OR r.idempotency_key = %(idempotency_key)s)
+      AND (%(worker_id)s::text IS NULL OR EXISTS (
+            SELECT 1 FROM {schema}.executions e
+            WHERE e.run_id = r.id AND e.worker_id = %(worker_id)s))
       AND (%(created_after)s::timestamptz IS NULL OR r.created_at >= %(created_after)s)
       AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
       AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
@@ -1317,8 +1326,9 @@ ORDER BY task_name, task_version;
 -- name: start_group
 -- A map's children, in one statement: the group (first write wins: nothing else is written when
 -- it exists, and the caller reads its members with group_members), and each child as insert_run
--- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready`, the
--- rest held (waiting for their turn, outside every claim index).
+-- stores a run; the first %(max_concurrency)s (all when NULL) pending and queued in `ready` (but
+-- a child with a rate limit: the claim takes its token, as insert_run says), the rest held
+-- (waiting for their turn, outside every claim index).
 WITH grp AS (
     INSERT INTO {schema}.child_groups (parent_run_id, name, total, remaining, max_concurrency)
     VALUES (%(parent_run_id)s, %(name)s, cardinality(%(ids)s::uuid[]),
@@ -1327,27 +1337,30 @@ WITH grp AS (
     RETURNING 1
 ), items AS (
     SELECT i.id, i.task_name, i.task_version, i.priority, i.idempotency_key, i.input_hash,
-           i.input, i.ord - 1 AS group_index,
+           i.input, i.ord - 1 AS group_index, i.rate_limit, i.rate_limit_key,
            %(max_concurrency)s::integer IS NOT NULL AND i.ord > %(max_concurrency)s AS held
     FROM unnest(%(ids)s::uuid[], %(task_names)s::text[], %(task_versions)s::integer[],
                 %(priorities)s::smallint[], %(keys)s::text[], %(hashes)s::text[],
-                %(inputs)s::text[])
+                %(inputs)s::text[], %(rate_limits)s::text[], %(rate_keys)s::text[])
          WITH ORDINALITY AS i (id, task_name, task_version, priority, idempotency_key,
-                               input_hash, input, ord)
+                               input_hash, input, rate_limit, rate_limit_key, ord)
     WHERE EXISTS (SELECT 1 FROM grp)
 ), inserted AS (
     INSERT INTO {schema}.runs (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
-        cancel_with_parent, wait_for, child_group, group_index, deadline_at
+        cancel_with_parent, wait_for, child_group, group_index, deadline_at, rate_limit,
+        rate_limit_key
     )
     SELECT i.id, i.task_name, i.task_version,
            CASE WHEN i.held THEN 'waiting' ELSE 'pending' END, i.priority,
            CASE WHEN i.held THEN NULL ELSE now() END, i.idempotency_key, i.input_hash,
-           %(trace_context)s, i.input::jsonb, NOT i.held AND NOT z.paused,
+           %(trace_context)s, i.input::jsonb,
+           NOT i.held AND NOT z.paused AND i.rate_limit IS NULL,
            %(parent_run_id)s, NULL, %(cancel_with_parent)s,
            CASE WHEN i.held THEN 'umt turn' END, %(name)s, i.group_index,
-           now() + %(timeout)s::interval
+           now() + %(timeout)s::interval, i.rate_limit,
+           CASE WHEN i.rate_limit IS NOT NULL THEN i.rate_limit_key END
     FROM items i
     -- As insert_run: a paused task's runs hold no `ready` rows.
     CROSS JOIN LATERAL (
@@ -1418,6 +1431,95 @@ FROM {schema}.runs
 WHERE parent_run_id = %(parent_run_id)s AND child_group = %(name)s
 ORDER BY group_index;
 
+-- name: record_worker
+-- A worker's newest report of itself (InsightStore.record_worker), stamped with now().
+INSERT INTO {schema}.workers AS w (worker_id, host, pid, pairs, concurrency, runs_held,
+                                   started_at, last_seen_at, stopped_at)
+VALUES (%(worker_id)s, %(host)s, %(pid)s, %(pairs)s, %(concurrency)s, %(runs_held)s,
+        %(started_at)s, now(), CASE WHEN %(stopped)s THEN now() END)
+ON CONFLICT (worker_id) DO UPDATE
+SET host = EXCLUDED.host, pid = EXCLUDED.pid, pairs = EXCLUDED.pairs,
+    concurrency = EXCLUDED.concurrency, runs_held = EXCLUDED.runs_held,
+    started_at = EXCLUDED.started_at, last_seen_at = EXCLUDED.last_seen_at,
+    stopped_at = EXCLUDED.stopped_at
+RETURNING worker_id;
+
+-- name: list_workers
+SELECT worker_id, host, pid, pairs, concurrency, runs_held, started_at, last_seen_at,
+       stopped_at, now() AS db_now
+FROM {schema}.workers
+ORDER BY last_seen_at DESC, worker_id DESC
+LIMIT %(limit)s;
+
+-- name: forget_workers
+WITH gone AS (
+    DELETE FROM {schema}.workers WHERE last_seen_at < %(seen_before)s RETURNING 1
+)
+SELECT count(*) AS forgotten FROM gone;
+
+-- name: pair_activity
+-- The unfinished runs per pair. Each branch is one partial index's predicate (runs_queued,
+-- runs_claim_ready, runs_claim_keyed, runs_claim_timers), so the read touches unfinished runs
+-- only, however many finished ones the table holds.
+WITH open AS (
+    SELECT task_name, task_version, status, available_at FROM {schema}.runs
+    WHERE status = 'pending' AND queued
+    UNION ALL
+    SELECT task_name, task_version, status, available_at FROM {schema}.runs
+    WHERE status = 'pending' AND NOT queued AND concurrency_key IS NULL
+    UNION ALL
+    SELECT task_name, task_version, status, available_at FROM {schema}.runs
+    WHERE status = 'pending' AND NOT queued AND concurrency_key IS NOT NULL
+    UNION ALL
+    SELECT task_name, task_version, status, available_at FROM {schema}.runs
+    WHERE status IN ('waiting', 'running')
+)
+SELECT task_name, task_version,
+       count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       count(*) FILTER (WHERE status = 'waiting') AS waiting,
+       min(available_at) FILTER (WHERE status = 'pending' AND available_at <= now())
+           AS oldest_due_at,
+       now() AS db_now
+FROM open
+GROUP BY task_name, task_version
+ORDER BY task_name, task_version;
+
+-- name: finished_counts
+-- Runs finished since %(since)s per pair, status and bucket: the task names found by skipping
+-- through runs_by_task (one descent per name), then each name's recent endings read from
+-- runs_finished as a range, never the older finished runs.
+WITH RECURSIVE names AS (
+    (SELECT task_name FROM {schema}.runs ORDER BY task_name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.task_name FROM {schema}.runs r
+            WHERE r.task_name > names.task_name ORDER BY r.task_name LIMIT 1)
+    FROM names
+    WHERE names.task_name IS NOT NULL
+)
+SELECT f.task_name, f.task_version, f.status,
+       date_bin(%(bucket)s::interval, f.finished_at, %(since)s::timestamptz) AS bucket_start,
+       count(*) AS runs
+FROM names
+CROSS JOIN LATERAL (
+    SELECT r.task_name, r.task_version, r.status, r.finished_at FROM {schema}.runs r
+    WHERE r.task_name = names.task_name
+      AND r.status IN ('completed', 'failed', 'canceled')
+      AND r.finished_at >= %(since)s::timestamptz
+) AS f
+WHERE names.task_name IS NOT NULL
+GROUP BY f.task_name, f.task_version, f.status, bucket_start
+ORDER BY f.task_name, f.task_version, f.status, bucket_start;
+
+-- name: key_usage
+-- The concurrency keys in use: their exact counters, kept by every write that changes a keyed
+-- run (see migrations/0009_concurrency_keys.sql).
+SELECT task_name, concurrency_key, slot_limit, running AS holding, queued AS wanting
+FROM {schema}.concurrency_keys
+WHERE running > 0 OR queued > 0
+ORDER BY task_name, concurrency_key
+LIMIT %(limit)s;
+
 -- name: define_rate_limit
 -- A limit, stored unless one of that name is (first write wins); the stored one either way.
 WITH inserted AS (
@@ -1466,13 +1568,11 @@ RETURNING name;
 
 -- name: lock_rate_buckets
 -- After a change or a resume of the limit: wait for the claims and steps taking its tokens
--- now. Each take locks its bucket before it reads the limit, so a take after this sees the
--- change, and one before it has parked its runs by the time unpark_rate_limited (a new
--- statement, a new snapshot) looks for them.
-SELECT count(*) AS buckets FROM (
-    SELECT 1 FROM {schema}.rate_buckets b WHERE b.limit_name = %(name)s
-    FOR NO KEY UPDATE
-) AS l;
+-- now, and forget the wait slots handed out (unpark_rate_limited makes those runs claimable:
+-- they wait in new slots). Each take locks its bucket before it reads the limit, so a take
+-- after this sees the change, and one before it has parked its runs by the time
+-- unpark_rate_limited (a new statement, a new snapshot) looks for them.
+UPDATE {schema}.rate_buckets b SET parked_until = '-infinity' WHERE b.limit_name = %(name)s;
 
 -- name: unpark_rate_limited
 -- The runs waiting for a token of the limit (parked by a claim, or by a step), claimable now:

@@ -523,7 +523,11 @@ CREATE TABLE {schema}.rate_buckets (
     limit_name      text NOT NULL,
     bucket_key      text NOT NULL,
     tat             timestamptz NOT NULL DEFAULT '-infinity',
-    PRIMARY KEY (limit_name, bucket_key)
+    PRIMARY KEY (limit_name, bucket_key),
+    -- The last wait slot handed out to a run or step with no token (umt_sdk._rate_limits.
+    -- park_slot): the next one waits an interval later, so parked runs keep their order
+    -- (migration 0017).
+    parked_until    timestamptz NOT NULL DEFAULT '-infinity'
 ) WITH (
     fillfactor = 50, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 100,
     autovacuum_vacuum_cost_delay = 0
@@ -544,8 +548,10 @@ CREATE TABLE {schema}.rate_grants (
 -- taken). Each statement reads the newest committed rows (a volatile function in READ
 -- COMMITTED), and the limit is read after the bucket is locked, so a change or a resume that
 -- locked the limit's buckets first is seen. States: 'taken' (taken > 0), 'wait' (no free
--- token: next_at is when one is due), 'paused', 'unknown' (no such limit: nothing to keep,
--- every token asked for is given), 'busy'.
+-- token), 'paused', 'unknown' (no such limit: nothing to keep, every token asked for is
+-- given), 'busy'. When fewer than p_wanted are taken, next_at is the wait slot of the first
+-- left without one (the i-th waits i intervals later; the bucket keeps the last as
+-- parked_until); else when the next token is due.
 CREATE FUNCTION {schema}.take_rate_tokens(
     p_limit text, p_key text, p_wanted integer, p_skip_locked boolean,
     OUT taken integer, OUT next_at timestamptz, OUT interval_us bigint, OUT state text
@@ -553,29 +559,30 @@ CREATE FUNCTION {schema}.take_rate_tokens(
 DECLARE
     lim record;
     b_tat timestamptz;
+    b_parked timestamptz;
     base timestamptz;
     owed bigint;
     free bigint;
 BEGIN
     IF p_skip_locked THEN
-        SELECT b.tat INTO b_tat FROM {schema}.rate_buckets b
+        SELECT b.tat, b.parked_until INTO b_tat, b_parked FROM {schema}.rate_buckets b
         WHERE b.limit_name = p_limit AND b.bucket_key = p_key
         FOR NO KEY UPDATE SKIP LOCKED;
     ELSE
-        SELECT b.tat INTO b_tat FROM {schema}.rate_buckets b
+        SELECT b.tat, b.parked_until INTO b_tat, b_parked FROM {schema}.rate_buckets b
         WHERE b.limit_name = p_limit AND b.bucket_key = p_key
         FOR NO KEY UPDATE;
     END IF;
     IF NOT FOUND THEN
         INSERT INTO {schema}.rate_buckets (limit_name, bucket_key) VALUES (p_limit, p_key)
         ON CONFLICT DO NOTHING
-        RETURNING tat INTO b_tat;
+        RETURNING tat, parked_until INTO b_tat, b_parked;
         IF NOT FOUND THEN  -- it exists: another transaction holds it (or just made it)
             IF p_skip_locked THEN
                 taken := 0; state := 'busy';
                 RETURN;
             END IF;
-            SELECT b.tat INTO b_tat FROM {schema}.rate_buckets b
+            SELECT b.tat, b.parked_until INTO b_tat, b_parked FROM {schema}.rate_buckets b
             WHERE b.limit_name = p_limit AND b.bucket_key = p_key
             FOR NO KEY UPDATE;
         END IF;
@@ -596,11 +603,32 @@ BEGIN
     free := lim.token_limit - (owed + interval_us - 1) / interval_us;
     taken := greatest(0, least(p_wanted, free));
     base := base + (taken * interval_us) * interval '1 microsecond';
-    IF taken > 0 THEN
+    next_at := base - ((lim.token_limit - 1) * interval_us) * interval '1 microsecond';
+    IF taken < p_wanted THEN
+        next_at := greatest(next_at, b_parked + interval_us * interval '1 microsecond');
+        UPDATE {schema}.rate_buckets SET
+            tat = base,
+            parked_until = next_at
+                + ((p_wanted - taken - 1) * interval_us) * interval '1 microsecond'
+        WHERE limit_name = p_limit AND bucket_key = p_key;
+    ELSIF taken > 0 THEN
         UPDATE {schema}.rate_buckets SET tat = base
         WHERE limit_name = p_limit AND bucket_key = p_key;
     END IF;
-    next_at := base - ((lim.token_limit - 1) * interval_us) * interval '1 microsecond';
     state := CASE WHEN taken > 0 THEN 'taken' ELSE 'wait' END;
 END
 $$;
+
+-- Each worker's newest report of itself, for operators (see migrations/0016_workers.sql).
+CREATE TABLE {schema}.workers (
+    worker_id       text PRIMARY KEY,
+    host            text NOT NULL,
+    pid             integer NOT NULL,
+    pairs           jsonb NOT NULL,
+    concurrency     integer NOT NULL,
+    runs_held       integer NOT NULL,
+    started_at      timestamptz NOT NULL,
+    last_seen_at    timestamptz NOT NULL,
+    stopped_at      timestamptz
+);
+CREATE INDEX workers_seen ON {schema}.workers (last_seen_at);

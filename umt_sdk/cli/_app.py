@@ -289,14 +289,18 @@ async def open_engine(
     *,
     worker: bool = False,
     concurrency: int = 1,
+    meter_provider: Any = None,
 ) -> AsyncIterator[Engine]:
     """The engine of `cfg`, checked first by its backend (one clear line if it cannot be
-    reached or has no tables), closed on exit."""
+    reached or has no tables), closed on exit. `meter_provider`: where its OpenTelemetry
+    metrics go (the global provider by default)."""
     backend = cfg.backend()
     codec = cfg.codec()
     await backend.preflight(need_schema=True)
     options = backend.connect_options(worker=worker, concurrency=concurrency)
-    engine = await connect(cfg.url(), registry=registry, codec=codec, **options)
+    engine = await connect(
+        cfg.url(), registry=registry, codec=codec, meter_provider=meter_provider, **options
+    )
     masked: MaskingBackend | None = None
     if codec is None and not worker:
         # Without the codec a reader shows "<encrypted: NAME>" where a payload is sealed,

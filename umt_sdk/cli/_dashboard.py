@@ -102,6 +102,8 @@ def dashboard(
         raise InputError(f"{TOKEN_VARIABLE} needs at least 8 characters")
     try:
         import uvicorn
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
 
         from umt_sdk.dashboard import create_app
     except ImportError as exc:
@@ -111,8 +113,12 @@ def dashboard(
         ) from None
     registry = load_registry(registry_ref) if registry_ref else None
 
+    # The engine's own OpenTelemetry metrics (enqueues, cancels from this dashboard) go to the
+    # process's Prometheus registry, which /metrics serves after the store's gauges.
+    meters = MeterProvider(metric_readers=[PrometheusMetricReader()])
+
     async def serve() -> None:
-        async with open_engine(cfg, registry) as engine:
+        async with open_engine(cfg, registry, meter_provider=meters) as engine:
             app = create_app(engine, read_only=read_only, token=token, trace_url_template=trace_url)
             config = uvicorn.Config(
                 app, host=host, port=port, log_level="warning", lifespan="off", access_log=False
@@ -128,3 +134,5 @@ def dashboard(
         run(serve(), cfg)
     except KeyboardInterrupt:  # uvicorn stops on Ctrl-C, then raises the signal again
         click.echo("umt dashboard stopped")
+    finally:
+        meters.shutdown()

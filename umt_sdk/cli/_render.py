@@ -210,6 +210,11 @@ def _show_text(
         fields.append(("tags", ", ".join(f"{k}={v}" for k, v in sorted(info.tags.items()))))
     if info.concurrency_key is not None:
         fields.append(("concurrency key", info.concurrency_key))
+    if info.rate_limit is not None:
+        bucket = f" (bucket {info.rate_limit_key!r})" if info.rate_limit_key else ""
+        fields.append(
+            ("rate limit", f"{info.rate_limit}{bucket}  (umt limits show {info.rate_limit})")
+        )
     if info.status == "waiting" and info.waiting_for:
         fields.append(("waiting for", f"fact {info.waiting_for!r}"))
     if info.status in ("pending", "waiting") and info.available_at is not None:
@@ -330,6 +335,8 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
         "tags": dict(info.tags),
         "concurrency_key": info.concurrency_key,
+        "rate_limit": info.rate_limit,
+        "rate_limit_key": info.rate_limit_key,
         "deadline_at": _iso(info.deadline_at),
         "start_by": _iso(info.start_by),
         "deadline_passed": info.deadline_passed,

@@ -35,10 +35,15 @@ from starlette.staticfiles import StaticFiles
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
+from umt_sdk._definition import TaskDefinition
 from umt_sdk._engine import Engine
+from umt_sdk._insight import TaskStats, WorkerInfo
+from umt_sdk._schedules import ScheduleInfo
+from umt_sdk.dashboard import _forms as forms
 from umt_sdk.dashboard import _pages as pages
 from umt_sdk.dashboard import _security as security
-from umt_sdk.exceptions import RunNotFoundError, UmtError, UsageError
+from umt_sdk.dashboard._metrics import CONTENT_TYPE, StoreMetrics
+from umt_sdk.exceptions import PayloadError, RunNotFoundError, UmtError, UsageError
 
 __all__ = ["create_app"]
 
@@ -95,8 +100,15 @@ class _Dashboard:
         self.token = token
         self.trace_url_template = trace_url_template
         self.title = title
+        self.store_metrics = StoreMetrics(engine)
 
     # -- rendering ------------------------------------------------------------------------------
+
+    def registered(self, name: str, version: int) -> TaskDefinition[Any, Any] | None:
+        try:
+            return self.engine.registry.get(name, version)
+        except LookupError:
+            return None
 
     def render(
         self, request: Request, template: str, status_code: int = 200, **context: Any
@@ -335,6 +347,201 @@ class _Dashboard:
         text = ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())) or "nothing"
         return self.back(request, "/runs", notice=f"cancel of the matching runs: {text}")
 
+    # -- tasks, workers, schedules, keys, pauses ----------------------------------------------
+
+    async def tasks(self, request: Request) -> Response:
+        error = ""
+        stats: list[TaskStats] = []
+        try:
+            stats = await self.engine.task_stats()
+        except UsageError as exc:
+            error = str(exc)
+        try:
+            paused = {str(p) for p in await self.engine.paused()}
+        except UsageError:
+            paused = set()
+        return self.render(
+            request,
+            "tasks.html",
+            stats=stats,
+            error=error,
+            paused=paused,
+            charts={
+                s.pair: pages.spark(s.finished_per_bucket, s.failed_per_bucket, s.bucket_starts)
+                for s in stats
+            },
+            enqueueable={(d.name, d.version) for d in self.engine.registry},
+            duration=pages.duration,
+            notice=str(request.query_params.get("notice", ""))[:300],
+        )
+
+    async def workers(self, request: Request) -> Response:
+        error = ""
+        found: list[WorkerInfo] = []
+        try:
+            found = await self.engine.workers()
+        except UsageError as exc:
+            error = str(exc)
+        order = {"live": 0, "silent": 1, "stopped": 2}
+        found.sort(key=lambda w: (order[w.health], w.worker_id))
+        return self.render(
+            request, "workers.html", workers=found, error=error, duration=pages.duration
+        )
+
+    async def schedules(self, request: Request) -> Response:
+        found: list[ScheduleInfo] = []
+        error = ""
+        if self.engine.schedules.supported:
+            found = await self.engine.schedules.list()
+        else:
+            error = "this backend stores no schedules"
+        return self.render(request, "schedules.html", schedules=found, error=error)
+
+    async def concurrency(self, request: Request) -> Response:
+        keys: list[Any] = []
+        error = ""
+        try:
+            keys = await self.engine.key_usage()
+        except UsageError as exc:
+            error = str(exc)
+        return self.render(request, "concurrency.html", keys=keys, error=error)
+
+    async def paused(self, request: Request) -> Response:
+        error = ""
+        found: list[Any] = []
+        try:
+            found = await self.engine.paused()
+        except UsageError as exc:
+            error = str(exc)
+        return self.render(
+            request,
+            "paused.html",
+            paused=found,
+            error=error,
+            notice=str(request.query_params.get("notice", ""))[:300],
+        )
+
+    async def pause_or_resume(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        target = str(form.get("task") or "").strip()
+        back = str(form.get("back") or "/paused")
+        if back not in ("/paused", "/tasks"):
+            back = "/paused"
+        resume = request.url.path.endswith("/resume")
+        try:
+            changed = await (self.engine.resume(target) if resume else self.engine.pause(target))
+        except UmtError as exc:
+            return self.problem(request, 400, str(exc))
+        if resume:
+            text = f"resumed {target}" if changed else f"{target} was not paused"
+        else:
+            text = f"paused {target}" if changed else f"{target} was paused already"
+        return self.back(request, back, notice=text)
+
+    async def rate_limits(self, request: Request) -> Response:
+        error = ""
+        found: list[Any] = []
+        try:
+            found = await self.engine.rate_limits.list()
+        except UsageError as exc:
+            error = str(exc)
+        return self.render(
+            request,
+            "rate_limits.html",
+            limits=found,
+            error=error,
+            duration=pages.duration,
+            notice=str(request.query_params.get("notice", ""))[:300],
+        )
+
+    async def pause_or_resume_limit(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        name = str(form.get("name") or "").strip()
+        resume = request.url.path.endswith("/resume")
+        limits = self.engine.rate_limits
+        try:
+            changed = await (limits.resume(name) if resume else limits.pause(name))
+        except UmtError as exc:
+            return self.problem(request, 400, str(exc))
+        if resume:
+            text = f"resumed rate limit {name}" if changed else f"{name} was not paused"
+        else:
+            text = f"paused rate limit {name}" if changed else f"{name} was paused already"
+        return self.back(request, "/rate-limits", notice=text)
+
+    # -- enqueue --------------------------------------------------------------------------------
+
+    async def enqueue(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        try:
+            version = int(request.path_params["version"])
+        except ValueError:
+            return self.problem(request, 404, "not a task version")
+        definition = self.registered(name, version)
+        if definition is None:
+            return self.problem(
+                request,
+                404,
+                f"task {name}@{version} is not in this dashboard's registry: start it with "
+                "--registry MODULE:REGISTRY (or create_app with an engine whose registry has it)",
+            )
+        fields = forms.fields_of(definition.input_type)
+        values: dict[str, str] = {}
+        errors: dict[str, str] = {}
+        extra = {"idempotency_key": "", "priority": "0"}
+        if request.method == "POST":
+            form = await self.action_form(request)
+            if isinstance(form, Response):
+                return form
+            values = {k: str(v) for k, v in form.items() if v is not None}
+            data, errors = forms.read_form(fields, form)
+            extra = {
+                "idempotency_key": str(form.get("idempotency_key") or "").strip(),
+                "priority": str(form.get("priority") or "0").strip(),
+            }
+            priority = 0
+            try:
+                priority = int(extra["priority"])
+            except ValueError:
+                errors["priority"] = "expected a whole number"
+            if not errors:
+                try:
+                    handle = await self.engine.enqueue(
+                        definition,
+                        data,
+                        priority=priority,
+                        idempotency_key=extra["idempotency_key"] or None,
+                    )
+                except PayloadError as exc:
+                    field = forms.field_of_error(exc.field, [f.name for f in fields])
+                    errors[field or "form"] = str(exc)
+                except UsageError as exc:
+                    errors[exc.argument if exc.argument in extra else "form"] = str(exc)
+                except UmtError as exc:
+                    errors["form"] = str(exc)
+                else:
+                    text = "enqueued" if handle.created else "the idempotency key names this run"
+                    return self.back(request, f"/runs/{handle.run_id}", notice=text)
+        return self.render(
+            request,
+            "enqueue.html",
+            status_code=400 if errors else 200,
+            definition=definition,
+            fields=fields,
+            values=values,
+            errors=errors,
+            extra=extra,
+        )
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(await self.store_metrics.render(), media_type=CONTENT_TYPE)
+
 
 def create_app(
     engine: Engine,
@@ -398,6 +605,18 @@ def create_app(
         Route("/runs/{run_id}/cancel", board.cancel_run, methods=["POST"]),
         Route("/runs/{run_id}/signal", board.signal_run, methods=["POST"]),
         Route("/runs/{run_id}/rerun", board.rerun_run, methods=["POST"]),
+        Route("/tasks", board.tasks),
+        Route("/tasks/pause", board.pause_or_resume, methods=["POST"]),
+        Route("/tasks/resume", board.pause_or_resume, methods=["POST"]),
+        Route("/tasks/{name}/{version}/enqueue", board.enqueue, methods=["GET", "POST"]),
+        Route("/workers", board.workers),
+        Route("/schedules", board.schedules),
+        Route("/concurrency", board.concurrency),
+        Route("/paused", board.paused),
+        Route("/rate-limits", board.rate_limits),
+        Route("/rate-limits/pause", board.pause_or_resume_limit, methods=["POST"]),
+        Route("/rate-limits/resume", board.pause_or_resume_limit, methods=["POST"]),
+        Route("/metrics", board.metrics),
         Mount(
             "/static", app=StaticFiles(packages=[("umt_sdk.dashboard", "static")]), name="static"
         ),

@@ -71,6 +71,10 @@ class RunFilters:
     worker: str = ""
     created_after: str = ""
     created_before: str = ""
+    finished_after: str = ""
+    finished_before: str = ""
+    parent: str = ""
+    """Only the children of this run."""
     before: str = ""
     """The page cursor (the last run id of the previous page)."""
     errors: Mapping[str, str] = field(factory=dict)
@@ -91,6 +95,9 @@ class RunFilters:
             worker=text("worker", 255),
             created_after=text("created_after", 40),
             created_before=text("created_before", 40),
+            finished_after=text("finished_after", 40),
+            finished_before=text("finished_before", 40),
+            parent=text("parent", 64),
             before=text("before", 64),
         )
 
@@ -104,6 +111,9 @@ class RunFilters:
             "worker": self.worker,
             "created_after": self.created_after,
             "created_before": self.created_before,
+            "finished_after": self.finished_after,
+            "finished_before": self.finished_before,
+            "parent": self.parent,
             "before": self.before,
             **changes,
         }
@@ -137,8 +147,13 @@ class RunFilters:
             else:
                 arguments["idempotency_key"] = self.idempotency_key
         if self.worker:
-            errors["worker"] = "filtering by worker is not available yet"
-        for name in ("created_after", "created_before"):
+            arguments["worker_id"] = self.worker
+        if self.parent:
+            try:
+                arguments["parent"] = UUID(self.parent)
+            except ValueError:
+                errors["parent"] = "not a run id (a UUID)"
+        for name in ("created_after", "created_before", "finished_after", "finished_before"):
             value = getattr(self, name)
             if value:
                 try:
@@ -207,6 +222,9 @@ def _fields(filters: RunFilters) -> dict[str, Any]:
             "worker",
             "created_after",
             "created_before",
+            "finished_after",
+            "finished_before",
+            "parent",
             "before",
         )
     }
@@ -519,3 +537,67 @@ async def cancel_all(engine: Engine, run_ids: Sequence[UUID], *, reason: str) ->
         outcome = await engine.cancel(run_id, reason=reason)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     return outcomes
+
+
+# -- small charts --------------------------------------------------------------------------------
+
+
+@frozen(kw_only=True)
+class SparkBar:
+    x: float
+    width: float
+    total_y: float
+    total_height: float
+    failed_y: float
+    failed_height: float
+    title: str
+
+
+@frozen(kw_only=True)
+class Spark:
+    """Bars of the runs finished per bucket of the last hour (the failed part in red)."""
+
+    bars: Sequence[SparkBar]
+    width: int
+    height: int
+    peak: int
+
+
+def spark(finished: Sequence[int], failed: Sequence[int], starts: Sequence[datetime] = ()) -> Spark:
+    """A small bar chart of `finished` per bucket with `failed` drawn over it."""
+    width, height, gap = 132, 28, 1
+    peak = max([*finished, 1])
+    step = width / max(len(finished), 1)
+    bars = []
+    for i, (total, bad) in enumerate(zip(finished, failed, strict=True)):
+        total_height = height * total / peak
+        failed_height = height * bad / peak
+        label = f"{total} finished, {bad} failed"
+        if i < len(starts):
+            label = f"{starts[i].astimezone(UTC).strftime('%H:%M')}Z: {label}"
+        bars.append(
+            SparkBar(
+                x=i * step,
+                width=max(step - gap, 1.0),
+                total_y=height - total_height,
+                total_height=total_height,
+                failed_y=height - failed_height,
+                failed_height=failed_height,
+                title=label,
+            )
+        )
+    return Spark(bars=tuple(bars), width=width, height=height, peak=peak)
+
+
+def duration(delta: timedelta | None) -> str:
+    """`42s`, `3m 05s`, `2h 10m`, `3d 4h` (empty for None)."""
+    if delta is None:
+        return ""
+    seconds = int(delta.total_seconds())
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d {seconds % 86400 // 3600}h"

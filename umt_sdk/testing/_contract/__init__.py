@@ -32,6 +32,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
+- `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 """
 
@@ -52,6 +53,7 @@ from umt_sdk.testing._contract import (
     _deadlines,
     _facts,
     _fanout,
+    _insight,
     _leases,
     _ledger,
     _lifecycle,
@@ -97,6 +99,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_concurrency.TASKS,
     *_rate_limits.TASKS,
     *_deadlines.TASKS,
+    *_insight.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -129,6 +132,7 @@ class BackendContract(
     _concurrency.ConcurrencyContract,
     _rate_limits.RateLimitsContract,
     _deadlines.DeadlinesContract,
+    _insight.InsightContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""

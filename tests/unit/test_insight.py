@@ -1,0 +1,67 @@
+"""What the SDK makes of the store's counts: a worker's health, the last hour's buckets."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime, timedelta
+
+from tests.fixtures.dashboard import Browser, browser_for
+from umt_sdk import connect
+from umt_sdk._insight import BUCKET, BUCKETS, WORKER_SILENT_AFTER, hour_buckets
+from umt_sdk.backend import InsightStore, TaskPair, WorkerState
+from umt_sdk.dashboard import create_app
+from umt_sdk.testing import FakeClock
+
+
+async def test_a_worker_that_stops_reporting_without_a_goodbye_reads_silent() -> None:
+    clock = FakeClock()
+    engine = await connect("memory://", clock=clock)
+    try:
+        store = engine.backend
+        assert isinstance(store, InsightStore)
+        state = WorkerState(
+            worker_id="w",
+            host="h",
+            pid=7,
+            pairs=(TaskPair(name="t", version=1),),
+            concurrency=2,
+            runs_held=1,
+            started_at=clock.now(),
+        )
+        await store.record_worker(state)
+        assert [w.health for w in await engine.workers()] == ["live"]
+        clock.advance(WORKER_SILENT_AFTER)
+        assert [w.health for w in await engine.workers()] == ["live"]
+        clock.advance(timedelta(seconds=1))
+        (silent,) = await engine.workers()
+        assert silent.health == "silent"
+        assert silent.silent_for == WORKER_SILENT_AFTER + timedelta(seconds=1)
+        async with browser_for(create_app(engine)) as client:
+            html = await Browser(client).page("/workers")
+            assert "stopped heartbeating" in html
+            assert 'class="health-silent"' in html
+        await store.record_worker(
+            WorkerState(
+                worker_id="w",
+                host="h",
+                pid=7,
+                pairs=(),
+                concurrency=2,
+                runs_held=0,
+                started_at=state.started_at,
+                stopped=True,
+            )
+        )
+        clock.advance(timedelta(hours=1))
+        assert [w.health for w in await engine.workers()] == ["stopped"]
+    finally:
+        await engine.close()
+
+
+def test_the_last_hour_is_twelve_aligned_buckets_ending_with_now() -> None:
+    now = datetime(2026, 1, 31, 12, 7, 30, tzinfo=UTC)
+    starts = hour_buckets(now)
+    assert len(starts) == BUCKETS
+    assert starts[-1] == datetime(2026, 1, 31, 12, 5, tzinfo=UTC)
+    assert starts[0] == datetime(2026, 1, 31, 11, 10, tzinfo=UTC)
+    assert all(b - a == BUCKET for a, b in itertools.pairwise(starts))
