@@ -4,7 +4,8 @@ engine's list query reads to answer it.
 Fills its own database with `--runs` runs (default 1,000,000) created over the last 30 days,
 as a busy month leaves them: 20 tasks, a seventh on version 2, one run in 50 failed, one in
 100 canceled, the newest 200 pending or running, and 100 runs waiting for a fact spread over the
-whole month (the filter that matches few runs, all of them old). Then serves the dashboard
+whole month (the filter that matches few runs, all of them old), and an execution for each run
+a worker claimed (four busy workers, and one that ran one run in 10,000). Then serves the dashboard
 (`umt_sdk.dashboard.create_app`) with uvicorn on a loopback port and asks for the runs page
 (first page and a page 90% deep through the keyset cursor, with and without filters) and the
 live-update rows, `--repeats` times each over one keep-alive connection, reporting:
@@ -116,7 +117,16 @@ def _fill(url: str, runs: int) -> float:
             hi = min(runs, lo + BATCH - 1)
             params = {"tasks": list(TASKS), "lo": lo, "hi": hi, "n": runs, "span": SPAN}
             conn.execute(FILL, params)
+        # One execution per run a worker claimed: four busy workers, and one that ran a run
+        # in 10,000 (the worker filter that matches few runs).
+        conn.execute(
+            "INSERT INTO umt.executions (run_id, fencing_token, worker_id, claimed_at, ended_at, "
+            "outcome) SELECT id, 1, CASE WHEN abs(hashtext(id::text)) % 10000 = 7 "
+            "THEN 'bench-worker-rare' ELSE 'bench-worker-' || abs(hashtext(id::text)) % 4 END, "
+            "created_at, finished_at, status FROM umt.runs WHERE status <> 'pending'"
+        )
         conn.execute("VACUUM ANALYZE umt.runs")
+        conn.execute("VACUUM ANALYZE umt.executions")
     return time.monotonic() - started
 
 
@@ -152,6 +162,8 @@ def _scenarios(deep: UUID) -> list[tuple[str, str, dict[str, str]]]:
         ("task@version, deep", "/runs", {"task": "orders.charge@1", "before": cursor}),
         ("created in an hour 7 days ago", "/runs", hour(7)),
         ("created in an hour 28 days ago", "/runs", hour(28)),
+        ("worker (1 run in 4)", "/runs", {"worker": "bench-worker-1"}),
+        ("worker (1 run in 10,000)", "/runs", {"worker": "bench-worker-rare"}),
         ("status=running", "/runs", {"status": "running"}),
         ("status=waiting (100 old)", "/runs", {"status": "waiting"}),
         ("run id", "/runs", {"run_id": cursor}),
@@ -264,21 +276,10 @@ def _list_params(query: dict[str, str], page: int) -> dict[str, Any] | None:
     does not list, such as a run id lookup)."""
     if "run_id" in query:
         return None
-    params: dict[str, Any] = dict.fromkeys(
-        (
-            "task_name",
-            "task_version",
-            "status",
-            "parent_run_id",
-            "concurrency_key",
-            "idempotency_key",
-            "created_after",
-            "created_before",
-            "finished_after",
-            "finished_before",
-            "before",
-        )
-    )
+    from umt_backend_pg._sql import queries
+
+    # Every placeholder of the query, unset unless a filter sets it.
+    params: dict[str, Any] = dict.fromkeys(re.findall(r"%\((\w+)\)s", queries()["list_runs"]))
     params["limit"] = page + 1
     if "status" in query:
         params["status"] = query["status"]
@@ -286,6 +287,8 @@ def _list_params(query: dict[str, str], page: int) -> dict[str, Any] | None:
         name, _, version = query["task"].partition("@")
         params["task_name"] = name
         params["task_version"] = int(version) if version else None
+    if "worker" in query:
+        params["worker_id"] = query["worker"]
     if "before" in query:
         params["before"] = UUID(query["before"])
     for name in ("created_after", "created_before"):

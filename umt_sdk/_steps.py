@@ -700,12 +700,6 @@ class Steps:
                 "and gather",
                 argument="task",
             )
-        if definition.rate_limit is not None:
-            raise UsageError(
-                f"map {name!r}: task {definition.name!r} has a rate limit, which map does not "
-                "combine with its own held children yet; use start_child and gather",
-                argument="task",
-            )
         parent = self._host.claimed
         full = self.history.next_occurrence(name)
         group = ChildGroup(
@@ -716,8 +710,21 @@ class Steps:
             for i, item in enumerate(inputs)
         ]
         child_priority = parent.priority if priority is None else priority
+        limited = [
+            rate_limit_fields(
+                definition.rate_limit,
+                task_name=definition.name,
+                input_type=definition.input_type,
+                input_json=input_json,
+            )
+            for input_json, _ in encoded
+        ]
 
         async def start_children() -> list[UUID]:
+            if definition.rate_limit is not None:
+                await self._host.guard(
+                    ensure_defined(self._host.backend, definition.rate_limit, f"map {name!r}")
+                )
             runs = [
                 NewRun(
                     run_id=new_run_id(),
@@ -731,6 +738,7 @@ class Steps:
                     parent_run_id=parent.run_id,
                     cancel_with_parent=cancel_with_parent,
                     timeout=definition.timeout,
+                    **limited[i],
                 )
                 for i, (input_json, input_hash) in enumerate(encoded)
             ]

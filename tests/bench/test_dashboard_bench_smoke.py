@@ -24,6 +24,8 @@ SCENARIOS = [
     "task@version, deep",
     "created in an hour 7 days ago",
     "created in an hour 28 days ago",
+    "worker (1 run in 4)",
+    "worker (1 run in 10,000)",
     "status=running",
     "status=waiting (100 old)",
     "run id",

@@ -411,3 +411,97 @@ async def test_every_waiting_run_of_a_filter_is_canceled_after_a_count(
         assert (await demo.engine.get(run.run_id)).status == "canceled"
     assert (await demo.engine.get(kept.run_id)).status != "canceled"
     no_console_errors(browser, "the runs page after the bulk cancel")
+
+
+async def test_a_run_enqueued_from_the_form_runs(
+    demo: Demo, dashboard: str, browser: Any, shots: Callable[[str], Path]
+) -> None:
+    await demo.worker("agent", "agent-1")
+    browser.get(f"{dashboard}/tasks")
+    browser.find_element("css selector", "a[href$='/tasks/summarize/1/enqueue']").click()
+    wait_until(
+        browser,
+        lambda: "summarize@1" in browser.find_element("tag name", "h1").text,
+        what="the enqueue form of summarize@1",
+    )
+    item = browser.find_element("name", "field.item")
+
+    # An empty required field: the error beside it, nothing stored.
+    browser.find_element("xpath", "//button[normalize-space()='Enqueue']").click()
+    error = wait_until(
+        browser,
+        lambda: browser.find_elements("id", "error-item"),
+        what="the error beside the empty field",
+    )
+    assert error[0].text == "required"
+    shots("enqueue-invalid")
+    refused = console_errors(console_entries(browser))
+    assert [(e.source, "400" in e.message) for e in refused] == [("network", True)], refused
+    assert (await demo.engine.list(task_name="summarize")).runs == ()
+
+    item = browser.find_element("name", "field.item")
+    item.send_keys("from the form")
+    browser.find_element("xpath", "//button[normalize-space()='Enqueue']").click()
+    wait_until(
+        browser,
+        lambda: "enqueued" in browser.find_element("tag name", "body").text,
+        what="the new run's page with its notice",
+    )
+    mark_page(browser)
+    wait_until(
+        browser,
+        lambda: "completed" in browser.find_element("id", "run-status").text,
+        what="the run enqueued from the form to complete",
+    )
+    assert same_page(browser)
+    (run,) = (await demo.engine.list(task_name="summarize")).runs
+    assert run.status == "completed"
+    assert str(run.run_id) in browser.find_element("tag name", "h1").text
+    assert '"from the form"' in browser.find_element("tag name", "body").text
+    shots("enqueued")
+    no_console_errors(browser, "the enqueued run's page")
+
+    browser.get(f"{dashboard}/workers")
+    assert "agent-1" in browser.find_element("tag name", "body").text
+    shots("workers")
+    no_console_errors(browser, "the workers page")
+    browser.get(f"{dashboard}/tasks")
+    assert "summarize" in browser.find_element("tag name", "body").text
+    shots("tasks")
+    no_console_errors(browser, "the tasks page")
+
+
+async def test_with_a_token_the_browser_logs_in_once_and_acts(
+    demo: Demo, browser: Any, shots: Callable[[str], Path]
+) -> None:
+    token = "correct horse battery staple"
+    pending = await demo.engine.enqueue(demo_tasks.fetch_metadata, {"item": "locked"})
+    with served(
+        demo.url, schema=demo.schema, registry=demo_tasks.registry, token=token
+    ) as dashboard:
+        browser.get(f"{dashboard}/runs/{pending.run_id}")
+        assert "/login" in browser.current_url
+        assert browser.find_element("tag name", "h1").text == "Access token"
+        browser.find_element("name", "token").send_keys("not the token")
+        browser.find_element("xpath", "//button[normalize-space()='Log in']").click()
+        assert "That is not the token." in browser.find_element("tag name", "body").text
+        # The refused login answers 401, which the console reports; nothing else may.
+        refused = console_errors(console_entries(browser))
+        assert [(e.source, "401" in e.message) for e in refused] == [("network", True)], refused
+
+        browser.find_element("name", "token").send_keys(token)
+        browser.find_element("xpath", "//button[normalize-space()='Log in']").click()
+        wait_until(
+            browser,
+            lambda: str(pending.run_id) in browser.find_element("tag name", "h1").text,
+            what="the run's page the login was asked for",
+        )
+        # The cookies a real browser keeps (token, CSRF) carry an action through.
+        browser.find_element("xpath", "//button[normalize-space()='Cancel run']").click()
+        wait_until(
+            browser,
+            lambda: "canceled" in browser.find_element("id", "run-status").text,
+            what="the run canceled by the logged-in browser",
+        )
+        assert (await demo.engine.get(pending.run_id)).status == "canceled"
+        no_console_errors(browser, "the dashboard behind its token")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -83,7 +84,20 @@ async def unknown_limit_task(ctx: TaskContext[Job]) -> str:
     return await ctx.step.run("call", lambda: "never", rate_limit="contract.rl.never-stored")
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (limited_task, limited_step_task, unknown_limit_task)
+@task("contract.rate_limited_map", version=1)
+async def limited_map_task(ctx: TaskContext[Job]) -> list[str]:
+    """Maps three children of `limited_task` (tenant `ctx.input.key`), two at a time."""
+    inputs = [Job(key=f"{ctx.input.key}:{i}") for i in range(3)]
+    outcomes: list[str] = await ctx.step.map("fan", limited_task, inputs, max_concurrency=2)
+    return outcomes
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (
+    limited_task,
+    limited_step_task,
+    unknown_limit_task,
+    limited_map_task,
+)
 """The tasks of this topic that the suite's engine registers."""
 
 
@@ -148,6 +162,27 @@ class RateLimitsContract:
             assert (late.rate_limit, late.rate_limit_key) == ("contract.rl.task", "a")
             await engine.rate_limits.set("contract.rl.task", limit=3, per=timedelta(minutes=10))
             await _completed(engine, handles[2].run_id)
+
+    async def test_a_maps_children_take_tokens_held_ones_too(self, engine: Engine) -> None:
+        await engine.rate_limits.set(LIMITED)
+        parent = await engine.enqueue(limited_map_task, Job(key="m"))
+        async with engine.worker(concurrency=8):
+
+            async def two_done_one_parked() -> bool:
+                # The third was held by max_concurrency, let run when one finished, and
+                # parked by the claim for want of a token: never started, still waiting.
+                children = (await engine.list(parent=parent.run_id)).runs
+                done = [c for c in children if c.status == "completed"]
+                held = [c for c in children if c.status == "waiting" and c.attempts == 0]
+                return len(done) == 2 and len(held) == 1 and held[0].available_at is not None
+
+            await eventually(two_done_one_parked, timeout=30)
+            assert (await engine.get(parent.run_id)).status == "waiting"
+            await engine.rate_limits.set("contract.rl.task", limit=3, per=timedelta(minutes=10))
+            await _completed(engine, parent.run_id)
+        info = await engine.get(parent.run_id)
+        assert info.output_json is not None
+        assert json.loads(info.output_json) == ["m:0", "m:1", "m:2"]
 
     async def test_a_step_waits_parked_for_a_token_and_a_change_wakes_it(
         self, engine: Engine, tally: Tally
