@@ -630,6 +630,9 @@ class PostgresBackend:
         canceled: list[UUID] = []
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
+                # The parent's row, then the run's (see lock_for_cancel); cancel_run then
+                # reads, in a new statement, what the writes it waited for committed.
+                await conn.execute(self._q["lock_for_cancel"], {"run_id": run_id})
                 cur = await conn.execute(
                     self._q["cancel_run"],
                     {"run_id": run_id, "reason": reason, "channel": self.work_channel},
@@ -674,6 +677,8 @@ class PostgresBackend:
             )
             level = [child for child, ends, *_ in await cur.fetchall() if ends]
             ended += level
+        if ended:
+            await conn.execute(self._q["dequeue_runs"], {"run_ids": ended})
         return ended
 
     async def get_run(self, run_id: UUID) -> RunRecord | None:
