@@ -11,6 +11,7 @@ pytest_plugins = [
     "pytester",
     "tests.fixtures.pg",
     "tests.fixtures.private_pg",
+    "tests.fixtures.pgbouncer",
     "tests.fixtures.dashboard",
     "tests.browser.fixtures",
 ]

@@ -168,6 +168,35 @@ def _session_settings(
     return configure
 
 
+def _check_listen(
+    url: str, *, listen: bool, pooled: bool, listen_url: str | None, where: str
+) -> None:
+    """LISTEN needs a session of its own: through a transaction pooler, only on a direct URL."""
+    if listen_url is None:
+        if pooled and listen:
+            raise UsageError(
+                f"{where}: LISTEN does not work through a pooler in transaction mode "
+                "(pooled=True): the LISTEN would stay on whichever server connection ran it. "
+                "Pass listen=False (workers poll), or listen_url='postgresql://...' (a direct "
+                "connection to the same database, for LISTEN only)",
+                argument="listen",
+            )
+        return
+    _args.text(listen_url, "listen_url", where=where, expected="a database URL (postgresql://...)")
+    if not listen:
+        raise UsageError(
+            f"{where}: listen_url is the URL of the LISTEN connection, but listen=False opens "
+            "none: drop listen_url, or leave listen=True",
+            argument="listen_url",
+        )
+    if listen_url == url and pooled:
+        raise UsageError(
+            f"{where}: listen_url is the pooled URL itself; LISTEN needs a direct connection "
+            "to the database (not through the pooler)",
+            argument="listen_url",
+        )
+
+
 def _network_defaults(url: str) -> dict[str, Any]:
     given = psycopg.conninfo.conninfo_to_dict(url)
     return {k: v for k, v in _NETWORK_DEFAULTS.items() if k not in given}
@@ -179,7 +208,13 @@ class PostgresBackend:
     clock: Clock | None = None
 
     def __init__(
-        self, *, url: str, pool: AsyncConnectionPool[Any], schema: str, listen: bool
+        self,
+        *,
+        url: str,
+        pool: AsyncConnectionPool[Any],
+        schema: str,
+        listen: bool,
+        listen_url: str | None = None,
     ) -> None:
         self.url = url
         self.schema = schema
@@ -190,7 +225,7 @@ class PostgresBackend:
         self.ended_channel = f"{schema}.ended"
         self.stream_channel = f"{schema}.stream"
         self._wakeups = Wakeups(
-            url,
+            listen_url or url,
             work_channel=self.work_channel,
             cancel_channel=self.cancel_channel,
             ended_channel=self.ended_channel,
@@ -220,6 +255,8 @@ class PostgresBackend:
         max_size: int = 10,
         listen: bool = True,
         idle_in_transaction_timeout: timedelta | None = timedelta(seconds=10),
+        pooled: bool = False,
+        listen_url: str | None = None,
     ) -> PostgresBackend:
         """Open a pool on `url`. With `listen=False` (poolers that cannot LISTEN) workers poll.
 
@@ -228,6 +265,19 @@ class PostgresBackend:
         VM) has its transaction rolled back by the server after that long, instead of holding
         row locks (a claimed or heartbeated run's) until it wakes up, which would keep every
         other worker from taking the run over. `None` leaves the server's setting.
+
+        `pooled=True` says that `url` goes through a pooler in transaction mode (PgBouncer
+        `pool_mode = transaction`), where consecutive transactions of one client connection
+        run on different server connections. The backend then keeps no state between
+        transactions: psycopg's automatic prepared statements are off (`prepare_threshold=None`),
+        and `idle_in_transaction_timeout` is not applied (a session setting would land on
+        whichever server connection ran it: set the pooler's `idle_transaction_timeout`, or the
+        role's `idle_in_transaction_session_timeout`, instead). LISTEN cannot work through
+        such a pooler, so `pooled=True` needs `listen=False` (workers poll) or a `listen_url`.
+
+        `listen_url` is the URL of the LISTEN connection alone (one per backend), by default
+        `url`: with `pooled=True`, a direct URL to the same database (not through the pooler),
+        so that workers are woken by notifications while everything else is pooled.
         """
         where = "the Postgres backend"
         _args.text(url, "url", where=where, expected="a database URL (postgresql://...)")
@@ -236,14 +286,20 @@ class PostgresBackend:
         _args.integer(min_size, "min_size", at_least=0, where=where)
         _args.integer(max_size, "max_size", at_least=max(1, min_size), where=where)
         _args.flag(listen, "listen", where=where)
+        _args.flag(pooled, "pooled", where=where)
         idle_ms = _idle_in_transaction_ms(idle_in_transaction_timeout, where=where)
+        _check_listen(url, listen=listen, pooled=pooled, listen_url=listen_url, where=where)
         if run_migrations:
             await migrate(url, schema=schema)
+        kwargs: dict[str, Any] = {"autocommit": True, **_network_defaults(url)}
+        if pooled:
+            kwargs["prepare_threshold"] = None
+            idle_ms = None
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True, **_network_defaults(url)},
+            kwargs=kwargs,
             reset=_refuse_unfinished_pipeline,
             configure=None if idle_ms is None else _session_settings(schema, idle_ms),
             open=False,
@@ -251,7 +307,9 @@ class PostgresBackend:
         )
         with wrap_exceptions():
             await pool.open(wait=True, timeout=30)
-        backend = cls(url=url, pool=pool, schema=schema, listen=listen)
+        backend = cls(
+            url=url, pool=pool, schema=schema, listen=listen, listen_url=listen_url or url
+        )
         if listen:
             backend._wakeups.start()
         return backend
@@ -630,6 +688,9 @@ class PostgresBackend:
         canceled: list[UUID] = []
         with wrap_exceptions():
             async with self._pool.connection() as conn, conn.transaction():
+                # The parent's row, then the run's (see lock_for_cancel); cancel_run then
+                # reads, in a new statement, what the writes it waited for committed.
+                await conn.execute(self._q["lock_for_cancel"], {"run_id": run_id})
                 cur = await conn.execute(
                     self._q["cancel_run"],
                     {"run_id": run_id, "reason": reason, "channel": self.work_channel},
@@ -674,6 +735,8 @@ class PostgresBackend:
             )
             level = [child for child, ends, *_ in await cur.fetchall() if ends]
             ended += level
+        if ended:
+            await conn.execute(self._q["dequeue_runs"], {"run_ids": ended})
         return ended
 
     async def get_run(self, run_id: UUID) -> RunRecord | None:

@@ -39,18 +39,21 @@ class EngineDatabase:
         same = self._same_database.get(where)
         if same is None:
             keys = {"k1": secrets.randbelow(2**31 - 1) + 1, "k2": secrets.randbelow(2**31 - 1) + 1}
+            # In a transaction (a savepoint inside the caller's): a pooler in transaction mode
+            # keeps the lock, the look and the unlock on one server connection.
             with wrap_exceptions():
-                cur = await conn.execute(self.q["probe_lock"], keys)
-                row = await cur.fetchone()
-                assert row is not None
-                try:
-                    async with self._pool.connection() as engine_conn:
-                        cur = await engine_conn.execute(
-                            self.q["probe_see"], {**keys, "pid": row[1]}
-                        )
-                        seen = await cur.fetchone()
-                finally:
-                    await conn.execute(self.q["probe_unlock"], keys)
+                async with conn.transaction():
+                    cur = await conn.execute(self.q["probe_lock"], keys, prepare=False)
+                    row = await cur.fetchone()
+                    assert row is not None
+                    try:
+                        async with self._pool.connection() as engine_conn:
+                            cur = await engine_conn.execute(
+                                self.q["probe_see"], {**keys, "pid": row[1]}
+                            )
+                            seen = await cur.fetchone()
+                    finally:
+                        await conn.execute(self.q["probe_unlock"], keys, prepare=False)
             same = bool(seen and seen[0])
             self._same_database[where] = same
         return same

@@ -1,4 +1,4 @@
-"""Migrations: numbered .sql files applied in order under an advisory lock."""
+"""Migrations: numbered .sql files applied in order, in one transaction, under an advisory lock."""
 
 from __future__ import annotations
 
@@ -22,19 +22,27 @@ _LOCK_SEED = 0x756D74  # "umt"
 async def migrate(url: str, *, schema: str = "umt") -> list[str]:
     """Apply the engine's pending migrations to `schema`; return the names applied.
 
-    Safe to run from many processes at once: they queue on an advisory lock per schema.
+    Safe to run from many processes at once: they queue on an advisory lock per schema. All
+    pending migrations apply in one transaction (all or none), so it also runs through a pooler
+    in transaction mode.
     Raises BackendError, after applying them, if the role lacks a privilege workers need.
     """
     _args.text(url, "url", where="migrate()", expected="a database URL (postgresql://...)")
     validate_schema(schema)
     applied: list[str] = []
+    # One transaction, under a transaction-scoped lock: a pooler in transaction mode
+    # (PgBouncer) keeps it on one server connection, where a session lock taken in one
+    # statement and released in another could land on two (and stay held on the first).
+    # Never prepared, for the same reason.
     with wrap_exceptions(), _privileges_named(schema):
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute(
-                "SELECT pg_advisory_lock(hashtextextended(%s, %s))",
-                (f"umt-migrate:{schema}", _LOCK_SEED),
-            )
-            try:
+        async with await psycopg.AsyncConnection.connect(
+            url, autocommit=True, prepare_threshold=None
+        ) as conn:
+            async with conn.transaction():
+                await conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, %s))",
+                    (f"umt-migrate:{schema}", _LOCK_SEED),
+                )
                 await conn.execute(
                     sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))
                 )
@@ -51,20 +59,14 @@ async def migrate(url: str, *, schema: str = "umt") -> list[str]:
                 for version, name, text in migrations():
                     if version in done:
                         continue
-                    async with conn.transaction():
-                        await conn.execute(render(text, schema))
-                        await conn.execute(
-                            sql.SQL(
-                                "INSERT INTO {}.migrations (version, name) VALUES (%s, %s)"
-                            ).format(sql.Identifier(schema)),
-                            (version, name),
-                        )
+                    await conn.execute(render(text, schema))
+                    await conn.execute(
+                        sql.SQL("INSERT INTO {}.migrations (version, name) VALUES (%s, %s)").format(
+                            sql.Identifier(schema)
+                        ),
+                        (version, name),
+                    )
                     applied.append(f"{version:04d}_{name}")
-            finally:
-                await conn.execute(
-                    "SELECT pg_advisory_unlock(hashtextextended(%s, %s))",
-                    (f"umt-migrate:{schema}", _LOCK_SEED),
-                )
             await _check_privileges(conn, schema)
     return applied
 

@@ -30,7 +30,16 @@ __all__ = [
 
 _SCHEMES = ("postgresql", "postgres")
 _OPTIONS = frozenset(
-    {"schema", "run_migrations", "min_size", "max_size", "listen", "idle_in_transaction_timeout"}
+    {
+        "schema",
+        "run_migrations",
+        "min_size",
+        "max_size",
+        "listen",
+        "listen_url",
+        "pooled",
+        "idle_in_transaction_timeout",
+    }
 )
 
 

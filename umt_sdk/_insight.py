@@ -20,6 +20,7 @@ from umt_sdk.exceptions import UsageError
 __all__ = [
     "BUCKET",
     "BUCKETS",
+    "WORKER_FORGOTTEN_AFTER",
     "WORKER_REPORT_INTERVAL",
     "WORKER_SILENT_AFTER",
     "TaskStats",
@@ -36,6 +37,9 @@ WORKER_REPORT_INTERVAL = timedelta(seconds=5)
 WORKER_SILENT_AFTER = timedelta(seconds=30)
 """A worker not heard from for this long, that did not say it stopped, is `silent`: it
 crashed, froze or lost the database (six reports missed)."""
+WORKER_FORGOTTEN_AFTER = timedelta(days=7)
+"""A worker's report older than this is deleted (by any worker, about once an hour): the
+workers page shows a stopped or silent worker for a week."""
 BUCKET = timedelta(minutes=5)
 BUCKETS = 12
 """The last hour, in 5-minute buckets (the newest one still filling)."""

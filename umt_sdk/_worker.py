@@ -18,7 +18,12 @@ from uuid import UUID
 from umt_sdk import _check as check
 from umt_sdk import _serde
 from umt_sdk._execution import Execution
-from umt_sdk._insight import WORKER_REPORT_INTERVAL, store_now, worker_state
+from umt_sdk._insight import (
+    WORKER_FORGOTTEN_AFTER,
+    WORKER_REPORT_INTERVAL,
+    store_now,
+    worker_state,
+)
 from umt_sdk._spi import Backend, ClaimedRun, ControllableClock, InsightStore, TaskPair
 from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
@@ -452,9 +457,19 @@ class Worker:
             _log.debug("worker report failed: %s", exc)
 
     async def _report_loop(self, store: InsightStore) -> None:
-        """Report this worker every `WORKER_REPORT_INTERVAL` (the workers page reads it)."""
+        """Report this worker every `WORKER_REPORT_INTERVAL` (the workers page reads it), and
+        about once an hour forget the workers not heard from for `WORKER_FORGOTTEN_AFTER`."""
+        forget_every = int(timedelta(hours=1) / WORKER_REPORT_INTERVAL)
+        reports = 0
         while not self._stopping:
             await self._report(store)
+            if reports % forget_every == 0:
+                try:
+                    seen_before = store_now(self.backend) - WORKER_FORGOTTEN_AFTER
+                    await asyncio.wait_for(store.forget_workers(seen_before=seen_before), 5)
+                except Exception as exc:
+                    _log.debug("forgetting old workers failed: %s", exc)
+            reports += 1
             await asyncio.sleep(WORKER_REPORT_INTERVAL.total_seconds())
 
     async def _depth_loop(self) -> None:

@@ -46,7 +46,14 @@ class Process:
     to `<logs>/<name>.out` and `.err`."""
 
     def __init__(
-        self, module: str, args: Sequence[str], *, name: str, logs: Path, workdir: Path
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        name: str,
+        logs: Path,
+        workdir: Path,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.workdir = workdir
@@ -56,7 +63,7 @@ class Process:
         self._err: IO[bytes] = self.err_path.open("wb")
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*prefix, sys.executable, "-m", module, *args],
             stdout=self._out,
             stderr=self._err,
             stdin=subprocess.DEVNULL,
@@ -193,14 +200,19 @@ class Spawner:
         grace: float = 1.0,
         max_size: int = 0,
         url: str | None = None,
+        prune: float = 60.0,
+        prefix: Sequence[str] = (),
+        pooled: bool = False,
+        listen_url: str = "",
     ) -> Process:
         """A worker process (`tests/_procs/worker.py`) serving `versions` (all when empty)
-        as worker `<group>-<pid>`; its process is named `<group>-<n>`."""
+        as worker `<group>-<pid>`; its process is named `<group>-<n>`. A `prefix` runs it
+        under another program (`ip netns exec NS`: in a network namespace)."""
         args = [
             *("--tasks", self.tasks, "--url", url or self.url, "--schema", self.schema),
             *("--lease", str(lease), "--group", group, "--concurrency", str(concurrency)),
             *("--poll", str(self.poll if poll is None else poll), "--grace", str(grace)),
-            *("--workdir", str(self.workdir)),
+            *("--workdir", str(self.workdir), "--prune", str(prune)),
         ]
         if versions:
             args += ["--versions", versions]
@@ -210,11 +222,13 @@ class Spawner:
             args += ["--business", self.business]
         if self.business_url:
             args += ["--business-url", self.business_url]
-        return self.run(WORKER, *args, name=f"{group}-{len(self.started)}")
+        if pooled:  # `url` goes through PgBouncer: poll, or LISTEN on `listen_url`
+            args += ["--pooled", *(["--listen-url", listen_url] if listen_url else [])]
+        return self.run(WORKER, *args, name=f"{group}-{len(self.started)}", prefix=prefix)
 
-    def run(self, module: str, *args: str, name: str) -> Process:
-        """Any program: `python -m <module> ARGS`."""
-        proc = Process(module, args, name=name, logs=self.logs, workdir=self.workdir)
+    def run(self, module: str, *args: str, name: str, prefix: Sequence[str] = ()) -> Process:
+        """Any program: `python -m <module> ARGS` (under `prefix`, when given)."""
+        proc = Process(module, args, name=name, logs=self.logs, workdir=self.workdir, prefix=prefix)
         self.started.append(proc)
         return proc
 

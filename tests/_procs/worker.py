@@ -3,9 +3,11 @@
     python -m tests._procs.worker --tasks tests.integration.tasks --url URL --schema S
         --workdir DIR [--versions t_io@1,t_agent@1] [--lease 1] [--group default]
         [--concurrency 4] [--poll 1] [--grace 1] [--max-size N] [--business TABLE]
-        [--business-url URL]
+        [--business-url URL] [--pooled [--listen-url URL]]
 
-It imports the module `--tasks` (its list `TASKS` of task definitions) and serves those tasks
+It imports the module `--tasks` (its list `TASKS` of task definitions, and its optional
+`SCHEDULES` and `RETENTION`: the registry's schedules and `connect(retention=...)`, pruned
+every `--prune` seconds) and serves those tasks
 with `engine.worker(...)`, the pairs of `--versions` or all of them, as worker `<group>-<pid>`,
 until SIGTERM stops it gracefully. It prints `READY pid=<pid> worker=<worker id>` once it
 serves and `STOPPED` after a graceful stop, and exits at once when the test process that
@@ -116,8 +118,19 @@ async def exit_when_orphaned(parent: int) -> None:
             os._exit(3)
 
 
+def _pooler_options(args: argparse.Namespace) -> dict[str, object]:
+    """`--pooled` (the URL goes through PgBouncer in transaction mode): poll, or LISTEN on
+    `--listen-url`."""
+    if not args.pooled:
+        return {}
+    if args.listen_url:
+        return {"pooled": True, "listen_url": args.listen_url}
+    return {"pooled": True, "listen": False}
+
+
 async def serve(args: argparse.Namespace) -> None:
-    tasks = importlib.import_module(args.tasks).TASKS
+    module = importlib.import_module(args.tasks)
+    tasks = module.TASKS
     _CONFIG.append(
         WorkerConfig(
             url=args.url,
@@ -132,10 +145,12 @@ async def serve(args: argparse.Namespace) -> None:
     orphan_watch = asyncio.create_task(exit_when_orphaned(os.getppid()))
     engine = await connect(
         args.url,
-        registry=Registry(tasks),
+        registry=Registry(tasks, schedules=getattr(module, "SCHEDULES", ())),
         schema=args.schema,
         run_migrations=False,
         max_size=args.max_size or args.concurrency + 4,
+        retention=getattr(module, "RETENTION", None),
+        **_pooler_options(args),
     )
     async with engine:
         worker = engine.worker(
@@ -145,6 +160,7 @@ async def serve(args: argparse.Namespace) -> None:
             worker_id=f"{args.group}-{os.getpid()}",
             poll_interval=timedelta(seconds=args.poll),
             shutdown_grace=timedelta(seconds=args.grace),
+            prune_interval=timedelta(seconds=args.prune),
         )
         async with worker:
             say(f"{READY} pid={os.getpid()} worker={worker.worker_id}")
@@ -164,10 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--poll", type=float, default=1.0, help="poll interval in seconds")
     parser.add_argument("--grace", type=float, default=1.0, help="shutdown grace in seconds")
+    parser.add_argument("--prune", type=float, default=60.0, help="retention pass, seconds")
     parser.add_argument("--max-size", type=int, default=0, help="pool size (concurrency + 4)")
     parser.add_argument("--workdir", required=True, help="the test's switch and receipt files")
     parser.add_argument("--business", default="", help="business table in the schema")
     parser.add_argument("--business-url", default="", help="business database")
+    parser.add_argument("--pooled", action="store_true", help="--url is through PgBouncer")
+    parser.add_argument("--listen-url", default="", help="with --pooled: a direct URL to LISTEN")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING,

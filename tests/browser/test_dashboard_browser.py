@@ -123,20 +123,23 @@ def dashboard(demo: Demo) -> Iterator[str]:
 
 def wait_until(browser: Any, check: Callable[[], Any], *, what: str, timeout: float = WAIT) -> Any:
     """Poll `check()` (reading the page as it is now) until it gives something truthy."""
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import WebDriverException
 
     deadline = time.monotonic() + timeout
+    last: WebDriverException | None = None
     while True:
         try:
             value = check()
-        except StaleElementReferenceException:  # the live update replaced it mid-read
-            value = None
+        except WebDriverException as exc:
+            # The next page is not there yet (no such element, a node of the page being
+            # left), or a live update replaced what was read (stale element): read again.
+            value, last = None, exc
         if value:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(
-                f"timed out after {timeout} s waiting for {what}; the page shows:\n"
-                + browser.find_element("tag name", "body").text[:3000]
+                f"timed out after {timeout} s waiting for {what} (last error: {last!r}); "
+                "the page shows:\n" + browser.find_element("tag name", "body").text[:3000]
             )
         time.sleep(0.1)
 
@@ -276,7 +279,11 @@ async def test_a_waiting_run_is_canceled_from_its_page(
     )
     info = await demo.engine.get(waiting.run_id)
     assert info.status == "canceled"
-    assert "no approval coming" in browser.find_element("tag name", "body").text
+    wait_until(
+        browser,
+        lambda: "no approval coming" in browser.find_element("tag name", "body").text,
+        what="the cancel's reason on the run's page",
+    )
     shots("run-canceled")
     no_console_errors(browser, "the canceled run's page")
 
@@ -399,7 +406,10 @@ async def test_every_waiting_run_of_a_filter_is_canceled_after_a_count(
         what="the three downloads to wait for their approvals",
     )
     browser.find_element("partial link text", "Cancel all unfinished runs matching").click()
-    assert browser.find_element("id", "match-count").text == "3"
+    count = wait_until(
+        browser, lambda: browser.find_element("id", "match-count").text, what="the count"
+    )
+    assert count == "3"
     shots("cancel-matching")
     browser.find_element("xpath", "//button[contains(., 'Yes, cancel 3 run')]").click()
     wait_until(
@@ -484,7 +494,11 @@ async def test_with_a_token_the_browser_logs_in_once_and_acts(
         assert browser.find_element("tag name", "h1").text == "Access token"
         browser.find_element("name", "token").send_keys("not the token")
         browser.find_element("xpath", "//button[normalize-space()='Log in']").click()
-        assert "That is not the token." in browser.find_element("tag name", "body").text
+        wait_until(
+            browser,
+            lambda: "That is not the token." in browser.find_element("tag name", "body").text,
+            what="the wrong token refused",
+        )
         # The refused login answers 401, which the console reports; nothing else may.
         refused = console_errors(console_entries(browser))
         assert [(e.source, "401" in e.message) for e in refused] == [("network", True)], refused

@@ -24,6 +24,7 @@ from psycopg import sql
 
 from tests.browser.chromium import console_entries, console_errors
 from tests.browser.served import free_port
+from tests.browser.test_dashboard_browser import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo" / "demo.py"
@@ -102,7 +103,11 @@ def test_after_the_demo_the_dashboard_shows_the_killed_worker_and_the_takeover(
         assert console_errors(console_entries(browser)) == []
 
         lost[0].find_element("css selector", "a[href*='/runs/']").click()
-        timeline = browser.find_element("css selector", "table.timeline-table").text
+        timeline = wait_until(
+            browser,
+            lambda: browser.find_element("css selector", "table.timeline-table").text,
+            what="the run's timeline",
+        )
         lines = timeline.splitlines()
         interrupted = [line for line in lines if "INTERRUPTED" in line and "worker io-1" in line]
         assert interrupted, timeline

@@ -162,6 +162,20 @@ async def _status(backend: PostgresBackend, run_id: uuid.UUID) -> str:
     return record.status
 
 
+async def _finished_but_queued(backend: PostgresBackend) -> list[uuid.UUID]:
+    """Finished runs that still have a row in `ready`: a write that finished a run missed the
+    row a write it waited for had queued (the claim would keep offering it, and skipping it,
+    until a rotation dropped it)."""
+    async with backend._pool.connection() as conn:
+        cur = await conn.execute(
+            sql.SQL(
+                "SELECT q.run_id FROM {s}.ready q JOIN {s}.runs r ON r.id = q.run_id"
+                " WHERE r.status IN ('completed', 'failed', 'canceled')"
+            ).format(s=sql.Identifier(backend.schema))
+        )
+        return [row[0] for row in await cur.fetchall()]
+
+
 async def _both(child_write: asyncio.Task[Any], cancel: asyncio.Task[Any]) -> None:
     """Both writes went through: neither was chosen as a deadlock's victim."""
     outcomes = await asyncio.gather(child_write, cancel, return_exceptions=True)
@@ -190,6 +204,8 @@ async def test_a_childs_ending_and_its_parents_cancel_do_not_deadlock(
     await _both(ending, cancel)
     assert await _status(backend, child_id) == "completed"
     assert await _status(backend, parent_id) == "canceled"
+    # The ending woke the parent (queued it) before the cancel, which waited for it, ended it.
+    assert await _finished_but_queued(backend) == []
 
 
 async def test_a_childs_cancel_and_its_parents_cancel_do_not_deadlock(
@@ -210,6 +226,7 @@ async def test_a_childs_cancel_and_its_parents_cancel_do_not_deadlock(
     await _both(child_cancel, cancel)
     assert await _status(backend, child_id) == "canceled"
     assert await _status(backend, parent_id) == "canceled"
+    assert await _finished_but_queued(backend) == []
 
 
 async def test_a_groups_last_ending_and_its_parents_cancel_do_not_deadlock(
@@ -229,6 +246,7 @@ async def test_a_groups_last_ending_and_its_parents_cancel_do_not_deadlock(
     await _both(ending, cancel)
     assert await _status(backend, lease.run_id) == "completed"
     assert await _status(backend, parent_id) == "canceled"
+    assert await _finished_but_queued(backend) == []
 
 
 async def test_endings_and_parent_cancels_raced_many_times(backend: PostgresBackend) -> None:
@@ -249,3 +267,4 @@ async def test_endings_and_parent_cancels_raced_many_times(backend: PostgresBack
         await _both(ending, cancel)
         assert await _status(backend, lease.run_id) == "failed"
         assert await _status(backend, parent_id) == "canceled"
+        assert await _finished_but_queued(backend) == []

@@ -6,7 +6,8 @@ by a write that then does not end it (a cancel rolled back, a dropped connection
 write), that release must not be lost: the group row keeps it owed, and the next write that
 ends a member, or a worker's pass about once a second, pays it
 (migrations/0015_group_releases.sql). Each test holds the held member's row from a second
-connection while its running sibling ends, then rolls that connection back.
+connection while its running sibling ends, then rolls that connection back (or has the server
+end its session).
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ async def engine(pg_url: str, pg_schema: str) -> AsyncIterator[Engine]:
 
 @pytest.fixture
 async def locker(pg_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+    conn = await psycopg.AsyncConnection.connect(pg_url, autocommit=True)
+    try:
         yield conn
+    finally:
+        await conn.close()  # also when a test had the server end its session
 
 
 async def _children(engine: Engine, parent: uuid.UUID) -> list[RunInfo]:
@@ -119,10 +123,15 @@ async def _owed(pg_url: str, schema: str) -> list[int]:
         return [row[0] for row in await cur.fetchall()]
 
 
-async def test_a_release_lost_to_a_rolled_back_lock_is_paid_by_the_workers(
-    engine: Engine, locker: psycopg.AsyncConnection[Any], pg_url: str, pg_schema: str
+@pytest.mark.parametrize("ends", ["rolled back", "connection killed"])
+async def test_a_release_lost_to_a_lock_is_paid_by_the_workers(
+    engine: Engine,
+    locker: psycopg.AsyncConnection[Any],
+    pg_url: str,
+    pg_schema: str,
+    ends: str,
 ) -> None:
-    key = "rolled-back"
+    key = f"lost-{ends}"
     GATES[key] = asyncio.Event()
     handle = await engine.enqueue(fan, Fan(key=key, count=2, limit=1))
     async with engine.worker(concurrency=4):
@@ -133,7 +142,11 @@ async def test_a_release_lost_to_a_rolled_back_lock_is_paid_by_the_workers(
         # The sibling's ending did not wait for the held row: it is stored while it is locked.
         await _until(engine, handle.run_id, ["completed", "held"], "the sibling's ending")
         assert await _owed(pg_url, pg_schema) == [1], "the release is owed on the group row"
-        await locker.execute("ROLLBACK")
+        if ends == "rolled back":
+            await locker.execute("ROLLBACK")
+        else:  # the server ends the locker's session: its transaction is rolled back
+            async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as admin:
+                await admin.execute("SELECT pg_terminate_backend(%s)", (locker.info.backend_pid,))
         assert await handle.result(timeout=30) == [0, 1]
     assert await _owed(pg_url, pg_schema) == [0]
     assert (await engine.get(handle.run_id)).attempts == 2, "the parent was woken once"

@@ -29,6 +29,7 @@ BY_ID = {
     "record_steps": {"runs_pkey"},
     "ledger_check_run": {"runs_pkey"},
     "cancel_run": {"runs_pkey"},
+    "lock_for_cancel": {"runs_pkey"},
     "get_run": {"runs_pkey"},
     # A broadcast fact reads the runs waiting for its name; a run's own fact reads it by id.
     "insert_fact": {"runs_pkey", "runs_waiting_for"},

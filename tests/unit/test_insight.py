@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from datetime import UTC, datetime, timedelta
 
 from tests.fixtures.dashboard import Browser, browser_for
 from umt_sdk import connect
-from umt_sdk._insight import BUCKET, BUCKETS, WORKER_SILENT_AFTER, hour_buckets
+from umt_sdk._insight import (
+    BUCKET,
+    BUCKETS,
+    WORKER_FORGOTTEN_AFTER,
+    WORKER_SILENT_AFTER,
+    hour_buckets,
+)
 from umt_sdk.backend import InsightStore, TaskPair, WorkerState
 from umt_sdk.dashboard import create_app
 from umt_sdk.testing import FakeClock
@@ -65,3 +72,33 @@ def test_the_last_hour_is_twelve_aligned_buckets_ending_with_now() -> None:
     assert starts[-1] == datetime(2026, 1, 31, 12, 5, tzinfo=UTC)
     assert starts[0] == datetime(2026, 1, 31, 11, 10, tzinfo=UTC)
     assert all(b - a == BUCKET for a, b in itertools.pairwise(starts))
+
+
+async def test_a_starting_worker_forgets_workers_not_heard_from_for_a_week() -> None:
+    clock = FakeClock()
+    engine = await connect("memory://", clock=clock)
+    try:
+        store = engine.backend
+        assert isinstance(store, InsightStore)
+        for name in ("old", "recent"):
+            await store.record_worker(
+                WorkerState(
+                    worker_id=name,
+                    host="h",
+                    pid=1,
+                    pairs=(),
+                    concurrency=1,
+                    runs_held=0,
+                    started_at=clock.now(),
+                )
+            )
+            clock.advance(WORKER_FORGOTTEN_AFTER)
+        async with engine.worker(worker_id="new"):
+            for _ in range(200):
+                names = {w.worker_id for w in await engine.workers()}
+                if "new" in names and "old" not in names:
+                    break
+                await asyncio.sleep(0.01)
+        assert {w.worker_id for w in await engine.workers()} == {"recent", "new"}
+    finally:
+        await engine.close()

@@ -694,22 +694,41 @@ SELECT (SELECT count(*) FROM fact) AS stored,
 SELECT name, run_id, payload::text AS payload, created_at FROM {schema}.facts
 WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 
+-- name: lock_for_cancel
+-- Before cancel_run, in its transaction: the run's parent's row (an unfinished child's), then
+-- the run's own. A child that ends writes its parent's row after its own (finish_child,
+-- group_member_canceled), and a cancel of a parent takes the parent's row, then the
+-- children's (cancel_children): parent first everywhere (see end_execution), so the two cannot
+-- deadlock. In a statement of its own, so that cancel_run, once these are granted, reads what
+-- the writes it waited for committed.
+WITH parent_locked AS MATERIALIZED (
+    SELECT p.id FROM {schema}.runs p
+    WHERE p.id = (SELECT c.parent_run_id FROM {schema}.runs c
+                  WHERE c.id = %(run_id)s AND c.status NOT IN ('completed', 'failed', 'canceled'))
+    FOR NO KEY UPDATE
+)
+SELECT 1 FROM {schema}.runs
+WHERE id = %(run_id)s AND (SELECT count(*) FROM parent_locked) >= 0
+FOR NO KEY UPDATE;
+
+-- name: dequeue_runs
+-- After a cascade (cancel_children), in its transaction: the `ready` rows of the runs it ended,
+-- read afresh. cancel_children deletes them too, but a row it waited for (a signal that woke
+-- the child and queued it) was committed after its snapshot: left, it would keep a slot of
+-- the claim's scan until a rotation dropped it. The runs are canceled and locked by this
+-- transaction: nothing queues them again.
+DELETE FROM {schema}.ready WHERE run_id = ANY (%(run_ids)s::uuid[]);
+
 -- name: cancel_run
 -- The request is stored once (a later cancel keeps the first time and reason). A run nobody
 -- holds ends canceled at once (`ends`): pending, waiting, or running with a lapsed lease
 -- (`lapsed`, judged here once, by the database's clock: its holder is gone, and the lease is
 -- counted and its execution interrupted as a takeover would). A held run keeps running: its
 -- holder reads the request from its heartbeat. A finished run is left as it is (`status` NULL).
--- The parent of an unfinished child is locked first (`parent_locked`, an InitPlan run before
--- `target` takes the child's row): a child that ends here writes its parent's row after its
--- own (finish_child, group_member_canceled), and a cancel of the parent takes the parent's
--- row, then the children's: one order for both (see end_execution).
-WITH parent_locked AS MATERIALIZED (
-    SELECT p.id FROM {schema}.runs p
-    WHERE p.id = (SELECT c.parent_run_id FROM {schema}.runs c
-                  WHERE c.id = %(run_id)s AND c.status NOT IN ('completed', 'failed', 'canceled'))
-    FOR NO KEY UPDATE
-), target AS (
+-- Run after lock_for_cancel, in a new statement of its transaction: its snapshot sees what
+-- was committed before those locks were granted (a wake-up's `ready` row, which `dequeued`
+-- must delete).
+WITH target AS (
     SELECT r.id, r.status, r.fencing_token, n.lapsed,
            r.status IN ('pending', 'waiting') OR n.lapsed AS ends,
            r.task_name, r.task_version, r.concurrency_key, r.count_waiting,
@@ -719,7 +738,7 @@ WITH parent_locked AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT r.status = 'running' AND r.lease_expires_at <= now() AS lapsed
     ) AS n
-    WHERE r.id = %(run_id)s AND (SELECT count(*) FROM parent_locked) >= 0
+    WHERE r.id = %(run_id)s
     FOR NO KEY UPDATE OF r
 ), changed AS (
     UPDATE {schema}.runs r SET
