@@ -78,6 +78,7 @@ def _params(**given: Any) -> dict[str, Any]:
             "created_before",
             "finished_after",
             "finished_before",
+            "worker_id",
             "before",
         )
     )
