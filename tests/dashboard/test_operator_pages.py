@@ -31,10 +31,15 @@ async def test_the_tasks_page_counts_each_pair_and_charts_its_last_hour(
     async with dash_engine.worker(worker_id="tasks-worker"):
         await dash_engine.wait_idle([done.run_id, broken.run_id])
         assert "tasks-worker" in await board.page("/tasks")
-    await dash_engine.pause("dash.ship@1")
-    for i in range(3):
-        await dash_engine.enqueue(ship, Order(customer=f"held{i}", quantity=i))
-    html = await board.page("/tasks")
+        # Paused while the worker claims: the held runs stay pending under its nose.
+        await dash_engine.pause("dash.ship@1")
+        held = [
+            await dash_engine.enqueue(ship, Order(customer=f"held{i}", quantity=i))
+            for i in range(3)
+        ]
+        html = await board.page("/tasks")
+        for handle in held:
+            assert (await dash_engine.get(handle.run_id)).status == "pending"
     rows = {
         m.group(1): m.group(0)
         for m in re.finditer(r"<tr>\s*<td><a href=\"/runs\?task=([^\"]+)\".*?</tr>", html, re.S)
