@@ -90,6 +90,15 @@ def _storable_text(text: str | None, what: str) -> None:
         raise BackendError(f"{what} cannot be stored: it {reason} (refused as Postgres would)")
 
 
+def _storable_new(new: NewRun) -> None:
+    """Refuse what Postgres could not store in a new run, as Postgres would."""
+    _storable_json(new.input_json, "input")
+    _storable_text(new.idempotency_key, "idempotency key")
+    for key, value in new.tags.items():
+        _storable_text(key, "tag key")
+        _storable_text(value, f"tag {key!r}")
+
+
 def _storable_json(text: str | None, what: str) -> None:
     """The same for JSON text, escapes included (jsonb refuses `\\u0000` and escaped
     surrogates)."""
@@ -733,11 +742,7 @@ class MemoryBackend:
                 "the memory backend has no transactions to join; enqueue without conn=",
                 argument="conn",
             )
-        _storable_json(new.input_json, "input")
-        _storable_text(new.idempotency_key, "idempotency key")
-        for key, value in new.tags.items():
-            _storable_text(key, "tag key")
-            _storable_text(value, f"tag {key!r}")
+        _storable_new(new)
         with self._lock:
             source = None
             if new.forked_from is not None:
@@ -749,28 +754,45 @@ class MemoryBackend:
                     raise BackendError(
                         f"run {new.forked_from} has no step records {missing} to keep in its fork"
                     )
-            if new.idempotency_key is not None:
-                existing_id = self._by_key.get((new.task_name, new.idempotency_key))
-                if existing_id is not None:
-                    existing = self._runs[existing_id]
-                    return EnqueueResult(
-                        run_id=existing_id,
-                        created=False,
-                        task_version=existing.task_version,
-                        input_hash=existing.input_hash,
-                    )
-                pruned_id = self._tombstone_keys.get((new.task_name, new.idempotency_key))
-                if pruned_id is not None:
-                    tombstone = self._tombstones[pruned_id]
-                    return EnqueueResult(
-                        run_id=pruned_id,
-                        created=False,
-                        task_version=tombstone.task_version,
-                        input_hash=tombstone.input_hash,
-                        pruned=True,
-                    )
-            run = self._insert(new, held=False, source=source)
-            return EnqueueResult(run_id=run.run_id, created=True, task_version=run.task_version)
+            return self._enqueue_locked(new, source)
+
+    async def enqueue_many(
+        self, runs: Sequence[NewRun], *, conn: Any = None
+    ) -> Sequence[EnqueueResult]:
+        if conn is not None:
+            raise UsageError(
+                "the memory backend has no transactions to join; enqueue without conn=",
+                argument="conn",
+            )
+        for new in runs:
+            _storable_new(new)
+        with self._lock:  # one write: no claim sees part of the batch
+            return [self._enqueue_locked(new, None) for new in runs]
+
+    def _enqueue_locked(self, new: NewRun, source: _Run | None) -> EnqueueResult:
+        """Store `new` (under the lock), or find the run its idempotency key names."""
+        if new.idempotency_key is not None:
+            existing_id = self._by_key.get((new.task_name, new.idempotency_key))
+            if existing_id is not None:
+                existing = self._runs[existing_id]
+                return EnqueueResult(
+                    run_id=existing_id,
+                    created=False,
+                    task_version=existing.task_version,
+                    input_hash=existing.input_hash,
+                )
+            pruned_id = self._tombstone_keys.get((new.task_name, new.idempotency_key))
+            if pruned_id is not None:
+                tombstone = self._tombstones[pruned_id]
+                return EnqueueResult(
+                    run_id=pruned_id,
+                    created=False,
+                    task_version=tombstone.task_version,
+                    input_hash=tombstone.input_hash,
+                    pruned=True,
+                )
+        run = self._insert(new, held=False, source=source)
+        return EnqueueResult(run_id=run.run_id, created=True, task_version=run.task_version)
 
     def _insert(
         self, new: NewRun, *, held: bool, group: str | None = None, source: _Run | None = None

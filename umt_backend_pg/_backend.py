@@ -29,6 +29,7 @@ coalesced NOTIFY); `_rows` turns rows into records.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -426,6 +427,95 @@ class PostgresBackend:
             input_hash=existing_hash,
             pruned=pruned,
         )
+
+    async def enqueue_many(
+        self, runs: Sequence[NewRun], *, conn: Any = None
+    ) -> Sequence[EnqueueResult]:
+        for new in runs:
+            if new.forked_from is not None or new.parent_run_id is not None or new.rerun_of:
+                raise UsageError(
+                    "enqueue_many stores new top-level runs only (no fork, child or rerun)",
+                    argument="runs",
+                )
+        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
+            raise UsageError(
+                "enqueue_many(conn=...) takes a psycopg.AsyncConnection to the engine's "
+                f"database (your open transaction), got {type(conn).__name__}",
+                argument="conn",
+            )
+        params = {
+            "ids": [new.run_id for new in runs],
+            "task_names": [new.task_name for new in runs],
+            "task_versions": [new.task_version for new in runs],
+            "priorities": [new.priority for new in runs],
+            "delays": [new.delay or timedelta(0) for new in runs],
+            "idempotency_keys": [new.idempotency_key for new in runs],
+            "input_hashes": [new.input_hash for new in runs],
+            "trace_contexts": _json_texts([new.trace_context for new in runs]),
+            "inputs": [new.input_json for new in runs],
+            "tags": _json_texts([new.tags for new in runs]),
+            "concurrency_keys": [new.concurrency_key for new in runs],
+            "concurrency_limits": [new.concurrency_limit for new in runs],
+            "count_waiting": [new.count_waiting for new in runs],
+            "deadlines": [new.deadline_at for new in runs],
+            "timeouts": [new.timeout for new in runs],
+            "start_within": [new.start_within for new in runs],
+            "rate_limits": [new.rate_limit for new in runs],
+            "rate_limit_keys": [new.rate_limit_key for new in runs],
+            "channel": self.work_channel,
+            "notify": conn is not None,
+        }
+        with wrap_exceptions():
+            if conn is not None:
+                return await self._enqueue_many_on(conn, runs, params)
+            async with self._pool.connection() as own:  # autocommit: one statement, one commit
+                results = await self._enqueue_many_on(own, runs, params)
+        created = zip(runs, results, strict=True)
+        for name, version in {(n.task_name, n.task_version) for n, r in created if r.created}:
+            self._notifier.notify(f"{name}@{version}")
+        return results
+
+    async def _enqueue_many_on(
+        self, conn: psycopg.AsyncConnection[Any], runs: Sequence[NewRun], params: dict[str, Any]
+    ) -> list[EnqueueResult]:
+        # Binary: arrays of thousands of elements are dumped without text quoting.
+        cur = await conn.execute(self._q["insert_runs"], params, binary=True)
+        inserted = {row[0] for row in await cur.fetchall()}
+        taken = [new for new in runs if new.run_id not in inserted]
+        found: dict[tuple[str, str | None], tuple[Any, ...]] = {}
+        if taken:
+            cur = await conn.execute(
+                self._q["find_idempotent_runs"],
+                {
+                    "task_names": [new.task_name for new in taken],
+                    "idempotency_keys": [new.idempotency_key for new in taken],
+                },
+            )
+            found = {(row[0], row[1]): row[2:] for row in await cur.fetchall()}
+        results = []
+        for new in runs:
+            if new.run_id in inserted:
+                results.append(
+                    EnqueueResult(run_id=new.run_id, created=True, task_version=new.task_version)
+                )
+                continue
+            row = found.get((new.task_name, new.idempotency_key))
+            if row is None:  # pragma: no cover - the conflicting insert was rolled back meanwhile
+                raise IdempotencyConflictError(
+                    f"idempotency key {new.idempotency_key!r} is being used concurrently; retry",
+                    idempotency_key=new.idempotency_key or "",
+                )
+            existing_id, existing_hash, existing_version, pruned = row
+            results.append(
+                EnqueueResult(
+                    run_id=existing_id,
+                    created=False,
+                    task_version=existing_version,
+                    input_hash=existing_hash,
+                    pruned=pruned,
+                )
+            )
+        return results
 
     async def _copy_fork(self, conn: psycopg.AsyncConnection[Any], new: NewRun) -> None:
         """Copy the kept step records and the facts of the run `new` forks (`NewRun`)."""
@@ -1239,3 +1329,16 @@ class PostgresBackend:
         await self._endings.close()
         await self._streams.close()
         await self._pool.close()
+
+
+def _json_texts(values: Sequence[Mapping[str, str]]) -> list[str]:
+    """Mappings as JSON text, one per run; a batch that shares one (the usual case) encodes it
+    once."""
+    texts: list[str] = []
+    last: Mapping[str, str] | None = None
+    text = ""
+    for value in values:
+        if value is not last:
+            last, text = value, json.dumps(dict(value), separators=(",", ":"))
+        texts.append(text)
+    return texts

@@ -37,6 +37,7 @@ import attrs
 from umt_sdk._codec import PayloadCodec, open_json, open_text, seal_json, seal_text, sealed_by
 from umt_sdk._spi import (
     Backend,
+    BatchEnqueueStore,
     ChildGroupStore,
     ClaimedRun,
     Clock,
@@ -206,6 +207,7 @@ _PROTOCOLS: tuple[type, ...] = (
     LifecycleStore,
     InsightStore,
     RateLimitStore,
+    BatchEnqueueStore,
 )
 _PROTOCOL_METHODS = frozenset(
     name for protocol in _PROTOCOLS for name in vars(protocol) if not name.startswith("_")

@@ -60,6 +60,7 @@ from umt_sdk._schedules import Schedules, scheduler_enqueue
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
     Backend,
+    BatchEnqueueStore,
     CancelOutcome,
     Clock,
     EnqueueResult,
@@ -78,6 +79,7 @@ from umt_sdk._telemetry import Telemetry
 from umt_sdk._views import RunInfo, RunPage, build_run_info
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
+    BackendError,
     IdempotencyConflictError,
     ResultTimeoutError,
     RunCanceledError,
@@ -405,6 +407,238 @@ class Engine:
             engine=self,
             output_type=definition.output_type,
         )
+
+    @overload
+    async def enqueue_many(
+        self,
+        task: TaskDefinition[I, O],
+        inputs: Iterable[I | Mapping[str, Any]],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        priority: int = 0,
+        delay: timedelta | None = None,
+        version: int | None = None,
+        conn: Any = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
+    ) -> list[RunHandle[O]]: ...
+    @overload
+    async def enqueue_many(
+        self,
+        task: str,
+        inputs: Iterable[Any],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        priority: int = 0,
+        delay: timedelta | None = None,
+        version: int | None = None,
+        conn: Any = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
+    ) -> list[RunHandle[Any]]: ...
+    async def enqueue_many(
+        self,
+        task: TaskDefinition[Any, Any] | str,
+        inputs: Iterable[Any],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        priority: int = 0,
+        delay: timedelta | None = None,
+        version: int | None = None,
+        conn: Any = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
+    ) -> list[RunHandle[Any]]:
+        """Start one run of `task` per input, stored in one write (one statement on Postgres).
+
+        The outcome is that of `enqueue` called once per input, in order, with the same
+        arguments (`idempotency_keys[i]` the key of `inputs[i]`; None: no key): one handle per
+        input, in order. A key that names a stored run, or a key given twice in the batch,
+        gives that run's handle (`created=False`); a key whose run holds a different input or
+        another version raises `IdempotencyConflictError`. Every input and key is checked
+        before anything is stored, and a key given twice with different inputs is refused
+        then; a conflict with an already stored run is found by the store's write, so the
+        batch's other runs are stored when it is raised (without `conn`). With `conn`, the
+        runs exist if and only if the caller's transaction commits.
+
+        Runs of one batch are claimed in the order given among equal priorities.
+        """
+        if not isinstance(task, TaskDefinition | str):
+            check.refuse(
+                "task", "a @task definition or a task name ('name' or 'name@version')", task
+            )
+        if not isinstance(inputs, Iterable) or isinstance(inputs, str | bytes | Mapping):
+            check.refuse("inputs", "an iterable of inputs (a list)", inputs)
+        items = list(inputs)
+        if version is not None:
+            check.integer(version, "version", at_least=1, expected="an integer >= 1 or None")
+        definition = self.registry.resolve(task, version)
+        check.integer(priority, "priority", at_least=-32768, at_most=32767)
+        if idempotency_keys is None:
+            keys: list[str | None] = [None] * len(items)
+        else:
+            if isinstance(idempotency_keys, str) or not isinstance(idempotency_keys, Sequence):
+                check.refuse(
+                    "idempotency_keys",
+                    "a sequence of keys (str or None), one per input",
+                    idempotency_keys,
+                )
+            keys = list(idempotency_keys)
+            if len(keys) != len(items):
+                raise UsageError(
+                    f"idempotency_keys has {len(keys)} keys for {len(items)} inputs: give one "
+                    "per input (None for no key)",
+                    argument="idempotency_keys",
+                )
+            for key in keys:
+                if key is not None:
+                    check.text(key, "idempotency_keys", empty=False, max_length=512)
+                    _serde.check_text(key, what="idempotency_key")
+                    _refuse_reserved_key(key)
+        if delay is not None:
+            check.duration(delay, "delay")
+        run_tags = check_tags(tags)
+        deadline_at, timeout = _deadline(deadline, definition.timeout)
+        if start_within is not None:
+            check.duration(
+                start_within,
+                "start_within",
+                positive=True,
+                expected="a timedelta > 0 such as timedelta(minutes=5), or None",
+            )
+        if definition.rate_limit is not None:
+            await ensure_defined(self.backend, definition.rate_limit, "enqueue_many()")
+        strategy = definition.concurrency.strategy if definition.concurrency else "queue"
+        if conn is not None and strategy != "queue":
+            raise UsageError(
+                f"task {definition.name!r} has concurrency strategy {strategy!r}, which "
+                "cancels other runs of the key once the new run is stored: enqueue it without "
+                "conn= (the strategy cannot wait for your transaction to commit)",
+                argument="conn",
+            )
+        task_attributes = Telemetry.task_attributes(definition.name, definition.version)
+        attributes = {
+            **task_attributes,
+            "messaging.operation.type": "send",
+            "messaging.destination.name": definition.name,
+            "messaging.batch.message_count": len(items),
+            "umt.priority": priority,
+        }
+        with self.telemetry.producer_span(f"umt.enqueue {definition.name}", attributes) as span:
+            trace_context = self.telemetry.inject()
+            news: list[NewRun] = []
+            first_of_key: dict[str, int] = {}
+            same_as: list[int | None] = []  # per input: the earlier input of the same key
+            for item, key in zip(items, keys, strict=True):
+                input_json, input_hash = _serde.encode_input(
+                    item, definition.input_type, what="input"
+                )
+                new = NewRun(
+                    run_id=new_run_id(),
+                    task_name=definition.name,
+                    task_version=definition.version,
+                    input_json=input_json,
+                    input_hash=input_hash,
+                    priority=priority,
+                    idempotency_key=key,
+                    delay=delay,
+                    trace_context=trace_context,
+                    tags=run_tags,
+                    **key_fields(
+                        definition.concurrency,
+                        task_name=definition.name,
+                        input_type=definition.input_type,
+                        input_json=input_json,
+                    ),
+                    **rate_limit_fields(
+                        definition.rate_limit,
+                        task_name=definition.name,
+                        input_type=definition.input_type,
+                        input_json=input_json,
+                    ),
+                    deadline_at=deadline_at,
+                    timeout=timeout,
+                    start_within=start_within,
+                )
+                earlier = None if key is None else first_of_key.get(key)
+                if earlier is not None and news[earlier].input_hash != input_hash:
+                    raise IdempotencyConflictError(
+                        f"idempotency key {key!r} of task {definition.name!r} is given twice "
+                        "in this batch with different inputs; use a new key for a different "
+                        "input",
+                        idempotency_key=key or "",
+                    )
+                if key is not None and earlier is None:
+                    first_of_key[key] = len(news)
+                same_as.append(earlier)
+                if earlier is None:
+                    news.append(new)
+            stored: Sequence[EnqueueResult]
+            if isinstance(self.backend, BatchEnqueueStore):
+                stored = await self.backend.enqueue_many(news, conn=conn) if news else ()
+                if len(stored) != len(news):
+                    raise BackendError(
+                        f"the backend stored {len(stored)} results for {len(news)} runs"
+                    )
+            else:  # one at a time: the same outcome, one write per run
+                stored = [await self.backend.enqueue(new, conn=conn) for new in news]
+            transaction = "own" if conn is None else "caller"
+            span.set_attribute("umt.enqueue.transaction", transaction)
+            self.telemetry.enqueue_requests.add(
+                len(items), {**task_attributes, "umt.enqueue.transaction": transaction}
+            )
+            created = sum(1 for result in stored if result.created)
+            span.set_attribute(
+                "umt.runs.created" if conn is None else "umt.runs.created_if_committed", created
+            )
+            for new, result in zip(news, stored, strict=True):
+                if not result.created:
+                    self._check_key_input(result, new)
+                    await self._check_key_version(result, definition, new.idempotency_key)
+        if conn is None:
+            if created:
+                self.telemetry.runs_enqueued.add(created, task_attributes)
+            for new, result in zip(news, stored, strict=True):
+                if result.created and new.concurrency_key is not None:
+                    await apply_strategy(
+                        self.backend,
+                        definition.concurrency,
+                        task_name=definition.name,
+                        run_id=result.run_id,
+                        key=new.concurrency_key,
+                    )
+        handles: list[RunHandle[Any]] = []
+        position = 0
+        for earlier in same_as:
+            if earlier is None:
+                result = stored[position]
+                position += 1
+                handles.append(
+                    RunHandle(
+                        run_id=result.run_id,
+                        task_name=definition.name,
+                        task_version=definition.version,
+                        created=result.created,
+                        engine=self,
+                        output_type=definition.output_type,
+                    )
+                )
+            else:
+                first = handles[earlier]
+                handles.append(
+                    RunHandle(
+                        run_id=first.run_id,
+                        task_name=definition.name,
+                        task_version=definition.version,
+                        created=False,
+                        engine=self,
+                        output_type=definition.output_type,
+                    )
+                )
+        return handles
 
     @staticmethod
     def _check_key_input(result: EnqueueResult, new: NewRun) -> None:

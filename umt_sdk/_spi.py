@@ -73,6 +73,7 @@ from umt_sdk.exceptions import UsageError
 
 __all__ = [
     "Backend",
+    "BatchEnqueueStore",
     "Beat",
     "CancelOutcome",
     "ChildGroup",
@@ -1425,4 +1426,23 @@ class RateLimitStore(Protocol):
         when the run goes. Without a token (`wait`), `next_at` is the bucket's next wait
         slot (`park_slot`, kept as its `parked_until`), and the run is noted as waiting for
         the limit, so a change or a resume makes it claimable at once."""
+        ...
+
+
+@runtime_checkable
+class BatchEnqueueStore(Protocol):
+    """What a backend implements to store many runs in one write (`engine.enqueue_many`).
+    Optional: without it the engine stores a batch one `enqueue` at a time, with the same
+    outcome."""
+
+    async def enqueue_many(
+        self, runs: Sequence[NewRun], *, conn: Any = None
+    ) -> Sequence[EnqueueResult]:
+        """Store `runs` as `Backend.enqueue` stores each (same rules: delays, deadlines,
+        concurrency keys, rate limits, tags, pauses, idempotency keys and their tombstones),
+        in one write, inside the caller's transaction `conn` when given. Returns one result
+        per run, in order. The SDK never passes a fork (`forked_from`) or a child run, and
+        never two runs with the same idempotency key in one call; a key that already names a
+        run (a stored one, or one a racing enqueue stores first) gives that run's result, as
+        `enqueue` does. Runs are claimable in the order given among equals (FIFO)."""
         ...

@@ -23,9 +23,9 @@ T = TypeVar("T")
 
 
 class SyncEngine:
-    """enqueue / signal / cancel / pause / resume / rerun / fork / get / list / result /
-    stream, blocking. Runs its own event loop in a background thread; close it (or use `with`)
-    when done."""
+    """enqueue / enqueue_many / signal / cancel / pause / resume / rerun / fork / get / list /
+    result / stream, blocking. Runs its own event loop in a background thread; close it (or
+    use `with`) when done."""
 
     def __init__(
         self, engine: Engine, loop: asyncio.AbstractEventLoop, thread: threading.Thread
@@ -79,6 +79,36 @@ class SyncEngine:
             )
         )
         return handle.run_id
+
+    def enqueue_many(
+        self,
+        task: TaskDefinition[Any, Any] | str,
+        inputs: Iterable[Any],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        priority: int = 0,
+        delay: timedelta | None = None,
+        version: int | None = None,
+        tags: Mapping[str, str] | None = None,
+        deadline: datetime | timedelta | None = None,
+        start_within: timedelta | None = None,
+    ) -> list[UUID]:
+        """Enqueue many runs in one write (see `Engine.enqueue_many`) and return their ids,
+        one per input, in order."""
+        handles = self._call(
+            self._engine.enqueue_many(
+                task,
+                inputs,
+                idempotency_keys=idempotency_keys,
+                priority=priority,
+                delay=delay,
+                version=version,
+                tags=tags,
+                deadline=deadline,
+                start_within=start_within,
+            )
+        )
+        return [handle.run_id for handle in handles]
 
     def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
         return self._call(self._engine.signal(run_id, name, payload))

@@ -20,6 +20,7 @@ from umt_sdk._spi import (
     HELD_WAIT,
     TERMINAL_STATUSES,
     Backend,
+    BatchEnqueueStore,
     Beat,
     CancelOutcome,
     ChildGroup,
@@ -77,6 +78,7 @@ from umt_sdk._spi import (
 __all__ = [
     "Backend",
     "BackendHookspecs",
+    "BatchEnqueueStore",
     "Beat",
     "CancelOutcome",
     "ChildGroup",

@@ -35,15 +35,23 @@ async def enqueue(args: argparse.Namespace) -> None:
     from pgqueuer import Queries
 
     queries = Queries(await driver(args.dsn))
-    await queries.install()
-    t0 = time.perf_counter()
+    if not args.installed:
+        await queries.install()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     done = 0
     while done < args.n:
-        size = min(1000, args.n - done)
+        size = min(args.enqueue_batch, args.n - done)
         await queries.enqueue(["noop"] * size, [None] * size, [0] * size)
         done += size
-    seconds = time.perf_counter() - t0
-    send("RESULT", {"enqueue_s": seconds, "enqueue_per_s": args.n / seconds if seconds else 0})
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    send(
+        "RESULT",
+        {
+            "enqueue_s": seconds,
+            "enqueue_per_s": args.n / seconds if seconds else 0,
+            "enqueue_cpu_s": cpu,
+        },
+    )
 
 
 async def work(args: argparse.Namespace) -> None:
@@ -82,6 +90,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=1)
     parser.add_argument("--wid", type=int, default=1)
     parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--enqueue-batch", type=int, default=1000)
+    parser.add_argument("--installed", action="store_true", help="the schema is there")
     args = parser.parse_args()
     asyncio.run(enqueue(args) if args.mode == "enqueue" else work(args))
 

@@ -406,6 +406,38 @@ CASES: list[Case] = [
         none,
         lambda env, v: env.engine.enqueue(job, None, conn=v),
     ),
+    Case("Engine.enqueue_many", "task", text(), lambda env, v: env.engine.enqueue_many(v, [])),
+    Case(
+        "Engine.enqueue_many",
+        "inputs",
+        lambda v: isinstance(v, Iterable) and not isinstance(v, str | bytes | Mapping),
+        lambda env, v: env.engine.enqueue_many(job, v),
+    ),
+    Case(
+        "Engine.enqueue_many",
+        "idempotency_keys",
+        lambda v: (
+            v is None
+            or (
+                isinstance(v, list | tuple)
+                and len(v) == 1
+                and (v[0] is None or text(empty=False, longest=512)(v[0]))
+            )
+        ),
+        lambda env, v: env.engine.enqueue_many(job, [None], idempotency_keys=v),
+    ),
+    Case(
+        "Engine.enqueue_many",
+        "priority",
+        integer(-32768, 32767),
+        lambda env, v: env.engine.enqueue_many(job, [None], priority=v),
+    ),
+    Case(
+        "Engine.enqueue_many",
+        "delay",
+        either(none, span()),
+        lambda env, v: env.engine.enqueue_many(job, [None], delay=v),
+    ),
     Case("Engine.signal", "run_id", RUN_ID, lambda env, v: env.engine.signal(v, "go")),
     Case("Engine.signal", "name", NAME, lambda env, v: env.engine.signal(env.handle.run_id, v)),
     Case("Engine.broadcast", "name", NAME, lambda env, v: env.engine.broadcast(v)),

@@ -165,3 +165,18 @@ def test_a_failed_connect_leaves_no_thread_behind() -> None:
     with pytest.raises(UsageError, match="takes no options"):  # was a TypeError
         connect_sync("memory://", bogus=True)
     assert _loop_threads() == before
+
+
+def test_enqueue_many_returns_one_id_per_input_in_order() -> None:
+    with connect_sync("memory://", registry=REGISTRY) as facade:
+        stored = facade.enqueue(other, Ticket(key="b"), idempotency_key="k-b")
+        ids = facade.enqueue_many(
+            other,
+            [Ticket(key="a"), Ticket(key="b"), {"key": "c"}],
+            idempotency_keys=[None, "k-b", "k-c"],
+            priority=3,
+        )
+        assert ids[1] == stored
+        assert len(set(ids)) == 3
+        assert [facade.get(run_id).priority for run_id in (ids[0], ids[2])] == [3, 3]
+        assert [facade.get(run_id).input for run_id in ids] == [{"key": k} for k in "abc"]

@@ -108,6 +108,94 @@ UNION ALL
  ORDER BY pruned_at DESC LIMIT 1)
 ORDER BY pruned LIMIT 1;
 
+-- name: insert_runs
+-- Many runs in one statement (`enqueue_many`), each as insert_run stores one: one row per
+-- element of the arrays, in their order (FIFO among equals), skipped when its idempotency key
+-- is taken (ON CONFLICT waits for a racing insert of the key to end; the caller then reads
+-- the run with find_idempotent_runs) or names a pruned run. Its `ready`, `run_tags` and
+-- `concurrency_keys` rows are written by the same statement; a key's row counts all the runs
+-- of the batch that hold it, and takes the limit of the last of them.
+WITH given AS (
+    SELECT g.*, d.deadline_at
+    FROM unnest(
+        %(ids)b::uuid[], %(task_names)b::text[], %(task_versions)b::integer[],
+        %(priorities)b::integer[], %(delays)b::interval[], %(idempotency_keys)b::text[],
+        %(input_hashes)b::text[], %(trace_contexts)b::text[], %(inputs)b::text[],
+        %(tags)b::text[], %(concurrency_keys)b::text[], %(concurrency_limits)b::integer[],
+        %(count_waiting)b::boolean[], %(deadlines)b::timestamptz[], %(timeouts)b::interval[],
+        %(start_within)b::interval[], %(rate_limits)b::text[], %(rate_limit_keys)b::text[]
+    ) WITH ORDINALITY AS g (
+        id, task_name, task_version, priority, delay, idempotency_key, input_hash,
+        trace_context, input, tags, concurrency_key, concurrency_limit, count_waiting,
+        deadline, timeout, start_within, rate_limit, rate_limit_key, position
+    )
+    CROSS JOIN LATERAL (SELECT least(g.deadline, now() + g.timeout) AS deadline_at) AS d
+), inserted AS (
+    INSERT INTO {schema}.runs (
+        id, task_name, task_version, status, priority, available_at, idempotency_key,
+        input_hash, trace_context, input, queued, concurrency_key, count_waiting, tags,
+        deadline_at, start_by, rate_limit, rate_limit_key
+    )
+    SELECT
+        g.id, g.task_name, g.task_version, 'pending', g.priority,
+        least(now() + g.delay, g.deadline_at), g.idempotency_key, g.input_hash,
+        g.trace_context::jsonb, g.input::jsonb,
+        g.delay <= interval '0' AND g.concurrency_key IS NULL AND g.rate_limit IS NULL
+        AND NOT EXISTS (
+            SELECT 1 FROM {schema}.paused_tasks z
+            WHERE z.task_name = g.task_name AND z.task_version IN (0, g.task_version)),
+        g.concurrency_key, g.count_waiting, g.tags::jsonb, g.deadline_at,
+        now() + g.delay + g.start_within, g.rate_limit,
+        CASE WHEN g.rate_limit IS NOT NULL THEN g.rate_limit_key END
+    FROM given g
+    WHERE g.idempotency_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {schema}.pruned_runs t
+        WHERE t.task_name = g.task_name AND t.idempotency_key = g.idempotency_key
+    )
+    ORDER BY g.position
+    ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, task_name, task_version, priority, available_at, queued, concurrency_key,
+        tags
+), tagged AS (
+    INSERT INTO {schema}.run_tags (run_id, key, value)
+    SELECT i.id, t.key, t.value FROM inserted i CROSS JOIN jsonb_each_text(i.tags) AS t
+), queued AS (
+    INSERT INTO {schema}.ready (run_id, task_name, task_version, priority, available_at, slot)
+    SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
+    FROM inserted i WHERE i.queued
+), keyed AS (
+    INSERT INTO {schema}.concurrency_keys (task_name, concurrency_key, slot_limit, queued)
+    SELECT i.task_name, i.concurrency_key,
+           (array_agg(g.concurrency_limit ORDER BY g.position DESC))[1], count(*)
+    FROM inserted i JOIN given g ON g.id = i.id
+    WHERE i.concurrency_key IS NOT NULL
+    GROUP BY i.task_name, i.concurrency_key
+    ON CONFLICT (task_name, concurrency_key) DO UPDATE SET
+        slot_limit = EXCLUDED.slot_limit,
+        queued = {schema}.concurrency_keys.queued + EXCLUDED.queued
+)
+SELECT i.id, i.task_name, i.task_version,
+       CASE WHEN %(notify)s::boolean
+            THEN pg_notify(%(channel)s, i.task_name || '@' || i.task_version) END
+FROM inserted i;
+
+-- name: find_idempotent_runs
+-- The runs the keys name (find_idempotent_run for many keys of one call): for each
+-- (task name, key), the stored run, else the tombstone of the pruned one.
+SELECT DISTINCT ON (k.task_name, k.idempotency_key)
+       k.task_name, k.idempotency_key, f.id, f.input_hash, f.task_version, f.pruned
+FROM unnest(%(task_names)s::text[], %(idempotency_keys)s::text[])
+    AS k (task_name, idempotency_key)
+CROSS JOIN LATERAL (
+    SELECT id, input_hash, task_version, false AS pruned, NULL::timestamptz AS pruned_at
+    FROM {schema}.runs r
+    WHERE r.task_name = k.task_name AND r.idempotency_key = k.idempotency_key
+    UNION ALL
+    SELECT run_id, input_hash, task_version, true, pruned_at FROM {schema}.pruned_runs t
+    WHERE t.task_name = k.task_name AND t.idempotency_key = k.idempotency_key
+) AS f
+ORDER BY k.task_name, k.idempotency_key, f.pruned, f.pruned_at DESC;
+
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s);
 

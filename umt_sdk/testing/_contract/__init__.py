@@ -9,6 +9,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 
 - `_base`: the per-test `Tally`, the fixtures, the waiting helpers, the shared tasks
 - `_runs`: enqueue and read back, idempotency keys, listing
+- `_batches`: `enqueue_many` (one write, the outcome of single enqueues, keys honoured)
 - `_replay`: replay by step name, non-determinism, plain tasks and steps
 - `_facts`: durable sleeps and facts
 - `_children`: child runs, their results, and the cancels a parent's end cascades
@@ -45,6 +46,7 @@ from umt_sdk.testing._contract import (
     _aborts,
     _arguments,
     _base,
+    _batches,
     _cancel,
     _children,
     _claims,
@@ -76,6 +78,7 @@ __all__ = ["BackendContract"]
 ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_base.TASKS,
     *_runs.TASKS,
+    *_batches.TASKS,
     *_replay.TASKS,
     *_facts.TASKS,
     *_children.TASKS,
@@ -108,6 +111,7 @@ out: each topic's `TASKS` says which)."""
 
 class BackendContract(
     _runs.RunsContract,
+    _batches.BatchesContract,
     _replay.ReplayContract,
     _facts.FactsContract,
     _children.ChildrenContract,

@@ -201,6 +201,21 @@ class CodecsContract:
         with pytest.raises(IdempotencyConflictError):
             await sealed.enqueue(codec_task, Job(key="other"), idempotency_key="once")
 
+    async def test_a_batchs_inputs_are_sealed(self, sealed: Engine) -> None:
+        handles = await sealed.enqueue_many(
+            codec_task, [Job(key=SECRET), Job(key=f"b-{SECRET}")], idempotency_keys=["b1", None]
+        )
+        for handle in handles:
+            raw = await self._raw(sealed).get_run(handle.run_id)
+            assert raw is not None
+            assert _clear(raw.input_json) == [], "a batch's inputs are sealed at rest"
+        assert [(await sealed.get(h.run_id)).input["key"] for h in handles] == [
+            SECRET,
+            f"b-{SECRET}",
+        ]
+        again = await sealed.enqueue_many(codec_task, [Job(key=SECRET)], idempotency_keys=["b1"])
+        assert (again[0].run_id, again[0].created) == (handles[0].run_id, False)
+
     async def test_claims_and_ledger_results_pass_through_the_codec(
         self, sealed: Engine, harness: BackendHarness
     ) -> None:
