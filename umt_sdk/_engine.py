@@ -375,13 +375,14 @@ class Engine:
             # On the caller's transaction the run exists only if that commits, which the SDK
             # never sees: such an enqueue is counted and traced as a request, not as a run.
             transaction = "own" if conn is None else "caller"
-            span.set_attribute("umt.enqueue.transaction", transaction)
-            span.set_attribute("umt.run.id", str(result.run_id))
-            span.set_attribute("messaging.message.id", str(result.run_id))
-            span.set_attribute(
-                "umt.run.created" if conn is None else "umt.run.created_if_committed",
-                result.created,
-            )
+            if span.is_recording():
+                span.set_attribute("umt.enqueue.transaction", transaction)
+                span.set_attribute("umt.run.id", str(result.run_id))
+                span.set_attribute("messaging.message.id", str(result.run_id))
+                span.set_attribute(
+                    "umt.run.created" if conn is None else "umt.run.created_if_committed",
+                    result.created,
+                )
             task_attributes = Telemetry.task_attributes(definition.name, definition.version)
             self.telemetry.enqueue_requests.add(
                 1, {**task_attributes, "umt.enqueue.transaction": transaction}

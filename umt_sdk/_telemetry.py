@@ -113,6 +113,11 @@ class Telemetry:
 
     @contextmanager
     def producer_span(self, name: str, attributes: Mapping[str, Any]) -> Iterator[Span]:
+        if not _records(self.tracer):
+            # No span, no context switch: what is injected is the caller's context, as the
+            # no-op span (which carries it) would have given.
+            yield trace.INVALID_SPAN
+            return
         with self.tracer.start_as_current_span(
             name,
             kind=SpanKind.PRODUCER,
@@ -192,6 +197,10 @@ class ExecutionTelemetry:
             "umt.priority": claimed.priority,
             "umt.worker.id": worker_id,
         }
+        # No tracer records (no SDK installed, a no-op provider): no step span, attribute dict
+        # or context switch per step; the execution span (a no-op too) is made once per run.
+        self.records = _records(telemetry.tracer)
+        self._step_metric_attributes = {**self.task_attributes, "umt.step.kind": "step"}
         self.span = telemetry.execution_span(
             task_name=claimed.task_name,
             parent=telemetry.extract(claimed.trace_context),
@@ -205,6 +214,8 @@ class ExecutionTelemetry:
 
     def event(self, name: str, **attributes: Any) -> None:
         """An event on the execution span (attributes that are None are left out)."""
+        if not self.records:
+            return
         self.span.add_event(name, {k: v for k, v in attributes.items() if v is not None})
 
     @contextmanager
@@ -278,6 +289,8 @@ class ExecutionTelemetry:
         self.event("umt.lease_lost", **{"umt.reason": reason})
 
     def replayed(self, record: StepRecord) -> None:
+        if not self.records:
+            return
         self.event(
             "umt.step.replayed",
             **{
@@ -294,6 +307,14 @@ class ExecutionTelemetry:
         without one is a failure if it is an `Exception`, else control flow that names its own
         outcome in a `step_outcome` attribute (a release), or `interrupted` (a crash)."""
         started = time.monotonic()
+        if not self.records:
+            try:
+                yield _UNTRACED
+            finally:
+                self._telemetry.step_duration.record(
+                    time.monotonic() - started, self._step_metric_attributes
+                )
+            return
         with self._telemetry.tracer.start_as_current_span(
             f"umt.step {name}",
             attributes={
@@ -317,7 +338,7 @@ class ExecutionTelemetry:
                 raise
             finally:
                 self._telemetry.step_duration.record(
-                    time.monotonic() - started, {**self.task_attributes, "umt.step.kind": "step"}
+                    time.monotonic() - started, self._step_metric_attributes
                 )
 
     @staticmethod
@@ -349,6 +370,30 @@ class StepTrace:
         if self.outcome is None:
             self.outcome = outcome
             self._span.set_attribute("umt.step.outcome", outcome)
+
+
+class _UntracedStep(StepTrace):
+    """The `StepTrace` of every step when no tracer records: says nothing to no span."""
+
+    def __init__(self) -> None:
+        super().__init__(trace.INVALID_SPAN)
+
+    def failed(self, error: BaseException, outcome: str) -> None:
+        del error, outcome
+
+    def ended(self, outcome: str) -> None:
+        del outcome
+
+
+_UNTRACED = _UntracedStep()
+
+
+def _records(tracer: trace.Tracer) -> bool:
+    """Whether `tracer` may record: False only for the API's no-op tracer, given directly (a
+    `NoOpTracerProvider`) or through the API's proxy while no global provider is set. The
+    proxy is asked per execution, so a provider set later is used from the next run on."""
+    resolved = getattr(tracer, "_tracer", tracer)  # the proxy's delegate (a private name)
+    return not isinstance(resolved, trace.NoOpTracer)
 
 
 def _is_cancel(error: BaseException) -> bool:
