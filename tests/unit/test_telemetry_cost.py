@@ -1,6 +1,7 @@
 """What telemetry costs: `enqueue_many` is one PRODUCER span for the batch, and with no tracer
-that records (none installed, a no-op provider) an enqueue or a step makes no span at all; with one that
-records, every executed step still has its span (tests/unit/test_telemetry_truth.py)."""
+that records (none installed, a no-op provider) an enqueue or a step makes no span at all;
+with one that records, every executed step still has its span
+(tests/unit/test_telemetry_truth.py)."""
 
 from __future__ import annotations
 
