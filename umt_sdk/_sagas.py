@@ -45,7 +45,7 @@ COMPENSATING = "umt.compensating"
 """The run gave up and compensates: why, and the steps to undo in the order they are undone."""
 
 
-class ResumeCompensation(BaseException):  # noqa: N818 - control flow, like `Suspend`
+class ResumeCompensation(BaseException):
     """The handler, replayed by a run that already decided to compensate, reached a step it
     never recorded: it stops there and the execution goes on compensating."""
 

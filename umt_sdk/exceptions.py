@@ -346,7 +346,7 @@ class CanceledError(UmtError):
         self.reason = reason
 
 
-class Compensate(UmtError):  # noqa: N818 - a command the handler raises, not an error it met
+class Compensate(UmtError):
     """The run gives up and undoes what it did: the compensations of its completed steps
     (`ctx.step.run(..., compensate=fn)`) run in reverse order, each as a durable step, and the
     run ends `compensated` (or `failed`, naming the compensation that could not run)."""

@@ -149,9 +149,10 @@ class SagasContract:
             "undo reserve reserve-id",
         ], "the failed attempt is retried; the compensation before it does not run again"
         info = await engine.get(handle.run_id)
-        assert [
-            (s.name, s.status) for s in info.timeline if s.name == "umt.compensate:book"
-        ] == [("umt.compensate:book", "retrying"), ("umt.compensate:book", "completed")]
+        assert [(s.name, s.status) for s in info.timeline if s.name == "umt.compensate:book"] == [
+            ("umt.compensate:book", "retrying"),
+            ("umt.compensate:book", "completed"),
+        ]
 
     async def test_a_compensation_that_cannot_run_fails_the_run_naming_it(
         self, engine: Engine
