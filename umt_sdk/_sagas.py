@@ -35,6 +35,7 @@ __all__ = [
     "Saga",
     "compensation_args",
     "compensation_name",
+    "umt_record",
 ]
 
 COMPENSATION_PREFIX = "umt.compensation:"
@@ -48,6 +49,12 @@ COMPENSATING = "umt.compensating"
 class ResumeCompensation(BaseException):
     """The handler, replayed by a run that already decided to compensate, reached a step it
     never recorded: it stops there and the execution goes on compensating."""
+
+
+def umt_record(name: str) -> bool:
+    """A record no call of the handler makes: a registration or the plan (the compensations
+    themselves are steps the execution calls, replayed like any other)."""
+    return name == COMPENSATING or name.startswith(COMPENSATION_PREFIX)
 
 
 def compensation_name(fn: Callable[..., Any]) -> str:
