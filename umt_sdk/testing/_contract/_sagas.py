@@ -15,11 +15,13 @@ from umt_sdk import (
     RetryPolicy,
     RunCompensatedError,
     RunFailedError,
+    RunPrunedError,
     TaskContext,
     TaskDefinition,
     task,
 )
 from umt_sdk.testing._contract._base import Job, current_tally
+from umt_sdk.testing._helpers import BackendHarness
 
 __all__ = ["SagasContract"]
 
@@ -198,3 +200,17 @@ class SagasContract:
             info = await engine.get(run_id)
             assert info.timeline == (), "nothing stored"
         assert "b" not in current_tally().business
+
+    async def test_a_compensated_run_is_finished_for_retention(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        handle = await engine.enqueue(saga_task, Job(key="p", n=1))
+        async with engine.worker():
+            with pytest.raises(RunCompensatedError):
+                await handle.result(timeout=15)
+        assert (await engine.prune(older_than=timedelta(seconds=2))).pruned == 0, "not old yet"
+        await harness.advance(timedelta(seconds=3))
+        assert (await engine.prune(older_than=timedelta(seconds=2))).pruned == 1
+        with pytest.raises(RunPrunedError) as caught:
+            await engine.get(handle.run_id)
+        assert caught.value.status == "compensated"
