@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 
 from umt_sdk import (
+    ChildFailedError,
     Compensate,
     Engine,
     Registry,
     RetryPolicy,
+    RunCanceledError,
     RunCompensatedError,
     RunFailedError,
     SyncTaskContext,
@@ -59,11 +61,70 @@ async def redeployed_saga(ctx: TaskContext[str]) -> None:
     raise Compensate("no stock")
 
 
+def undo_b_broken() -> None:
+    LOG.append("undo b failed")
+    raise OSError("the refund API is down")
+
+
+@task("fixable_saga", version=1, retry=RetryPolicy.none())
+async def fixable_saga(ctx: TaskContext[str]) -> None:
+    await ctx.step.run("a", lambda: "a", compensate=lambda: LOG.append("undo a"))
+    await ctx.step.run("b", lambda: "b", compensate=undo_b_broken)
+    await ctx.step.run("c", lambda: "c", compensate=lambda: LOG.append("undo c"))
+    raise Compensate("no stock")
+
+
+@task("fixable_saga", version=2, retry=RetryPolicy.none())
+async def fixable_saga_v2(ctx: TaskContext[str]) -> None:
+    await ctx.step.run("a", lambda: "a", compensate=lambda: LOG.append("undo a"))
+    await ctx.step.run("b", lambda: "b", compensate=lambda: LOG.append("undo b"))
+    await ctx.step.run("c", lambda: "c", compensate=lambda: LOG.append("undo c"))
+    raise Compensate("no stock")
+
+
+@task("saga_child", retry=RetryPolicy.none())
+async def saga_child(ctx: TaskContext[str]) -> None:
+    await ctx.step.run("a", lambda: "a", compensate=lambda: LOG.append("child undo a"))
+    raise Compensate("child gave up")
+
+
+@task("saga_parent", retry=RetryPolicy.none())
+async def saga_parent(ctx: TaskContext[str]) -> str:
+    child = await ctx.step.start_child("child", saga_child, ctx.input)
+    try:
+        await child.result()
+    except ChildFailedError as exc:
+        return f"child failed: {exc.error_type}: {exc.error_message}"
+    return "unreachable"
+
+
+@task("canceled_saga", retry=RetryPolicy.none())
+async def canceled_saga(ctx: TaskContext[str]) -> None:
+    async def undo_until_the_cancel_arrives() -> None:
+        LOG.append("undo b started")
+        await ctx.abort_event.wait()  # the cancel reached this execution
+        LOG.append("undo b returned")
+
+    await ctx.step.run("a", lambda: "a", compensate=lambda: LOG.append("undo a"))
+    await ctx.step.run("b", lambda: "b", compensate=undo_until_the_cancel_arrives)
+    raise Compensate("no stock")
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[Engine]:
     LOG.clear()
     DEPLOYED["without_compensation"] = False
-    registry = Registry([plain_saga, redeployed_saga])
+    registry = Registry(
+        [
+            plain_saga,
+            redeployed_saga,
+            fixable_saga,
+            fixable_saga_v2,
+            saga_child,
+            saga_parent,
+            canceled_saga,
+        ]
+    )
     engine = await connect("memory://", registry=registry, clock=FakeClock(auto_advance=True))
     yield engine
     await engine.close()
@@ -99,3 +160,45 @@ async def test_a_registration_the_code_no_longer_makes_is_never_skipped(engine: 
     assert "of step 'a' could not run" in caught.value.error_message
     assert "<lambda>" in caught.value.error_message, "named as it was registered"
     assert LOG == ["undo b"], "the one before it in the reverse order ran"
+
+
+async def test_a_saga_whose_undo_failed_is_finished_by_a_fork_on_fixed_code(
+    engine: Engine,
+) -> None:
+    handle = await engine.enqueue(fixable_saga, "x", version=1)
+    async with engine.worker():
+        with pytest.raises(RunFailedError) as caught:
+            await handle.result(timeout=5)
+        assert caught.value.error_type == "umt_sdk.CompensationFailedError"
+        assert LOG == ["undo c", "undo b failed"]
+        fork = await engine.fork(handle.run_id, "umt.compensate:b", version=2)
+        with pytest.raises(RunCompensatedError) as compensated:
+            await fork.result(timeout=5)
+    assert compensated.value.error_message == "no stock"
+    assert LOG == ["undo c", "undo b failed", "undo b", "undo a"], "undo c is not run again"
+
+
+async def test_a_compensated_child_fails_its_parents_result(engine: Engine) -> None:
+    handle = await engine.enqueue(saga_parent, "x")
+    async with engine.worker():
+        result = await handle.result(timeout=5)
+    assert result == "child failed: umt_sdk.Compensate: child gave up"
+    assert LOG == ["child undo a"]
+
+
+async def test_a_cancel_wins_over_compensating(engine: Engine) -> None:
+    handle = await engine.enqueue(canceled_saga, "x")
+    async with engine.worker():
+        for _ in range(500):
+            if LOG == ["undo b started"]:
+                break
+            await asyncio.sleep(0.01)
+        assert await engine.cancel(handle.run_id, reason="operator") == "requested"
+        with pytest.raises(RunCanceledError):
+            await handle.result(timeout=5)
+    assert LOG == ["undo b started", "undo b returned"], "undo a never started"
+    info = await engine.get(handle.run_id)
+    assert info.status == "canceled"
+    assert [(s.name, s.status) for s in info.timeline if s.name.startswith("umt.compensate:")] == [
+        ("umt.compensate:b", "completed")
+    ]
