@@ -25,7 +25,8 @@ from umt_sdk import (
     step,
     task,
 )
-from umt_sdk.exceptions import TaskDefinitionError
+from umt_sdk._names import check_sleep_arguments, check_wait_arguments
+from umt_sdk.exceptions import TaskDefinitionError, UsageError
 from umt_sdk.testing import FakeClock, Replayer
 
 LOG: list[str] = []
@@ -43,6 +44,16 @@ def test_step_names_starting_with_umt_are_reserved() -> None:
     with pytest.raises(TaskDefinitionError) as caught:
         step("umt.compensate:charge")
     assert "'umt.'" in str(caught.value)
+    for refused in (
+        lambda: check_sleep_arguments("umt.compensating", timedelta(seconds=1)),
+        lambda: check_wait_arguments(
+            "umt.compensating", timeout=None, check_fn=None, payload_type=Any, poll=None
+        ),
+    ):
+        with pytest.raises(UsageError) as used:
+            refused()
+        assert used.value.argument == "name"
+        assert "'umt.'" in str(used.value)
 
 
 @task("plain_saga", retry=RetryPolicy.none())
