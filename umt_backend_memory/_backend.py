@@ -543,7 +543,7 @@ class MemoryBackend:
             self._store_fact(run.parent_run_id, run.parent_fact, "null", now)
         if run.parent_run_id is not None and run.group is not None:
             self._count_out(run.parent_run_id, run.group, released=not was_held, now=now)
-        if status in ("failed", "canceled"):
+        if status in ("failed", "canceled", "compensated"):
             reason = f"parent {run.run_id} {status}"
             for child_id in self._children.get(run.run_id, ()):
                 child = self._runs[child_id]

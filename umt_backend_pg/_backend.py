@@ -707,7 +707,7 @@ class PostgresBackend:
         canceled: list[UUID] = []
         with wrap_exceptions():
             async with self._pool.connection() as conn:
-                if ending.status in ("failed", "canceled"):
+                if ending.status in ("failed", "canceled", "compensated"):
                     # Also cancels the children that asked for it (the SPI's `finishing`), in
                     # the same transaction, level by level.
                     async with conn.transaction():

@@ -102,6 +102,7 @@ class StepApi:
         timeout: timedelta | None = None,
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -116,6 +117,7 @@ class StepApi:
         timeout: timedelta | None = None,
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def run(
@@ -129,6 +131,7 @@ class StepApi:
         timeout: timedelta | None = None,
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
@@ -145,10 +148,16 @@ class StepApi:
         than a second parks the run, freeing the worker's slot, and the step asks again when
         it is resumed). `rate_limit_key` names the bucket (one per tenant); without it, the
         limit's one bucket. An unknown name fails the run with `UsageError`.
-        The keywords `retry`, `output_type`, `timeout`, `rate_limit` and `rate_limit_key` are
-        taken by umt; pass a lambda if `fn` has a parameter of one of those names.
+        `compensate`: a function that undoes the step, registered with its record: when the
+        run compensates (`raise Compensate(...)`, or `@task(on_failure="compensate")`), the
+        compensations of its completed steps run in reverse order, each as the durable step
+        `umt.compensate:<name>`, called with the step's output (or with nothing if it takes
+        no parameter). See docs/sagas.md.
+        The keywords `retry`, `output_type`, `timeout`, `rate_limit`, `rate_limit_key` and
+        `compensate` are taken by umt; pass a lambda if `fn` has a parameter of one of those
+        names.
         """
-        check_run_arguments(name, fn, retry, output_type, timeout)
+        check_run_arguments(name, fn, retry, output_type, timeout, compensate)
         check_step_rate_limit(name, rate_limit, rate_limit_key)
         call = StepCall.inline(
             name,
@@ -160,6 +169,7 @@ class StepApi:
             timeout=timeout,
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
+            compensate=compensate,
         )
         return self._steps.run(call)
 
@@ -430,11 +440,12 @@ class SyncStepApi:
         timeout: timedelta | None = None,
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
         `StepApi.run`, also for `output_type`)."""
-        check_run_arguments(name, fn, retry, output_type, timeout)
+        check_run_arguments(name, fn, retry, output_type, timeout, compensate)
         check_step_rate_limit(name, rate_limit, rate_limit_key)
         call = StepCall.inline(
             name,
@@ -446,6 +457,7 @@ class SyncStepApi:
             timeout=timeout,
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
+            compensate=compensate,
         )
         value: R = self._steps.from_thread(self._steps.run(call))
         return value

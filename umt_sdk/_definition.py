@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from attrs import frozen
 
@@ -14,7 +14,9 @@ from umt_sdk._rate_limits import RateLimit
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import TaskPair
 
-__all__ = ["DEFAULT_MAX_LOST_LEASES", "TaskDefinition"]
+__all__ = ["DEFAULT_MAX_LOST_LEASES", "OnFailure", "TaskDefinition"]
+
+OnFailure = Literal["fail", "compensate"]
 
 I = TypeVar("I")
 O = TypeVar("O")
@@ -47,6 +49,9 @@ class TaskDefinition(Generic[I, O]):
     """How long a run may take from its enqueue before it fails (see `task`); None: no limit."""
     rate_limit: RateLimit[Any] | None = None
     """The rate limit a run takes a token of to start (see `RateLimit`); None: none."""
+    on_failure: OnFailure = "fail"
+    """What a run does when it fails for good: `"fail"`, or `"compensate"` (run the
+    compensations of its completed steps in reverse order, then end `compensated`)."""
 
     @property
     def pair(self) -> TaskPair:

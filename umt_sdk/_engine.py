@@ -83,6 +83,7 @@ from umt_sdk.exceptions import (
     IdempotencyConflictError,
     ResultTimeoutError,
     RunCanceledError,
+    RunCompensatedError,
     RunFailedError,
     RunNotFoundError,
     UsageError,
@@ -1095,7 +1096,8 @@ class Engine:
     ) -> Any:
         """Wait until the run finishes; return its output, decoded to the task's output type.
 
-        Raises `RunFailedError` / `RunCanceledError` for runs that did not complete, and
+        Raises `RunFailedError` / `RunCanceledError` for runs that did not complete
+        (`RunCompensatedError`, a `RunFailedError`, for a run that ended compensated), and
         `ResultTimeoutError` after `timeout` seconds (a finite number >= 0, or None to wait
         without limit). `output_type` overrides the registered one; it must be a type umt can
         decode to.
@@ -1133,6 +1135,13 @@ class Engine:
             )
         error = record.error
         kind, message = (error.type, error.message) if error else ("?", "")
+        if record.status == "compensated":
+            raise RunCompensatedError(
+                f"run {run_id} failed and was compensated: {kind}: {message}",
+                run_id=run_id,
+                error_type=error.type if error else "",
+                error_message=error.message if error else "",
+            )
         raise RunFailedError(
             f"run {run_id} failed: {kind}: {message}",
             run_id=run_id,

@@ -30,7 +30,9 @@ from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._logging import RunLogger
+from umt_sdk._names import inline_target
 from umt_sdk._retry import RetryPolicy
+from umt_sdk._sagas import COMPENSATE_PREFIX, ResumeCompensation, compensation_args
 from umt_sdk._spi import (
     Backend,
     Beat,
@@ -43,7 +45,7 @@ from umt_sdk._spi import (
     SimulatedCrash,
     StepRecord,
 )
-from umt_sdk._steps import Steps
+from umt_sdk._steps import StepCall, Steps
 from umt_sdk._streams import StreamWriter
 from umt_sdk._task import TaskDefinition
 from umt_sdk._telemetry import ExecutionTelemetry, Telemetry
@@ -53,11 +55,14 @@ from umt_sdk.exceptions import (
     BackendUnavailableError,
     CanceledError,
     CodecError,
+    Compensate,
+    CompensationFailedError,
     DeadlineExceededError,
     FencingError,
     LeaseLostTooOftenError,
     PayloadError,
     StartDeadlineExceededError,
+    StepFailedError,
 )
 
 __all__ = ["Execution"]
@@ -106,7 +111,13 @@ class Execution:
         )
         self.telemetry = ExecutionTelemetry(telemetry, claimed, worker_id)
         self.history = History(claimed.run_id, claimed.steps)
-        self.steps = Steps(self, self.history, self.telemetry, on_step_start=on_step_start)
+        self.steps = Steps(
+            self,
+            self.history,
+            self.telemetry,
+            records=claimed.steps,
+            on_step_start=on_step_start,
+        )
         self.streams = StreamWriter(self, self.history.calls)
         self._started_monotonic = time.monotonic()
         self._loop_thread = threading.get_ident()
@@ -357,7 +368,12 @@ class Execution:
         self._outcome("failed", exc)
 
     def go_live(self) -> None:
-        """The first step the last execution did not finish: from here on, logs speak."""
+        """The first step the last execution did not finish: from here on, logs speak. A run
+        that already decided to compensate runs no new step of its handler: the handler is
+        unwound here and the execution goes on compensating (`_sagas`)."""
+        saga = self.steps.saga
+        if saga.decided and not saga.active:
+            raise ResumeCompensation
         self.replaying = False
 
     # -- threads --------------------------------------------------------------------------------
@@ -557,10 +573,20 @@ class Execution:
             except PayloadError as exc:
                 await self._finish_failed(exc)
                 return
-            if definition.is_async:
-                output = await definition.fn(TaskContext(self, value))
-            else:
-                output = await self.in_thread(definition.fn, SyncTaskContext(self, value))
+            try:
+                if definition.is_async:
+                    output = await definition.fn(TaskContext(self, value))
+                else:
+                    output = await self.in_thread(definition.fn, SyncTaskContext(self, value))
+            except Compensate as exc:
+                await self._compensate(exc)
+                return
+            except ResumeCompensation:
+                await self._compensate(None)
+                return
+            if self.steps.saga.decided:  # the replay returned where it had given up before
+                await self._compensate(None)
+                return
             output_json = _serde.encode(output, definition.output_type, what="task output")
             if definition.output_type is not Any and not _serde.decodes_to_itself(
                 output, definition.output_type
@@ -668,11 +694,18 @@ class Execution:
         return None
 
     async def _finish_failed(self, exc: BaseException) -> None:
-        """The handler raised (or its input could not be decoded): retry later, or fail."""
+        """The handler raised (or its input could not be decoded): retry later, or fail (or
+        compensate, for a task declared `on_failure="compensate"`)."""
         info = error_info(exc)
         policy = self.definition.retry
         failures = self.claimed.failures + 1
+        if self.steps.saga.decided:
+            await self._compensate(exc)
+            return
         if not policy.should_retry(exc, failures):
+            if self.definition.on_failure == "compensate":
+                await self._compensate(exc)
+                return
             await self._end(
                 Ending(status="failed", outcome="failed", error=info, count_failure=True)
             )
@@ -691,6 +724,94 @@ class Execution:
             await self._finish_canceled(exc)
             return
         self._outcome("retrying", exc)
+
+    # -- compensation (`_sagas`) -------------------------------------------------------------
+
+    async def _compensate(self, cause: BaseException | None) -> None:
+        """The run gives up: store its plan (unless a former execution did), run the
+        compensations of its completed steps in reverse order, each a durable step, and end
+        `compensated`; or `failed` with `CompensationFailedError` naming the one that could
+        not run. What stops it midway (a crash, a lost lease, a retry's backoff, a cancel, the
+        worker going away) is handled as for any step."""
+        try:
+            await self._run_compensations(cause)
+        except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
+            task = asyncio.current_task()
+            verdict = self.aborts.classify(
+                exc, cancelled_by_worker=task is not None and task.cancelling() > 0
+            )
+            if verdict in (Verdict.SUSPEND, Verdict.STOP):
+                if isinstance(exc, (Stop, Suspend, asyncio.CancelledError, SimulatedCrash)):
+                    raise
+                raise Stop from None
+            if verdict is Verdict.FENCED:
+                self.fenced()
+                raise Stop from None
+            if verdict is Verdict.RELEASE:
+                await self._release()
+            elif verdict is Verdict.CANCEL:
+                await self._finish_canceled(exc)
+            elif verdict is Verdict.EXPIRE:
+                await self._finish_expired(self._deadline_error())
+            else:  # a compensation's code is not the handler's: no retry of the run
+                await self._end(
+                    Ending(
+                        status="failed", outcome="failed", error=error_info(exc), count_failure=True
+                    )
+                )
+                self._outcome("failed", exc)
+
+    async def _run_compensations(self, cause: BaseException | None) -> None:
+        saga = self.steps.saga
+        saga.active = True
+        if not saga.decided:
+            self.check_before_step()
+            await self.steps.record(
+                saga.new_plan(
+                    self._completed_step,
+                    None if cause is None else error_info(cause),
+                    self.lease.fencing_token,
+                )
+            )
+        entries, why = saga.plan()
+        for entry in entries:
+            if entry.fn is None:
+                raise CompensationFailedError(
+                    f"the compensation {entry.name!r} of step {entry.step!r} could not run: the "
+                    "code that replayed the run no longer passes compensate= to that step "
+                    "(restore it, or deploy it under a new task version)",
+                    step_name=entry.step,
+                    compensation=entry.name,
+                )
+            fn, output_type, retry, timeout = inline_target(entry.fn, None)
+            call = StepCall(
+                name=f"{COMPENSATE_PREFIX}{entry.step}",
+                fn=fn,
+                args=compensation_args(fn, entry.output),
+                retry=retry,
+                output_type=output_type,
+                timeout=timeout,
+            )
+            try:
+                await self.steps.run(call)
+            except StepFailedError as exc:
+                raise CompensationFailedError(
+                    f"the compensation {entry.name!r} of step {entry.step!r} failed: "
+                    f"{exc.error_type}: {exc.error_message}; the compensations after it did "
+                    "not run",
+                    step_name=entry.step,
+                    compensation=entry.name,
+                    error_type=exc.error_type,
+                    error_message=exc.error_message,
+                ) from exc
+        await self._end(
+            Ending(status="compensated", outcome="compensated", error=why, count_failure=True)
+        )
+        self._outcome("compensated")
+
+    def _completed_step(self, name: str) -> bool:
+        last = self.history.last(name, "step")
+        return last is not None and last.status == "completed"
 
     async def _finish_canceled(self, exc: BaseException) -> None:
         """End canceled, keeping the handler's error unless it is the cancel itself."""

@@ -204,7 +204,9 @@ async def task_stats(
             (count.task_name, count.task_version),
             {s: [0] * BUCKETS for s in ("completed", "failed", "canceled")},
         )
-        per_status[count.status][slot] += count.runs
+        # A compensated run failed (and undid its steps): counted with the failures.
+        status = "failed" if count.status == "compensated" else count.status
+        per_status[status][slot] += count.runs
     pairs = sorted(set(activity) | set(finished) | {(p.name, p.version) for p in known})
     serving: dict[tuple[str, int], list[str]] = {}
     for worker in workers:

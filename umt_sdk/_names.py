@@ -23,6 +23,7 @@ from umt_sdk._serde import _converter
 from umt_sdk.exceptions import TaskDefinitionError, UsageError
 
 __all__ = [
+    "RESERVED_STEP_PREFIX",
     "check_name",
     "check_retry",
     "check_run_arguments",
@@ -38,6 +39,11 @@ __all__ = [
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-/]{1,200}$")
 
+RESERVED_STEP_PREFIX = "umt."
+"""Step records whose names start with this are umt's own (`umt.compensate:<step>`...): a
+step, sleep or fact wait of the user's cannot take such a name."""
+_RECORDED_KINDS = frozenset({"step", "sleep"})
+
 
 def check_name(kind: str, name: object, *, argument: str | None = None) -> str:
     """`name` if it is a valid `kind` name. A name a declaration gives (a task's, a step's)
@@ -49,6 +55,12 @@ def check_name(kind: str, name: object, *, argument: str | None = None) -> str:
         raise error(
             f"{kind} name must be 1-200 characters of letters, digits and _ . : - /, "
             f"got {shown(name)}",
+            argument=argument or "name",
+        )
+    if kind in _RECORDED_KINDS and name.startswith(RESERVED_STEP_PREFIX):
+        raise error(
+            f"{kind} name {name!r}: names starting with {RESERVED_STEP_PREFIX!r} are umt's own "
+            "records (compensations, child runs); choose another name",
             argument=argument or "name",
         )
     if "#" in name:  # pragma: no cover - excluded by the pattern; kept for the reader
@@ -181,12 +193,24 @@ def inline_target(
 
 
 def check_run_arguments(
-    name: object, fn: object, retry: object, output_type: object, timeout: object = None
+    name: object,
+    fn: object,
+    retry: object,
+    output_type: object,
+    timeout: object = None,
+    compensate: object = None,
 ) -> None:
-    """`ctx.step.run(name, fn, ..., retry=, output_type=, timeout=)`."""
+    """`ctx.step.run(name, fn, ..., retry=, output_type=, timeout=, compensate=)`."""
     check_name("step", name, argument="name")
     where = f"step {name!r}"
     check.function(fn, "fn", expected="the function the step runs", where=where)
+    if compensate is not None:
+        check.function(
+            compensate,
+            "compensate",
+            expected="the function that undoes the step (called with its output), or None",
+            where=where,
+        )
     check_retry(retry, where=where)
     if output_type is not None:
         check_type_argument(output_type, "output_type", where=where)
@@ -218,6 +242,12 @@ def check_wait_arguments(
 ) -> None:
     """`ctx.step.wait_for_fact(name, timeout=, check=, payload_type=, poll_interval=)`."""
     check_name("fact", name, argument="name")
+    if isinstance(name, str) and name.startswith(RESERVED_STEP_PREFIX):
+        raise UsageError(
+            f"wait_for_fact {name!r}: names starting with {RESERVED_STEP_PREFIX!r} are umt's "
+            "own records; wait for a fact of another name",
+            argument="name",
+        )
     where = f"wait_for_fact {name!r}"
     most = f"at most {check.MAX_DURATION.days} days"
     if timeout is not None:

@@ -128,12 +128,15 @@ __all__ = [
     "WorkerState",
 ]
 
-RunStatus = Literal["pending", "running", "waiting", "completed", "failed", "canceled"]
+RunStatus = Literal[
+    "pending", "running", "waiting", "completed", "failed", "canceled", "compensated"
+]
 """pending: runnable once `available_at` comes (new, waiting out a backoff, or handed back);
 running: leased by a worker (held while its lease has not lapsed); waiting: parked on a
-durable sleep or a fact; completed/failed/canceled: terminal."""
+durable sleep or a fact; completed/failed/canceled/compensated: terminal (compensated: the run
+gave up and the compensations of its completed steps ran, see docs/sagas.md)."""
 
-TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "canceled"})
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "canceled", "compensated"})
 
 HELD_WAIT = "umt turn"
 """The `wait_for` of a member of a child group held back by its `max_concurrency`: `waiting`,
@@ -146,7 +149,15 @@ StepStatus = Literal["completed", "failed", "retrying", "waiting"]
 retrying: this attempt failed and another is scheduled; waiting: a sleep or fact wait is parked."""
 
 ExecutionOutcome = Literal[
-    "running", "completed", "failed", "retrying", "waiting", "canceled", "released", "interrupted"
+    "running",
+    "completed",
+    "failed",
+    "retrying",
+    "waiting",
+    "canceled",
+    "compensated",
+    "released",
+    "interrupted",
 ]
 CancelOutcome = Literal["canceled", "requested", "already_finished"]
 
@@ -403,7 +414,7 @@ class ClaimedRun:
     the run failed without running the handler."""
 
 
-EndStatus = Literal["completed", "failed", "canceled", "pending", "waiting"]
+EndStatus = Literal["completed", "failed", "canceled", "compensated", "pending", "waiting"]
 EndResult = Literal["ended", "fact_present", "cancel_requested"]
 
 
@@ -1273,7 +1284,7 @@ class FinishedCount:
 
     task_name: str
     task_version: int
-    status: Literal["completed", "failed", "canceled"]
+    status: Literal["completed", "failed", "canceled", "compensated"]
     bucket_start: datetime = field(validator=_tz_aware_required)
     runs: int
 

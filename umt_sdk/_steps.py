@@ -31,6 +31,7 @@ from umt_sdk._lifecycle import CHILD_KEY_PREFIX, MAP_KEY_PREFIX
 from umt_sdk._names import check_name, inline_target
 from umt_sdk._rate_limits import RateLimit, ensure_defined, rate_limit_fields, rate_limit_store
 from umt_sdk._retry import RetryPolicy
+from umt_sdk._sagas import Saga
 from umt_sdk._spi import (
     Backend,
     ChildGroup,
@@ -105,6 +106,8 @@ class StepCall:
     """The rate limit each attempt takes a token of before its body runs; None: none."""
     rate_limit_key: str | None = None
     """With `rate_limit`: its bucket (None: the limit's one bucket)."""
+    compensate: Callable[..., Any] | None = None
+    """What undoes the step once it completed, when the run compensates; None: nothing."""
 
     @classmethod
     def inline(
@@ -119,6 +122,7 @@ class StepCall:
         timeout: timedelta | None = None,
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
     ) -> StepCall:
         """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
         the name checked, and a decorated `fn` replaced by its plain function, its output type
@@ -136,6 +140,7 @@ class StepCall:
             timeout=timeout,
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
+            compensate=compensate,
         )
 
 
@@ -211,10 +216,13 @@ class Steps:
         history: History,
         telemetry: ExecutionTelemetry,
         *,
+        records: Sequence[StepRecord] = (),
         on_step_start: Callable[[], None] | None = None,
     ) -> None:
+        """`records`: the run's step records as claimed, in the order first recorded."""
         self._host = host
         self.history = history
+        self.saga = Saga.of(records)
         self._telemetry = telemetry
         self.current_step: str | None = None
         self.current_step_started_at: datetime | None = None
@@ -233,6 +241,11 @@ class Steps:
     async def _record(self, record: StepRecord) -> None:
         await self._host.guard(self._host.backend.record_step(self._host.lease, record))
         self.history.remember(record)
+        self.saga.remember(record)
+
+    async def record(self, record: StepRecord) -> None:
+        """Store a record of umt's own (a compensation's plan) under the lease."""
+        await self._record(record)
 
     async def _fact_arrived(
         self,
@@ -281,20 +294,32 @@ class Steps:
         if last is not None:
             if last.status == "completed":
                 self._telemetry.replayed(last)
-                return _serde.decode(
+                value = _serde.decode(
                     last.output_json or "null", call.output_type, what=f"output of step {full!r}"
                 )
+                if call.compensate is not None:
+                    self.saga.register(full, call.compensate, value)
+                return value
             if last.status == "failed":
                 self._telemetry.replayed(last)
                 raise _step_failed(full, last.error)
         attempt = (last.attempt + 1) if last is not None else 1
         self._host.check_before_step()
         self._host.go_live()
+        if call.compensate is not None:
+            registration = self.saga.registration(
+                full, call.compensate, self._host.lease.fencing_token
+            )
+            if registration is not None:  # before the body: a crash never loses it
+                await self._record(registration)
         if call.rate_limit is not None:
             await self._take_token(call, full, attempt)
         with self._telemetry.step(full, attempt) as step_trace:
             try:
-                return await self._execute_step(call, full, attempt, step_trace)
+                value = await self._execute_step(call, full, attempt, step_trace)
+                if call.compensate is not None:
+                    self.saga.register(full, call.compensate, value)
+                return value
             except Stop:  # a write refused or given up (`guard`): the lease is lost, or a crash
                 step_trace.ended(self._stop_outcome())
                 raise
@@ -1051,7 +1076,7 @@ def _child_envelope(child: RunRecord | None) -> str:
         )
     if child.status == "completed":
         return '{"status":"completed","output":' + (child.output_json or "null") + "}"
-    if child.status == "failed":
+    if child.status in ("failed", "compensated"):  # a compensated child failed too
         error = child.error
         return json.dumps(
             {

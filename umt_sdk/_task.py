@@ -17,7 +17,7 @@ from umt_sdk._check import shown
 from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
 from umt_sdk._cron import CronSpec
-from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, TaskDefinition
+from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, OnFailure, TaskDefinition
 from umt_sdk._names import check_name, check_retry, check_storable, hints, unwrap_awaitable
 from umt_sdk._rate_limits import RateLimit, check_rate_limit
 from umt_sdk._retry import RetryPolicy
@@ -67,6 +67,7 @@ def task(
     concurrency: Concurrency[Any] | None = None,
     timeout: timedelta | None = None,
     rate_limit: RateLimit[Any] | None = None,
+    on_failure: OnFailure = "fail",
 ) -> _TaskDecorator:
     """Declare a durable task.
 
@@ -98,8 +99,17 @@ def task(
             workers (`RateLimit("openai", limit=600, per=timedelta(minutes=1))`); without one
             it waits, pending and unharmed, until the next token is due. See
             docs/flow-control.md.
+        on_failure: `"fail"` (the default): a run that fails for good (its retries spent)
+            ends `failed`; `"compensate"`: it first runs the compensations of its completed
+            steps (`ctx.step.run(..., compensate=fn)`) in reverse order and ends
+            `compensated`. See docs/sagas.md.
     """
     check_name("task", name)
+    if on_failure not in ("fail", "compensate"):
+        raise TaskDefinitionError(
+            f"task {name!r}: on_failure must be 'fail' or 'compensate', got {shown(on_failure)}",
+            argument="on_failure",
+        )
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise TaskDefinitionError(
             f"task {name!r}: version must be an integer >= 1, got {shown(version)}",
@@ -177,6 +187,7 @@ def task(
             concurrency=concurrency,
             timeout=timeout,
             rate_limit=rate_limit,
+            on_failure=on_failure,
         )
 
     return typing.cast(_TaskDecorator, decorate)

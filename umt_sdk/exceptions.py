@@ -24,8 +24,11 @@ UmtError
 ├── DeadlineExceededError    (also TimeoutError) the run was not finished at its deadline
 │   └── StartDeadlineExceededError  the run was not started before its start deadline
 ├── CanceledError            the run was canceled (raised inside the handler)
+├── Compensate               raised by a handler: undo the completed steps (a saga), then end
+├── CompensationFailedError  a compensation could not run (its step failed, or the code lost it)
 ├── RunFailedError           engine.result(): the run ended failed
-│   └── ChildFailedError     a child run's result, in its parent: the child ended failed
+│   ├── ChildFailedError     a child run's result, in its parent: the child ended failed
+│   └── RunCompensatedError  engine.result(): the run failed and its compensations ran
 ├── RunCanceledError         engine.result(): the run ended canceled
 │   └── ChildCanceledError   a child run's result, in its parent: the child ended canceled
 ├── ChildrenFailedError      a map or gather in a parent: some children failed or were canceled
@@ -55,6 +58,8 @@ __all__ = [
     "ChildFailedError",
     "ChildrenFailedError",
     "CodecError",
+    "Compensate",
+    "CompensationFailedError",
     "DeadlineExceededError",
     "FactTimeoutError",
     "FencingError",
@@ -65,6 +70,7 @@ __all__ = [
     "PayloadError",
     "ResultTimeoutError",
     "RunCanceledError",
+    "RunCompensatedError",
     "RunFailedError",
     "RunNotFoundError",
     "RunPrunedError",
@@ -340,6 +346,33 @@ class CanceledError(UmtError):
         self.reason = reason
 
 
+class Compensate(UmtError):
+    """The run gives up and undoes what it did: the compensations of its completed steps
+    (`ctx.step.run(..., compensate=fn)`) run in reverse order, each as a durable step, and the
+    run ends `compensated` (or `failed`, naming the compensation that could not run)."""
+
+
+class CompensationFailedError(UmtError):
+    """A compensation could not run: its step failed with no retries left, or the code that
+    replays the run no longer registers it (`step_name` is the step it undoes). The run ends
+    `failed` with this error; the compensations after it in the reverse order did not run."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        step_name: str = "",
+        compensation: str = "",
+        error_type: str = "",
+        error_message: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.step_name = step_name
+        self.compensation = compensation
+        self.error_type = error_type
+        self.error_message = error_message
+
+
 class RunFailedError(UmtError):
     """The run ended failed."""
 
@@ -383,6 +416,12 @@ class ChildFailedError(RunFailedError):
     ) -> None:
         super().__init__(message, run_id=run_id, error_type=error_type, error_message=error_message)
         self.step_name = step_name
+
+
+class RunCompensatedError(RunFailedError):
+    """The run failed and every compensation of its completed steps ran (status
+    `compensated`); `error_type` and `error_message` are why it gave up. A `RunFailedError`,
+    so code that catches failures catches it too."""
 
 
 class ChildCanceledError(RunCanceledError):

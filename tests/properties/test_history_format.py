@@ -44,7 +44,9 @@ histories = st.builds(
     run_id=st.uuids(),
     task=names,
     version=st.integers(1, 1000),
-    status=st.sampled_from(["pending", "running", "waiting", "completed", "failed", "canceled"]),
+    status=st.sampled_from(
+        ["pending", "running", "waiting", "completed", "failed", "canceled", "compensated"]
+    ),
     input=json_values,
     created_at=times,
     finished_at=st.none() | times,

@@ -173,7 +173,7 @@ def iterable(value: object) -> bool:
     return isinstance(value, list | tuple | dict)
 
 
-_STATUSES = ("pending", "running", "waiting", "completed", "failed", "canceled")
+_STATUSES = ("pending", "running", "waiting", "completed", "failed", "canceled", "compensated")
 _START = datetime(2030, 1, 1, tzinfo=UTC)  # a FakeClock's
 
 

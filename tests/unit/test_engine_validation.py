@@ -173,7 +173,9 @@ async def test_unknown_tasks_cannot_be_enqueued(engine: Engine) -> None:
 
 @pytest.mark.parametrize("status", ["done", "PENDING", "", 1])
 async def test_list_status_must_be_known(engine: Engine, status: Any) -> None:
-    with pytest.raises(UsageError, match="status must be one of canceled, completed") as caught:
+    with pytest.raises(
+        UsageError, match="status must be one of canceled, compensated, completed"
+    ) as caught:
         await engine.list(status=status)
     _refused(caught, "status")
 

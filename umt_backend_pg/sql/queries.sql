@@ -629,7 +629,7 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(name)s, 7219));
 -- (its row, then its children's), so the two cannot deadlock (test_family_lock_order.py).
 WITH parent_locked AS MATERIALIZED (
     SELECT p.id FROM {schema}.runs p
-    WHERE %(status)s::text IN ('completed', 'failed', 'canceled')
+    WHERE %(status)s::text IN ('completed', 'failed', 'canceled', 'compensated')
       AND p.id = (SELECT c.parent_run_id FROM {schema}.runs c WHERE c.id = %(run_id)s)
     FOR NO KEY UPDATE
 ), locked AS (
@@ -674,7 +674,7 @@ WITH parent_locked AS MATERIALIZED (
             WHEN %(status)s = 'pending' THEN COALESCE(%(available_at)s::timestamptz, now())
             WHEN %(status)s = 'waiting' THEN %(available_at)s::timestamptz END,
         wait_for = %(wait_for)s,
-        finished_at = CASE WHEN %(status)s IN ('completed', 'failed', 'canceled')
+        finished_at = CASE WHEN %(status)s IN ('completed', 'failed', 'canceled', 'compensated')
                            THEN now() END,
         lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
     FROM go g WHERE r.id = g.id
@@ -705,7 +705,7 @@ WITH parent_locked AS MATERIALIZED (
     INSERT INTO {schema}.facts (scope, name, run_id, payload)
     SELECT x.parent_run_id::text, x.parent_fact, x.parent_run_id, 'null'::jsonb
     FROM ended_run x
-    WHERE x.parent_fact IS NOT NULL AND %(status)s::text IN ('completed', 'failed', 'canceled')
+    WHERE x.parent_fact IS NOT NULL AND %(status)s::text IN ('completed', 'failed', 'canceled', 'compensated')
     ON CONFLICT (scope, name) DO NOTHING
     RETURNING run_id, name
 ), parent_woken AS (
@@ -730,7 +730,7 @@ WITH parent_locked AS MATERIALIZED (
     SELECT {schema}.child_group_ended(x.parent_run_id, x.child_group, true, %(channel)s)
     FROM ended_run x
     WHERE x.child_group IS NOT NULL
-      AND %(status)s::text IN ('completed', 'failed', 'canceled')
+      AND %(status)s::text IN ('completed', 'failed', 'canceled', 'compensated')
 )
 SELECT (SELECT count(*) FROM owned) AS owned,
        (SELECT count(*) FROM ended_run) AS ended,
@@ -792,7 +792,7 @@ WHERE name = %(name)s AND scope IN (%(run_id)s::text, '*');
 WITH parent_locked AS MATERIALIZED (
     SELECT p.id FROM {schema}.runs p
     WHERE p.id = (SELECT c.parent_run_id FROM {schema}.runs c
-                  WHERE c.id = %(run_id)s AND c.status NOT IN ('completed', 'failed', 'canceled'))
+                  WHERE c.id = %(run_id)s AND c.status NOT IN ('completed', 'failed', 'canceled', 'compensated'))
     FOR NO KEY UPDATE
 )
 SELECT 1 FROM {schema}.runs
@@ -841,7 +841,7 @@ WITH target AS (
         wait_for = NULL,
         updated_at = now()
     FROM target t
-    WHERE r.id = t.id AND t.status NOT IN ('completed', 'failed', 'canceled')
+    WHERE r.id = t.id AND t.status NOT IN ('completed', 'failed', 'canceled', 'compensated')
     RETURNING r.id, r.status
 ), dequeued AS (
     DELETE FROM {schema}.ready q USING changed c WHERE q.run_id = c.id AND c.status = 'canceled'
@@ -885,7 +885,7 @@ FOR NO KEY UPDATE;
 WITH child AS MATERIALIZED (
     SELECT parent_run_id, parent_fact FROM {schema}.runs
     WHERE id = %(run_id)s AND parent_fact IS NOT NULL
-      AND status IN ('completed', 'failed', 'canceled')
+      AND status IN ('completed', 'failed', 'canceled', 'compensated')
 ), fact AS (
     INSERT INTO {schema}.facts (scope, name, run_id, payload)
     SELECT c.parent_run_id::text, c.parent_fact, c.parent_run_id, 'null'::jsonb FROM child c
@@ -920,7 +920,7 @@ FROM member m
 WHERE m.child_group IS NOT NULL AND m.status = 'canceled';
 
 -- name: cancel_children
--- A run that finished failed or canceled requests the cancel of its unfinished children that
+-- A run that finished failed, canceled or compensated requests the cancel of its unfinished children that
 -- asked for it (`cancel_with_parent`), as cancel_run does: a child nobody holds (pending,
 -- waiting, or its lease lapsed, judged on the row as it is now) ends canceled at once, stores
 -- its own parent fact (nobody parks on a finished parent: no lock needed) and is returned
@@ -928,7 +928,7 @@ WHERE m.child_group IS NOT NULL AND m.status = 'canceled';
 -- told through the cancel channel.
 WITH parents AS (
     SELECT id, status FROM {schema}.runs
-    WHERE id = ANY (%(run_ids)s::uuid[]) AND status IN ('failed', 'canceled')
+    WHERE id = ANY (%(run_ids)s::uuid[]) AND status IN ('failed', 'canceled', 'compensated')
 ), judged AS (
     SELECT c.id, c.fencing_token, p.id AS parent_id, p.status AS parent_status,
            c.status AS previous_status, c.task_name, c.task_version, c.concurrency_key,
@@ -938,7 +938,7 @@ WITH parents AS (
                OR (c.status = 'running' AND c.lease_expires_at <= now()) AS ends
     FROM parents p
     JOIN {schema}.runs c ON c.parent_run_id = p.id
-    WHERE c.cancel_with_parent AND c.status NOT IN ('completed', 'failed', 'canceled')
+    WHERE c.cancel_with_parent AND c.status NOT IN ('completed', 'failed', 'canceled', 'compensated')
     FOR NO KEY UPDATE OF c
 ), changed AS (
     UPDATE {schema}.runs r SET
@@ -1258,27 +1258,27 @@ WITH RECURSIVE lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock_name)s, 0)) AS held
 ), names (task_name) AS (
     SELECT min(r.task_name) FROM {schema}.runs r
-    WHERE r.status IN ('completed', 'failed', 'canceled') AND (SELECT held FROM lock)
+    WHERE r.status IN ('completed', 'failed', 'canceled', 'compensated') AND (SELECT held FROM lock)
     UNION ALL
     SELECT (SELECT min(r.task_name) FROM {schema}.runs r
-            WHERE r.status IN ('completed', 'failed', 'canceled') AND r.task_name > n.task_name)
+            WHERE r.status IN ('completed', 'failed', 'canceled', 'compensated') AND r.task_name > n.task_name)
     FROM names n WHERE n.task_name IS NOT NULL
 ), batch AS MATERIALIZED (
     SELECT c.id FROM names n
     CROSS JOIN LATERAL (
         SELECT r.id FROM {schema}.runs r
         WHERE r.task_name = n.task_name
-          AND r.status IN ('completed', 'failed', 'canceled')
+          AND r.status IN ('completed', 'failed', 'canceled', 'compensated')
           AND r.finished_at < now() - %(older_than)s::interval
           AND NOT EXISTS (
               SELECT 1 FROM {schema}.runs c
               WHERE c.parent_run_id = r.id
-                AND c.status NOT IN ('completed', 'failed', 'canceled')
+                AND c.status NOT IN ('completed', 'failed', 'canceled', 'compensated')
           )
           AND NOT EXISTS (
               SELECT 1 FROM {schema}.runs p
               WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
-                AND p.status NOT IN ('completed', 'failed', 'canceled')
+                AND p.status NOT IN ('completed', 'failed', 'canceled', 'compensated')
           )
         ORDER BY r.finished_at
         LIMIT %(limit)s
@@ -1308,18 +1308,18 @@ SELECT (SELECT held FROM lock) AS held, (SELECT count(*) FROM deleted) AS pruned
 -- name: count_prunable
 -- How many runs prune_runs would delete now, all batches together (a dry run).
 SELECT count(*) AS prunable FROM {schema}.runs r
-WHERE r.status IN ('completed', 'failed', 'canceled')
+WHERE r.status IN ('completed', 'failed', 'canceled', 'compensated')
   AND r.finished_at < now() - %(older_than)s::interval
   AND (%(task_names)s::text[] IS NULL OR r.task_name = ANY (%(task_names)s::text[]))
   AND NOT (r.task_name = ANY (%(exclude_task_names)s::text[]))
   AND NOT EXISTS (
       SELECT 1 FROM {schema}.runs c
-      WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled')
+      WHERE c.parent_run_id = r.id AND c.status NOT IN ('completed', 'failed', 'canceled', 'compensated')
   )
   AND NOT EXISTS (
       SELECT 1 FROM {schema}.runs p
       WHERE r.parent_run_id IS NOT NULL AND p.id = r.parent_run_id
-        AND p.status NOT IN ('completed', 'failed', 'canceled')
+        AND p.status NOT IN ('completed', 'failed', 'canceled', 'compensated')
   );
 
 -- name: get_pruned
@@ -1518,7 +1518,7 @@ WITH wanted AS (
     WHERE r.id = w.id AND r.parent_run_id = %(parent_run_id)s
     RETURNING r.id, r.status
 ), counted AS (
-    SELECT count(*) FILTER (WHERE m.status NOT IN ('completed', 'failed', 'canceled')) AS left_over,
+    SELECT count(*) FILTER (WHERE m.status NOT IN ('completed', 'failed', 'canceled', 'compensated')) AS left_over,
            count(*) AS found
     FROM members m
 ), grp AS (
@@ -1619,7 +1619,7 @@ FROM names
 CROSS JOIN LATERAL (
     SELECT r.task_name, r.task_version, r.status, r.finished_at FROM {schema}.runs r
     WHERE r.task_name = names.task_name
-      AND r.status IN ('completed', 'failed', 'canceled')
+      AND r.status IN ('completed', 'failed', 'canceled', 'compensated')
       AND r.finished_at >= %(since)s::timestamptz
 ) AS f
 WHERE names.task_name IS NOT NULL

@@ -7,7 +7,8 @@ CREATE TABLE {schema}.runs (
     task_name           text NOT NULL,
     task_version        integer NOT NULL,
     status              text NOT NULL CHECK (
-        status IN ('pending', 'running', 'waiting', 'completed', 'failed', 'canceled')
+        status IN ('pending', 'running', 'waiting', 'completed', 'failed', 'canceled',
+                   'compensated')
     ),
     priority            smallint NOT NULL DEFAULT 0,
     -- pending/waiting: claimable from then on (NULL: waits for a fact only);
@@ -80,7 +81,7 @@ CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
     WHERE status = 'waiting' AND wait_for IS NOT NULL;
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
 CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
-    WHERE status IN ('completed', 'failed', 'canceled');
+    WHERE status IN ('completed', 'failed', 'canceled', 'compensated');
 CREATE INDEX runs_children ON {schema}.runs (parent_run_id, id) WHERE parent_run_id IS NOT NULL;
 -- Runs that want a slot of their concurrency key, in the claim's order within the key (see
 -- migrations/0009_concurrency_keys.sql) ...

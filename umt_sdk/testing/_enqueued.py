@@ -23,7 +23,7 @@ from umt_sdk.exceptions import UsageError
 
 __all__ = ["all_enqueued", "assert_enqueued", "refute_enqueued"]
 
-_STATUSES = ("pending", "running", "waiting", "completed", "failed", "canceled")
+_STATUSES = ("pending", "running", "waiting", "completed", "failed", "canceled", "compensated")
 _LISTED = 20
 """Runs a failure message lists; it counts the rest."""
 _PAGE = 1000

@@ -33,6 +33,7 @@ from umt_sdk._check import shown
 from umt_sdk._execution import Execution
 from umt_sdk._export import RunHistory, step_records
 from umt_sdk._history import History
+from umt_sdk._sagas import umt_record
 from umt_sdk._spi import (
     Backend,
     CancelOutcome,
@@ -125,6 +126,8 @@ class _Comparison:
         last: dict[str, tuple[int, StepKind, str]] = {}
         order: list[str] = []
         for step in history.steps:
+            if umt_record(step.name):  # a saga's registrations and plan: no call makes them
+                continue
             if step.name not in last:
                 order.append(step.name)
             seen = last.get(step.name)

@@ -35,6 +35,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
+- `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from umt_sdk.testing._contract import (
     _replay,
     _retries,
     _runs,
+    _sagas,
     _schedules,
     _spi_meanings,
     _streams,
@@ -103,6 +105,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_rate_limits.TASKS,
     *_deadlines.TASKS,
     *_insight.TASKS,
+    *_sagas.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -137,6 +140,7 @@ class BackendContract(
     _rate_limits.RateLimitsContract,
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
+    _sagas.SagasContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
