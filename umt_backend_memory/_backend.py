@@ -323,6 +323,9 @@ class MemoryBackend:
             self._keyed: dict[TaskPair, dict[str, list[tuple[int, datetime, int, UUID, int]]]] = {}
             self._holders: dict[tuple[str, str], set[UUID]] = {}
             self._limits: dict[tuple[str, str], int] = {}
+            # Every keyed run, per (task name, key), in enqueue order (singletons read the
+            # active ones).
+            self._key_runs: dict[tuple[str, str], list[UUID]] = {}
             self._timers: list[tuple[datetime, int, UUID, int]] = []
             self._running: set[UUID] = set()
             self._seq = itertools.count(1)
@@ -791,8 +794,38 @@ class MemoryBackend:
                     input_hash=tombstone.input_hash,
                     pruned=True,
                 )
+        if new.singleton is not None:
+            return self._enqueue_singleton(new, source)
         run = self._insert(new, held=False, source=source)
         return EnqueueResult(run_id=run.run_id, created=True, task_version=run.task_version)
+
+    def _enqueue_singleton(self, new: NewRun, source: _Run | None) -> EnqueueResult:
+        """A singleton's enqueue, under the lock: skip for, or store and list, the key's
+        runs that are not terminal."""
+        assert new.concurrency_key is not None  # NewRun checks it
+        key = (new.task_name, new.concurrency_key)
+        ids = self._key_runs.get(key, [])
+        active = [
+            run
+            for run in (self._runs.get(run_id) for run_id in ids)
+            if run is not None and run.status not in TERMINAL_STATUSES
+        ]
+        self._key_runs[key] = [run.run_id for run in active]  # the ended ones are done with
+        if new.singleton == "skip" and active:
+            newest = active[-1]
+            return EnqueueResult(
+                run_id=newest.run_id,
+                created=False,
+                task_version=newest.task_version,
+                skipped=True,
+            )
+        run = self._insert(new, held=False, source=source)
+        return EnqueueResult(
+            run_id=run.run_id,
+            created=True,
+            task_version=run.task_version,
+            replaced=tuple(r.run_id for r in active),
+        )
 
     def _insert(
         self, new: NewRun, *, held: bool, group: str | None = None, source: _Run | None = None
@@ -844,6 +877,7 @@ class MemoryBackend:
         if run.key is not None:
             assert new.concurrency_limit is not None  # NewRun checks they go together
             self._limits[run.key] = new.concurrency_limit
+            self._key_runs.setdefault(run.key, []).append(run.run_id)
         if new.parent_run_id is not None:
             self._children.setdefault(new.parent_run_id, []).append(run.run_id)
         if new.idempotency_key is not None:

@@ -36,6 +36,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import attrs
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -384,6 +385,15 @@ class PostgresBackend:
             "rate_limit": new.rate_limit,
             "rate_limit_key": new.rate_limit_key,
         }
+        if new.singleton is not None:
+            if conn is not None:  # the SDK never asks: the lock is held in its own transaction
+                raise UsageError("a singleton's enqueue cannot join conn=", argument="conn")
+            with wrap_exceptions():
+                async with self._pool.connection() as own, own.transaction():
+                    result = await self._enqueue_keyed(own, new, {**params, "notify": False})
+            if result.created:
+                self._notifier.notify(f"{new.task_name}@{new.task_version}")
+            return result
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
                 raise UsageError(
@@ -427,6 +437,23 @@ class PostgresBackend:
             input_hash=existing_hash,
             pruned=pruned,
         )
+
+    async def _enqueue_keyed(
+        self, conn: psycopg.AsyncConnection[Any], new: NewRun, params: dict[str, Any]
+    ) -> EnqueueResult:
+        """A singleton's enqueue, in one transaction under the key's lock."""
+        key = new.concurrency_key
+        lock_name = f"{self.schema}.singleton:{len(new.task_name)}:{new.task_name}:{key}"
+        await conn.execute(self._q["lock_flow_key"], {"lock_name": lock_name})
+        cur = await conn.execute(self._q["active_key_runs"], params)
+        active = await cur.fetchall()
+        if new.singleton == "skip" and active:
+            newest_id, newest_version = active[-1]
+            return EnqueueResult(
+                run_id=newest_id, created=False, task_version=newest_version, skipped=True
+            )
+        result = await self._enqueue_on(conn, new, params)
+        return attrs.evolve(result, replaced=tuple(row[0] for row in active))
 
     async def enqueue_many(
         self, runs: Sequence[NewRun], *, conn: Any = None

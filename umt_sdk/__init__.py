@@ -23,6 +23,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._flow_keys import Singleton, SingletonMode
 from umt_sdk._insight import TaskStats, WorkerInfo
 from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import PruneReport
@@ -119,6 +120,8 @@ __all__ = [
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",
+    "Singleton",
+    "SingletonMode",
     "StartDeadlineExceededError",
     "StepApi",
     "StepFailedError",

@@ -304,6 +304,14 @@ class NewRun:
     stored the limit first, `RateLimitStore.define_rate_limit`): see `claim`. None: none."""
     rate_limit_key: str = ""
     """With `rate_limit`: the run's bucket of that limit ("" : the limit's one bucket)."""
+    singleton: Literal["skip", "replace"] | None = None
+    """With `concurrency_key` (`enqueue(singleton=Singleton(key, mode))`): the backend reads
+    the runs of this task name and key that are not terminal under a lock of the key, held
+    until the run is stored, so concurrent enqueues of the key are serialized. `"skip"`: when
+    there is one, nothing is stored and the result names the newest (`created=False`,
+    `skipped=True`, its `task_version`). `"replace"`: the run is stored and the result lists
+    them (`EnqueueResult.replaced`); the SDK requests their cancel. The SDK never gives it
+    with an idempotency key or `conn`."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -311,6 +319,8 @@ class NewRun:
                 "NewRun: concurrency_key and concurrency_limit go together (both or neither), "
                 f"got key {self.concurrency_key!r} and limit {self.concurrency_limit!r}"
             )
+        if self.singleton is not None and self.concurrency_key is None:
+            raise ValueError("NewRun: singleton needs the key as concurrency_key")
 
 
 @frozen(kw_only=True)
@@ -329,6 +339,12 @@ class EnqueueResult:
     pruned: bool = False
     """When not `created`: the key names a run that retention deleted (its tombstone,
     `PrunedRun`, keeps the key, input hash and version): the key is still taken."""
+    skipped: bool = False
+    """When not `created`: the run is the active run of the new run's singleton key
+    (`NewRun.singleton` `"skip"`), not the run of an idempotency key."""
+    replaced: tuple[UUID, ...] = ()
+    """When `created` with `NewRun.singleton` `"replace"`: the key's runs that were not
+    terminal when it was stored (the SDK requests their cancel)."""
 
 
 @frozen(kw_only=True)
@@ -665,6 +681,7 @@ class Backend(Protocol):
         `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
         names another version. A child run keeps `parent_run_id`, `parent_fact` and
         `cancel_with_parent` for its finishing write (`finishing`, module docstring).
+        A singleton (`new.singleton`) is decided under a lock of its key, as that field says.
         """
         ...
 

@@ -69,6 +69,18 @@ WITH inserted AS (
 SELECT i.id, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, %(pair)s) END
 FROM inserted i;
 
+-- name: lock_flow_key
+-- A singleton's enqueue: the lock of its (task name, key), held until its
+-- transaction ends (migration 0019). Two keys whose hashes collide only wait for each other.
+SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+
+-- name: active_key_runs
+-- The runs of a singleton's key that are not terminal, oldest first (under lock_flow_key).
+SELECT id, task_version FROM {schema}.runs
+WHERE task_name = %(task_name)s AND concurrency_key = %(concurrency_key)s
+  AND status IN ('pending', 'running', 'waiting')
+ORDER BY id;
+
 -- name: copy_fork
 -- A fork's history, in the transaction that inserted it: the step records of the old run it
 -- keeps (in the order given, so they read back in that order) and the old run's own facts, as

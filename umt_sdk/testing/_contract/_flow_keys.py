@@ -1,0 +1,192 @@
+"""Keys that shape the flow at enqueue: singletons (skip, replace).
+
+A singleton's key is a concurrency key of limit 1: the claim starts one run of the key at a
+time. What a singleton adds is decided at the enqueue, serialized per key: concurrent
+triggers never both store a run (`skip`), and concurrent replaces keep exactly one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from umt_sdk import (
+    Engine,
+    RunCanceledError,
+    Singleton,
+    TaskContext,
+    TaskDefinition,
+    UsageError,
+    task,
+)
+from umt_sdk.testing._contract._base import Job, Tally, current_tally
+from umt_sdk.testing._contract._concurrency import keyed_task
+
+__all__ = ["FlowKeysContract"]
+
+LONG = timedelta(seconds=60)
+
+
+async def _inside(ctx: TaskContext[Job], group: str) -> None:
+    """Count how many runs of `group` are inside at once; wait on the gate `ctx.input.key`
+    (until opened, or until a cancel's abort signal)."""
+    tally = current_tally()
+    inside: Counter[str] = tally.business.setdefault("inside", Counter())
+    most: Counter[str] = tally.business.setdefault("most", Counter())
+    tally.business.setdefault("starts", []).append(ctx.input.key)
+    inside[group] += 1
+    most[group] = max(most[group], inside[group])
+    try:
+        tally.gate(ctx.input.key + ":in").set()
+        gate = tally.gates.get(ctx.input.key)
+        if gate is not None:
+            opened = asyncio.ensure_future(gate.wait())
+            aborted = asyncio.ensure_future(ctx.abort_event.wait())
+            try:
+                await asyncio.wait(
+                    {opened, aborted}, timeout=20, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                opened.cancel()
+                aborted.cancel()
+        await asyncio.sleep(0.01)
+    finally:
+        inside[group] -= 1
+    ctx.throw_if_canceled()
+
+
+@task("contract.singleton", version=1)
+async def singleton_task(ctx: TaskContext[Job]) -> str:
+    """Counts the runs inside at once (one group); waits on the gate of its input's key."""
+
+    async def body() -> None:
+        await _inside(ctx, "singleton")
+
+    await ctx.step.run("body", body)
+    return ctx.input.key
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (singleton_task,)
+"""The tasks of this topic that the suite's engine registers."""
+
+
+class FlowKeysContract:
+    """Singletons (mixed into `BackendContract`, whose `engine`,
+    `tally` and `harness` fixtures it uses)."""
+
+    # -- singletons -------------------------------------------------------------------------
+
+    async def test_a_singleton_skips_while_its_run_is_active_and_starts_again_after(
+        self, engine: Engine
+    ) -> None:
+        first = await engine.enqueue(singleton_task, Job(key="s:1"), singleton=Singleton("s"))
+        again = await engine.enqueue(singleton_task, Job(key="s:2"), singleton=Singleton("s"))
+        other = await engine.enqueue(singleton_task, Job(key="o:1"), singleton=Singleton("o"))
+        assert first.created
+        assert not again.created
+        assert again.run_id == first.run_id, "skip returns the active run's handle"
+        assert other.created, "another key is another singleton"
+        async with engine.worker(concurrency=4):
+            assert await again.result(timeout=15) == "s:1", "the skipped input is not stored"
+            assert await other.result(timeout=15) == "o:1"
+            later = await engine.enqueue(
+                singleton_task, Job(key="s:3"), singleton=Singleton("s", mode="skip")
+            )
+            assert later.created, "the key's run ended: a new trigger starts a new run"
+            assert await later.result(timeout=15) == "s:3"
+        page = await engine.list(task_name=singleton_task.name, concurrency_key="s")
+        assert sorted(r.run_id for r in page.runs) == sorted([first.run_id, later.run_id])
+
+    async def test_a_singleton_skips_for_a_running_and_a_waiting_run(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        tally.gate("busy:1")  # the run waits on it: it stays running
+        first = await engine.enqueue(singleton_task, Job(key="busy:1"), singleton=Singleton("b"))
+        async with engine.worker(concurrency=4):
+            await asyncio.wait_for(tally.gate("busy:1:in").wait(), timeout=15)
+            again = await engine.enqueue(
+                singleton_task, Job(key="busy:2"), singleton=Singleton("b")
+            )
+            assert (again.created, again.run_id) == (False, first.run_id)
+            tally.gate("busy:1").set()
+            assert await first.result(timeout=15) == "busy:1"
+        assert tally.business["starts"] == ["busy:1"]
+
+    async def test_concurrent_singleton_triggers_store_one_run(self, engine: Engine) -> None:
+        for round_ in range(4):
+            key = f"race{round_}"
+            handles = await asyncio.gather(
+                *(
+                    engine.enqueue(singleton_task, Job(key=f"{key}:{i}"), singleton=Singleton(key))
+                    for i in range(16)
+                )
+            )
+            assert sum(h.created for h in handles) == 1
+            assert len({h.run_id for h in handles}) == 1
+            page = await engine.list(task_name=singleton_task.name, concurrency_key=key)
+            assert len(page.runs) == 1
+
+    async def test_replace_cancels_the_active_run_and_the_new_one_runs_after_it(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        tally.gate("r:1")  # nobody opens it: the first run runs until canceled
+        first = await engine.enqueue(
+            singleton_task, Job(key="r:1"), singleton=Singleton("r", mode="replace")
+        )
+        async with engine.worker(concurrency=4):
+            await asyncio.wait_for(tally.gate("r:1:in").wait(), timeout=15)
+            second = await engine.enqueue(
+                singleton_task, Job(key="r:2"), singleton=Singleton("r", mode="replace")
+            )
+            assert second.created
+            with pytest.raises(RunCanceledError) as caught:
+                await first.result(timeout=15)
+            assert "singleton" in caught.value.reason
+            assert str(second.run_id) in caught.value.reason
+            assert await second.result(timeout=15) == "r:2"
+        assert tally.business["most"]["singleton"] == 1, "the new run started after the old"
+
+    async def test_concurrent_replaces_keep_exactly_one_run(self, engine: Engine) -> None:
+        handles = await asyncio.gather(
+            *(
+                engine.enqueue(
+                    singleton_task,
+                    Job(key=f"many:{i}"),
+                    singleton=Singleton("many", mode="replace"),
+                )
+                for i in range(12)
+            )
+        )
+        assert all(h.created for h in handles)
+        page = await engine.list(task_name=singleton_task.name, concurrency_key="many")
+        assert len(page.runs) == 12
+        kept = [r for r in page.runs if r.status != "canceled"]
+        assert len(kept) == 1, [(r.run_id, r.status) for r in page.runs]
+        async with engine.worker(concurrency=4):
+            handle = next(h for h in handles if h.run_id == kept[0].run_id)
+            assert (await handle.result(timeout=15)).startswith("many:")
+
+    async def test_a_singleton_refuses_bad_input_and_stores_nothing(self, engine: Engine) -> None:
+        with pytest.raises(UsageError) as caught:
+            Singleton("")
+        assert caught.value.argument == "key"
+        with pytest.raises(UsageError) as caught:
+            Singleton("k", mode="newest")  # type: ignore[arg-type]
+        assert caught.value.argument == "mode"
+        refused: list[tuple[str, dict[str, Any]]] = [
+            ("singleton", {"singleton": "k"}),
+            ("singleton", {"singleton": Singleton("k"), "idempotency_key": "i"}),
+        ]
+        for argument, kwargs in refused:
+            with pytest.raises(UsageError) as caught:
+                await engine.enqueue(singleton_task, Job(key="bad"), **kwargs)
+            assert caught.value.argument == argument, kwargs
+        with pytest.raises(UsageError, match="concurrency") as caught:
+            await engine.enqueue(keyed_task, Job(key="t:1"), singleton=Singleton("t"))
+        assert caught.value.argument == "singleton"
+        for name in (singleton_task.name, keyed_task.name):
+            assert not (await engine.list(task_name=name)).runs
