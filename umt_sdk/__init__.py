@@ -23,7 +23,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
-from umt_sdk._flow_keys import Singleton, SingletonMode
+from umt_sdk._flow_keys import Debounce, Singleton, SingletonMode
 from umt_sdk._insight import TaskStats, WorkerInfo
 from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import PruneReport
@@ -86,6 +86,7 @@ __all__ = [
     "Concurrency",
     "ConcurrencyStrategy",
     "DeadlineExceededError",
+    "Debounce",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",

@@ -24,7 +24,7 @@ from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
-from umt_sdk._flow_keys import Singleton, flow_key_fields
+from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields
 from umt_sdk._ids import new_run_id
 from umt_sdk._insight import (
     TaskStats,
@@ -243,6 +243,7 @@ class Engine:
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -259,6 +260,7 @@ class Engine:
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -274,6 +276,7 @@ class Engine:
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -303,8 +306,13 @@ class Engine:
             singleton: `Singleton(key, mode)`: while a run of the key is active (not
                 terminal), `"skip"` stores nothing and returns its handle (`created=False`);
                 `"replace"` cancels it and stores this run, which starts once it stopped.
+            debounce: `Debounce(key, period, max_wait)`: a burst of triggers within `period`
+                of each other makes one run, with the last input, started `period` after the
+                last trigger and at the latest `max_wait` after the first (`created=False`
+                for the triggers that joined the run).
 
-        `singleton` not on a task with `concurrency=` (it makes the run's concurrency key).
+        Not both `singleton` and `debounce`, and `singleton` not on a task with
+        `concurrency=` (it makes the run's concurrency key).
 
         An argument it refuses (a priority out of range, a negative delay, a `conn` the
         backend cannot join) raises `UsageError` naming it, before anything is stored.
@@ -349,9 +357,13 @@ class Engine:
             task_name=definition.name,
             concurrency=definition.concurrency,
             singleton=singleton,
+            debounce=debounce,
             idempotency_key=idempotency_key,
+            delay=delay,
+            start_within=start_within,
             conn=conn,
         )
+        delay = flow.pop("delay", delay)
         if definition.rate_limit is not None:
             await ensure_defined(self.backend, definition.rate_limit, "enqueue()")
         strategy = definition.concurrency.strategy if definition.concurrency else "queue"
@@ -404,7 +416,7 @@ class Engine:
             self.telemetry.enqueue_requests.add(
                 1, {**task_attributes, "umt.enqueue.transaction": transaction}
             )
-            if not result.created and not result.skipped:
+            if not result.created and not (result.skipped or result.debounced):
                 self._check_key_input(result, new)
                 await self._check_key_version(result, definition, idempotency_key)
         if result.created and conn is None:

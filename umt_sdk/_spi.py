@@ -312,6 +312,17 @@ class NewRun:
     `skipped=True`, its `task_version`). `"replace"`: the run is stored and the result lists
     them (`EnqueueResult.replaced`); the SDK requests their cancel. The SDK never gives it
     with an idempotency key or `conn`."""
+    debounce_key: str | None = None
+    """`enqueue(debounce=Debounce(key, period, max_wait))`: under a lock of (task name, key),
+    the key's run of this task version that has not started (pending, never claimed) takes
+    this input (`input_json`, `input_hash`; nothing else of it changes) and becomes claimable
+    at the earliest of the clock plus `delay` (the period), its debounce deadline, and its
+    deadline; the result names it (`created=False`, `debounced=True`). Without such a run,
+    this one is stored as usual (claimable after `delay`) with its debounce deadline, the
+    clock plus `debounce_max_wait` (None: no bound). The SDK never gives it with an
+    idempotency key, a start deadline or `conn`."""
+    debounce_max_wait: timedelta | None = None
+    """With `debounce_key`: how long after the first trigger the run may start at the latest."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -345,6 +356,9 @@ class EnqueueResult:
     replaced: tuple[UUID, ...] = ()
     """When `created` with `NewRun.singleton` `"replace"`: the key's runs that were not
     terminal when it was stored (the SDK requests their cancel)."""
+    debounced: bool = False
+    """When not `created`: the run is the key's not yet started run that took the new input
+    (`NewRun.debounce_key`)."""
 
 
 @frozen(kw_only=True)
@@ -681,7 +695,8 @@ class Backend(Protocol):
         `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
         names another version. A child run keeps `parent_run_id`, `parent_fact` and
         `cancel_with_parent` for its finishing write (`finishing`, module docstring).
-        A singleton (`new.singleton`) is decided under a lock of its key, as that field says.
+        A singleton (`new.singleton`) or a debounced run (`new.debounce_key`) is decided under
+        a lock of its key, as those fields say.
         """
         ...
 

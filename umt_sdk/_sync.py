@@ -11,7 +11,7 @@ from uuid import UUID
 
 from umt_sdk._engine import Engine, connect
 from umt_sdk._export import RunHistory
-from umt_sdk._flow_keys import Singleton
+from umt_sdk._flow_keys import Debounce, Singleton
 from umt_sdk._retention import DEFAULT_BATCH_SIZE, PruneReport
 from umt_sdk._spi import CancelOutcome, Clock, PausedTask, RunStatus, TaskPair
 from umt_sdk._streams import StreamItem
@@ -65,6 +65,7 @@ class SyncEngine:
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
     ) -> UUID:
         """Enqueue (see `Engine.enqueue`) and return the run id."""
         handle = self._call(
@@ -79,6 +80,7 @@ class SyncEngine:
                 deadline=deadline,
                 start_within=start_within,
                 singleton=singleton,
+                debounce=debounce,
             )
         )
         return handle.run_id

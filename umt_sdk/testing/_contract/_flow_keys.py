@@ -1,8 +1,10 @@
-"""Keys that shape the flow at enqueue: singletons (skip, replace).
+"""Keys that shape the flow at enqueue: singletons (skip, replace) and debounce.
 
 A singleton's key is a concurrency key of limit 1: the claim starts one run of the key at a
 time. What a singleton adds is decided at the enqueue, serialized per key: concurrent
-triggers never both store a run (`skip`), and concurrent replaces keep exactly one.
+triggers never both store a run (`skip`), and concurrent replaces keep exactly one. A
+debounced burst makes one run with the last input, started `period` after the last trigger
+and at the latest `max_wait` after the first.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from umt_sdk import (
+    Debounce,
     Engine,
     RunCanceledError,
     Singleton,
@@ -25,6 +28,7 @@ from umt_sdk import (
 )
 from umt_sdk.testing._contract._base import Job, Tally, current_tally
 from umt_sdk.testing._contract._concurrency import keyed_task
+from umt_sdk.testing._helpers import BackendHarness
 
 __all__ = ["FlowKeysContract"]
 
@@ -70,12 +74,17 @@ async def singleton_task(ctx: TaskContext[Job]) -> str:
     return ctx.input.key
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (singleton_task,)
+@task("contract.debounced", version=1)
+async def debounced_task(ctx: TaskContext[Job]) -> str:
+    return ctx.input.key
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (singleton_task, debounced_task)
 """The tasks of this topic that the suite's engine registers."""
 
 
 class FlowKeysContract:
-    """Singletons (mixed into `BackendContract`, whose `engine`,
+    """Singletons and debounce (mixed into `BackendContract`, whose `engine`,
     `tally` and `harness` fixtures it uses)."""
 
     # -- singletons -------------------------------------------------------------------------
@@ -179,6 +188,10 @@ class FlowKeysContract:
         assert caught.value.argument == "mode"
         refused: list[tuple[str, dict[str, Any]]] = [
             ("singleton", {"singleton": "k"}),
+            (
+                "debounce",
+                {"singleton": Singleton("k"), "debounce": Debounce("k", timedelta(seconds=1))},
+            ),
             ("singleton", {"singleton": Singleton("k"), "idempotency_key": "i"}),
         ]
         for argument, kwargs in refused:
@@ -190,3 +203,78 @@ class FlowKeysContract:
         assert caught.value.argument == "singleton"
         for name in (singleton_task.name, keyed_task.name):
             assert not (await engine.list(task_name=name)).runs
+
+    # -- debounce ---------------------------------------------------------------------------
+
+    async def test_a_burst_collapses_into_one_run_with_the_last_input(self, engine: Engine) -> None:
+        # No worker serves the task yet, so the run cannot start during the burst: the
+        # triggers join it whatever time the enqueues take.
+        debounce = Debounce("d", period=timedelta(milliseconds=200))
+        handles = [
+            await engine.enqueue(debounced_task, Job(key=f"d:{i}"), debounce=debounce)
+            for i in range(5)
+        ]
+        other = await engine.enqueue(
+            debounced_task, Job(key="e:0"), debounce=Debounce("e", timedelta(milliseconds=200))
+        )
+        assert [h.created for h in handles] == [True, False, False, False, False]
+        assert len({h.run_id for h in handles}) == 1
+        assert other.created
+        assert other.run_id != handles[0].run_id
+        async with engine.worker(concurrency=4):
+            assert await handles[0].result(timeout=15) == "d:4", "the last input wins"
+            assert await other.result(timeout=15) == "e:0"
+            after = await engine.enqueue(debounced_task, Job(key="d:5"), debounce=debounce)
+            assert after.created, "the run started: the next trigger makes a new one"
+            assert await after.result(timeout=15) == "d:5"
+        page = await engine.list(task_name=debounced_task.name)
+        assert len(page.runs) == 3
+
+    async def test_each_trigger_moves_the_start_but_never_past_max_wait(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        period = timedelta(seconds=30)
+        bounded = Debounce("m", period=period, max_wait=timedelta(seconds=40))
+        first = await engine.enqueue(debounced_task, Job(key="m:0"), debounce=bounded)
+        head = await engine.backend.get_run_head(first.run_id)
+        assert head is not None
+        assert head.available_at == head.created_at + period
+        await harness.advance(timedelta(milliseconds=50))
+        again = await engine.enqueue(debounced_task, Job(key="m:1"), debounce=bounded)
+        assert again.run_id == first.run_id
+        moved = await engine.backend.get_run_head(first.run_id)
+        assert moved is not None
+        assert moved.available_at is not None
+        assert head.created_at + period < moved.available_at <= head.created_at + bounded.max_wait  # type: ignore[operator]
+        tight = Debounce("t", period=period, max_wait=period)
+        first = await engine.enqueue(debounced_task, Job(key="t:0"), debounce=tight)
+        await harness.advance(timedelta(milliseconds=50))
+        await engine.enqueue(debounced_task, Job(key="t:1"), debounce=tight)
+        held = await engine.backend.get_run_head(first.run_id)
+        assert held is not None
+        assert held.available_at == held.created_at + period, "max_wait from the first trigger"
+        assert held.input_json != head.input_json
+
+    async def test_a_debounce_refuses_bad_input_and_stores_nothing(self, engine: Engine) -> None:
+        bad: list[tuple[str, Any]] = [
+            ("key", lambda: Debounce("", timedelta(seconds=1))),
+            ("period", lambda: Debounce("k", timedelta(0))),
+            ("period", lambda: Debounce("k", timedelta(seconds=-1))),
+            ("max_wait", lambda: Debounce("k", timedelta(seconds=5), timedelta(seconds=4))),
+        ]
+        for argument, make in bad:
+            with pytest.raises(UsageError) as caught:
+                make()
+            assert caught.value.argument == argument
+        debounce = Debounce("k", timedelta(seconds=1))
+        refused: list[tuple[str, dict[str, Any]]] = [
+            ("debounce", {"debounce": "k"}),
+            ("delay", {"debounce": debounce, "delay": timedelta(seconds=1)}),
+            ("start_within", {"debounce": debounce, "start_within": timedelta(seconds=1)}),
+            ("debounce", {"debounce": debounce, "idempotency_key": "i"}),
+        ]
+        for argument, kwargs in refused:
+            with pytest.raises(UsageError) as caught:
+                await engine.enqueue(debounced_task, Job(key="bad"), **kwargs)
+            assert caught.value.argument == argument, kwargs
+        assert not (await engine.list(task_name=debounced_task.name)).runs
