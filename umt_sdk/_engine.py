@@ -244,6 +244,7 @@ class Engine:
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -261,6 +262,7 @@ class Engine:
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -277,6 +279,7 @@ class Engine:
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -310,9 +313,11 @@ class Engine:
                 of each other makes one run, with the last input, started `period` after the
                 last trigger and at the latest `max_wait` after the first (`created=False`
                 for the triggers that joined the run).
+            sequence: a key: the runs of the task with this key start one at a time, in
+                enqueue order (each once the one before it has ended).
 
-        Not both `singleton` and `debounce`, and `singleton` not on a task with
-        `concurrency=` (it makes the run's concurrency key).
+        Only one of `singleton`, `debounce` and `sequence` per enqueue, and `singleton` and
+        `sequence` not on a task with `concurrency=` (they make the run's concurrency key).
 
         An argument it refuses (a priority out of range, a negative delay, a `conn` the
         backend cannot join) raises `UsageError` naming it, before anything is stored.
@@ -358,6 +363,7 @@ class Engine:
             concurrency=definition.concurrency,
             singleton=singleton,
             debounce=debounce,
+            sequence=sequence,
             idempotency_key=idempotency_key,
             delay=delay,
             start_within=start_within,

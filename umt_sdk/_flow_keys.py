@@ -1,8 +1,8 @@
-"""Keys that shape the flow at enqueue: singletons and debounce.
+"""Keys that shape the flow at enqueue: singletons, debounce and per-key FIFO (`sequence`).
 
 The SDK decides, the backend stores. All three reuse the concurrency-key machinery
-(`umt_sdk._concurrency`) where they limit what runs: a singleton's key is
-the run's concurrency key with a limit of 1 that holds its slot through sleeps and waits
+(`umt_sdk._concurrency`) where they limit what runs: a singleton's key and a sequence's key
+are the run's concurrency key with a limit of 1 that holds its slot through sleeps and waits
 (`count_waiting`), so the claim starts one run of the key at a time, as it does for any key.
 What they add is decided at the enqueue, under a lock of the key in the backend
 (`NewRun.singleton`, `NewRun.debounce_key`):
@@ -14,6 +14,7 @@ What they add is decided at the enqueue, under a lock of the key in the backend
 - `Debounce(key, period, max_wait)`: the key's run that has not started yet takes the new
   input and waits `period` again, never past `max_wait` after the first trigger; without one,
   a run is stored that waits `period`.
+- `sequence=key`: only the concurrency key (limit 1, FIFO by enqueue within a priority).
 """
 
 from __future__ import annotations
@@ -132,12 +133,13 @@ def flow_key_fields(
     concurrency: Concurrency[Any] | None,
     singleton: object,
     debounce: object,
+    sequence: object,
     idempotency_key: str | None,
     delay: timedelta | None,
     start_within: timedelta | None,
     conn: object,
 ) -> dict[str, Any]:
-    """The `NewRun` fields for `enqueue(singleton=, debounce=)`, after checking
+    """The `NewRun` fields for `enqueue(singleton=, debounce=, sequence=)`, after checking
     them together with the other arguments; `UsageError` naming the argument otherwise."""
     if singleton is not None and not isinstance(singleton, Singleton):
         check.refuse("singleton", "a umt_sdk.Singleton (Singleton('key')) or None", singleton)
@@ -147,7 +149,17 @@ def flow_key_fields(
             "a umt_sdk.Debounce (Debounce('key', timedelta(seconds=5))) or None",
             debounce,
         )
-    arguments = {"singleton": singleton, "debounce": debounce}
+    if sequence is not None:
+        check.text(
+            sequence,
+            "sequence",
+            empty=False,
+            max_length=MAX_KEY_LENGTH,
+            expected=f"a non-empty str of at most {MAX_KEY_LENGTH} characters, or None",
+        )
+        assert isinstance(sequence, str)
+        _serde.check_text(sequence, what="sequence key")
+    arguments = {"singleton": singleton, "debounce": debounce, "sequence": sequence}
     given = [name for name, value in arguments.items() if value is not None]
     if not given:
         return {}
@@ -158,13 +170,13 @@ def flow_key_fields(
             argument=given[1],
         )
     argument = given[0]
-    if idempotency_key is not None:
+    if idempotency_key is not None and argument != "sequence":
         raise UsageError(
             f"{argument}= cannot be combined with idempotency_key=: the {argument} key "
             "already decides which run a trigger gives back; use one or the other",
             argument=argument,
         )
-    if conn is not None:
+    if conn is not None and argument != "sequence":
         raise UsageError(
             f"{argument}= cannot be used with conn=: it decides under a lock of its key in "
             "the engine's own transaction; enqueue without conn=",
@@ -193,10 +205,12 @@ def flow_key_fields(
             f"key (limit 1): a run has one key; drop {argument}= or the task's concurrency",
             argument=argument,
         )
-    assert isinstance(singleton, Singleton)
-    return {
-        "concurrency_key": singleton.key,
+    key = singleton.key if isinstance(singleton, Singleton) else sequence
+    fields: dict[str, Any] = {
+        "concurrency_key": key,
         "concurrency_limit": 1,
         "count_waiting": True,
-        "singleton": singleton.mode,
     }
+    if isinstance(singleton, Singleton):
+        fields["singleton"] = singleton.mode
+    return fields

@@ -66,6 +66,7 @@ class SyncEngine:
         start_within: timedelta | None = None,
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> UUID:
         """Enqueue (see `Engine.enqueue`) and return the run id."""
         handle = self._call(
@@ -81,6 +82,7 @@ class SyncEngine:
                 start_within=start_within,
                 singleton=singleton,
                 debounce=debounce,
+                sequence=sequence,
             )
         )
         return handle.run_id

@@ -1,7 +1,7 @@
-"""Keys that shape the flow at enqueue: singletons (skip, replace) and debounce.
+"""Keys that shape the flow at enqueue: singletons (skip, replace), debounce, per-key FIFO.
 
-A singleton's key is a concurrency key of limit 1: the claim starts one run of the key at a
-time. What a singleton adds is decided at the enqueue, serialized per key: concurrent
+Singletons and sequences are concurrency keys of limit 1: the claim starts one run of the key
+at a time. What a singleton adds is decided at the enqueue, serialized per key: concurrent
 triggers never both store a run (`skip`), and concurrent replaces keep exactly one. A
 debounced burst makes one run with the last input, started `period` after the last trigger
 and at the latest `max_wait` after the first.
@@ -79,12 +79,23 @@ async def debounced_task(ctx: TaskContext[Job]) -> str:
     return ctx.input.key
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (singleton_task, debounced_task)
+@task("contract.sequenced", version=1)
+async def sequenced_task(ctx: TaskContext[Job]) -> str:
+    """Records its start; counts the runs of its sequence (the key's prefix) inside at once."""
+
+    async def body() -> None:
+        await _inside(ctx, ctx.input.key.split(":")[0])
+
+    await ctx.step.run("body", body)
+    return ctx.input.key
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (singleton_task, debounced_task, sequenced_task)
 """The tasks of this topic that the suite's engine registers."""
 
 
 class FlowKeysContract:
-    """Singletons and debounce (mixed into `BackendContract`, whose `engine`,
+    """Singletons, debounce and sequences (mixed into `BackendContract`, whose `engine`,
     `tally` and `harness` fixtures it uses)."""
 
     # -- singletons -------------------------------------------------------------------------
@@ -192,6 +203,7 @@ class FlowKeysContract:
                 "debounce",
                 {"singleton": Singleton("k"), "debounce": Debounce("k", timedelta(seconds=1))},
             ),
+            ("sequence", {"singleton": Singleton("k"), "sequence": "k"}),
             ("singleton", {"singleton": Singleton("k"), "idempotency_key": "i"}),
         ]
         for argument, kwargs in refused:
@@ -201,6 +213,9 @@ class FlowKeysContract:
         with pytest.raises(UsageError, match="concurrency") as caught:
             await engine.enqueue(keyed_task, Job(key="t:1"), singleton=Singleton("t"))
         assert caught.value.argument == "singleton"
+        with pytest.raises(UsageError) as caught:
+            await engine.enqueue(keyed_task, Job(key="t:1"), sequence="t")
+        assert caught.value.argument == "sequence"
         for name in (singleton_task.name, keyed_task.name):
             assert not (await engine.list(task_name=name)).runs
 
@@ -272,9 +287,47 @@ class FlowKeysContract:
             ("delay", {"debounce": debounce, "delay": timedelta(seconds=1)}),
             ("start_within", {"debounce": debounce, "start_within": timedelta(seconds=1)}),
             ("debounce", {"debounce": debounce, "idempotency_key": "i"}),
+            ("sequence", {"debounce": debounce, "sequence": "s"}),
         ]
         for argument, kwargs in refused:
             with pytest.raises(UsageError) as caught:
                 await engine.enqueue(debounced_task, Job(key="bad"), **kwargs)
             assert caught.value.argument == argument, kwargs
         assert not (await engine.list(task_name=debounced_task.name)).runs
+
+    # -- sequences --------------------------------------------------------------------------
+
+    async def test_runs_of_a_sequence_start_one_at_a_time_in_enqueue_order(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        handles = [
+            await engine.enqueue(sequenced_task, Job(key=f"{seq}:{i}"), sequence=seq)
+            for i in range(5)
+            for seq in ("a", "b")
+        ]
+        async with engine.worker(concurrency=8):
+            for handle in handles:
+                await handle.result(timeout=30)
+        starts = tally.business["starts"]
+        for seq in ("a", "b"):
+            assert [k for k in starts if k.startswith(seq + ":")] == [
+                f"{seq}:{i}" for i in range(5)
+            ]
+        assert tally.business["most"] == Counter({"a": 1, "b": 1})
+
+    async def test_a_sequence_waits_for_the_run_before_it_to_end(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        tally.gate("q:0")
+        first = await engine.enqueue(sequenced_task, Job(key="q:0"), sequence="q")
+        second = await engine.enqueue(sequenced_task, Job(key="q:1"), sequence="q")
+        free = await engine.enqueue(sequenced_task, Job(key="z:0"), sequence="z")
+        async with engine.worker(concurrency=4):
+            await asyncio.wait_for(tally.gate("q:0:in").wait(), timeout=15)
+            assert await free.result(timeout=15) == "z:0", "another key is not held up"
+            assert (await engine.get(second.run_id)).status == "pending"
+            tally.gate("q:0").set()
+            assert await second.result(timeout=15) == "q:1"
+            assert await first.result(timeout=15) == "q:0"
+        assert tally.business["starts"].index("q:0") < tally.business["starts"].index("q:1")
+        assert (await engine.get(second.run_id)).concurrency_key == "q"
