@@ -26,7 +26,7 @@ from umt_sdk import (
     UsageError,
     task,
 )
-from umt_sdk.testing._contract._base import Job, Tally, current_tally
+from umt_sdk.testing._contract._base import Job, Tally, current_tally, echo_task, echo_task_v2
 from umt_sdk.testing._contract._concurrency import keyed_task
 from umt_sdk.testing._helpers import BackendHarness
 
@@ -149,6 +149,19 @@ class FlowKeysContract:
             assert len({h.run_id for h in handles}) == 1
             page = await engine.list(task_name=singleton_task.name, concurrency_key=key)
             assert len(page.runs) == 1
+
+    async def test_a_skip_for_a_run_of_another_version_names_that_version(
+        self, engine: Engine
+    ) -> None:
+        old = await engine.enqueue(
+            echo_task, Job(key="v", n=1), version=1, singleton=Singleton("versions")
+        )
+        newer = await engine.enqueue(
+            echo_task_v2, Job(key="v", n=2), singleton=Singleton("versions")
+        )
+        assert (newer.created, newer.run_id, newer.task_version) == (False, old.run_id, 1)
+        async with engine.worker():
+            assert await newer.result(timeout=15) == Job(key="V", n=2), "v1's output type"
 
     async def test_replace_cancels_the_active_run_and_the_new_one_runs_after_it(
         self, engine: Engine, tally: Tally
