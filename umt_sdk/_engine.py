@@ -314,7 +314,8 @@ class Engine:
                 last trigger and at the latest `max_wait` after the first (`created=False`
                 for the triggers that joined the run).
             sequence: a key: the runs of the task with this key start one at a time, in
-                enqueue order (each once the one before it has ended).
+                enqueue order (each once the one before it has ended, or waits out a retry
+                backoff).
 
         Only one of `singleton`, `debounce` and `sequence` per enqueue, and `singleton` and
         `sequence` not on a task with `concurrency=` (they make the run's concurrency key).
