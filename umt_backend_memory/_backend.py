@@ -188,6 +188,9 @@ class _Run:
     start_by: datetime | None = None
     rate_limit: str | None = None
     rate_limit_key: str = ""
+    debounce_key: str | None = None
+    debounce_until: datetime | None = None
+    """A debounced run (`NewRun.debounce_key`): the latest it may start (None: no bound)."""
     waits_for_limit: str | None = None
     """The rate limit it waits for a token of (parked by a claim, or by a step that found
     none): made claimable at once when that limit is changed or resumed."""
@@ -323,6 +326,10 @@ class MemoryBackend:
             self._keyed: dict[TaskPair, dict[str, list[tuple[int, datetime, int, UUID, int]]]] = {}
             self._holders: dict[tuple[str, str], set[UUID]] = {}
             self._limits: dict[tuple[str, str], int] = {}
+            # Every keyed run, per (task name, key), in enqueue order (singletons read the
+            # active ones); the newest debounced run, per (task name, version, key).
+            self._key_runs: dict[tuple[str, str], list[UUID]] = {}
+            self._debounced: dict[tuple[str, int, str], UUID] = {}
             self._timers: list[tuple[datetime, int, UUID, int]] = []
             self._running: set[UUID] = set()
             self._seq = itertools.count(1)
@@ -791,7 +798,65 @@ class MemoryBackend:
                     input_hash=tombstone.input_hash,
                     pruned=True,
                 )
+        if new.singleton is not None:
+            return self._enqueue_singleton(new, source)
+        if new.debounce_key is not None:
+            return self._enqueue_debounced(new, source)
         run = self._insert(new, held=False, source=source)
+        return EnqueueResult(run_id=run.run_id, created=True, task_version=run.task_version)
+
+    def _enqueue_singleton(self, new: NewRun, source: _Run | None) -> EnqueueResult:
+        """A singleton's enqueue, under the lock: skip for, or store and list, the key's
+        runs that are not terminal."""
+        assert new.concurrency_key is not None  # NewRun checks it
+        key = (new.task_name, new.concurrency_key)
+        ids = self._key_runs.get(key, [])
+        active = [
+            run
+            for run in (self._runs.get(run_id) for run_id in ids)
+            if run is not None and run.status not in TERMINAL_STATUSES
+        ]
+        self._key_runs[key] = [run.run_id for run in active]  # the ended ones are done with
+        if new.singleton == "skip" and active:
+            newest = active[-1]
+            return EnqueueResult(
+                run_id=newest.run_id,
+                created=False,
+                task_version=newest.task_version,
+                skipped=True,
+            )
+        run = self._insert(new, held=False, source=source)
+        return EnqueueResult(
+            run_id=run.run_id,
+            created=True,
+            task_version=run.task_version,
+            replaced=tuple(r.run_id for r in active),
+        )
+
+    def _enqueue_debounced(self, new: NewRun, source: _Run | None) -> EnqueueResult:
+        """A debounced enqueue, under the lock: the key's run that has not started takes the
+        input and waits again (never past its debounce deadline), else a new run is stored."""
+        assert new.debounce_key is not None
+        key = (new.task_name, new.task_version, new.debounce_key)
+        now = self.clock.now()
+        found = self._runs.get(self._debounced.get(key) or new.run_id)
+        if found is not None and found.status == "pending" and found.claims == 0:
+            due = [now + (new.delay or timedelta(0)), found.debounce_until, found.deadline_at]
+            found.input_json = new.input_json
+            found.input_hash = new.input_hash
+            found.available_at = min(d for d in due if d is not None)
+            found.updated_at = now
+            self._schedule(found)
+            return EnqueueResult(
+                run_id=found.run_id,
+                created=False,
+                task_version=found.task_version,
+                debounced=True,
+            )
+        run = self._insert(new, held=False, source=source)
+        run.debounce_key = new.debounce_key
+        run.debounce_until = _after(now, new.debounce_max_wait)
+        self._debounced[key] = run.run_id
         return EnqueueResult(run_id=run.run_id, created=True, task_version=run.task_version)
 
     def _insert(
@@ -844,6 +909,7 @@ class MemoryBackend:
         if run.key is not None:
             assert new.concurrency_limit is not None  # NewRun checks they go together
             self._limits[run.key] = new.concurrency_limit
+            self._key_runs.setdefault(run.key, []).append(run.run_id)
         if new.parent_run_id is not None:
             self._children.setdefault(new.parent_run_id, []).append(run.run_id)
         if new.idempotency_key is not None:

@@ -36,6 +36,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import attrs
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -383,7 +384,20 @@ class PostgresBackend:
             "start_within": new.start_within,
             "rate_limit": new.rate_limit,
             "rate_limit_key": new.rate_limit_key,
+            "debounce_key": new.debounce_key,
+            "debounce_max_wait": new.debounce_max_wait,
         }
+        if new.singleton is not None or new.debounce_key is not None:
+            if conn is not None:  # the SDK never asks: the lock is held in its own transaction
+                raise UsageError(
+                    "a singleton or debounced enqueue cannot join conn=", argument="conn"
+                )
+            with wrap_exceptions():
+                async with self._pool.connection() as own, own.transaction():
+                    result = await self._enqueue_keyed(own, new, {**params, "notify": False})
+            if result.created:
+                self._notifier.notify(f"{new.task_name}@{new.task_version}")
+            return result
         if conn is not None:
             if not isinstance(conn, psycopg.AsyncConnection):
                 raise UsageError(
@@ -427,6 +441,32 @@ class PostgresBackend:
             input_hash=existing_hash,
             pruned=pruned,
         )
+
+    async def _enqueue_keyed(
+        self, conn: psycopg.AsyncConnection[Any], new: NewRun, params: dict[str, Any]
+    ) -> EnqueueResult:
+        """A singleton's or a debounced enqueue, in one transaction under the key's lock."""
+        key = new.debounce_key if new.singleton is None else new.concurrency_key
+        kind = "singleton" if new.singleton is not None else "debounce"
+        lock_name = f"{self.schema}.{kind}:{len(new.task_name)}:{new.task_name}:{key}"
+        await conn.execute(self._q["lock_flow_key"], {"lock_name": lock_name})
+        if new.singleton is not None:
+            cur = await conn.execute(self._q["active_key_runs"], params)
+            active = await cur.fetchall()
+            if new.singleton == "skip" and active:
+                newest_id, newest_version = active[-1]
+                return EnqueueResult(
+                    run_id=newest_id, created=False, task_version=newest_version, skipped=True
+                )
+            result = await self._enqueue_on(conn, new, params)
+            return attrs.evolve(result, replaced=tuple(row[0] for row in active))
+        cur = await conn.execute(self._q["debounce_run"], params)
+        row = await cur.fetchone()
+        if row is not None:
+            return EnqueueResult(
+                run_id=row[0], created=False, task_version=new.task_version, debounced=True
+            )
+        return await self._enqueue_on(conn, new, params)
 
     async def enqueue_many(
         self, runs: Sequence[NewRun], *, conn: Any = None

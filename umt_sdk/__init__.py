@@ -23,6 +23,7 @@ from umt_sdk._context import (
 from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
+from umt_sdk._flow_keys import Debounce, Singleton, SingletonMode
 from umt_sdk._insight import TaskStats, WorkerInfo
 from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import PruneReport
@@ -90,6 +91,7 @@ __all__ = [
     "Concurrency",
     "ConcurrencyStrategy",
     "DeadlineExceededError",
+    "Debounce",
     "Engine",
     "ErrorInfo",
     "ExecutionRecord",
@@ -125,6 +127,8 @@ __all__ = [
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",
+    "Singleton",
+    "SingletonMode",
     "StartDeadlineExceededError",
     "StepApi",
     "StepFailedError",

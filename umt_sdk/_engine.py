@@ -24,6 +24,7 @@ from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
+from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields
 from umt_sdk._ids import new_run_id
 from umt_sdk._insight import (
     TaskStats,
@@ -242,6 +243,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -257,6 +261,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -271,6 +278,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -297,6 +307,19 @@ class Engine:
                 commits (backends that support it).
             tags: labels to find the run by (`list(tags={"tenant": "t7"})`): at most 16 keys
                 of letters, digits and `_.:-/`, text values of at most 256 characters.
+            singleton: `Singleton(key, mode)`: while a run of the key is active (not
+                terminal), `"skip"` stores nothing and returns its handle (`created=False`);
+                `"replace"` cancels it and stores this run, which starts once it stopped.
+            debounce: `Debounce(key, period, max_wait)`: a burst of triggers within `period`
+                of each other makes one run, with the last input, started `period` after the
+                last trigger and at the latest `max_wait` after the first (`created=False`
+                for the triggers that joined the run).
+            sequence: a key: the runs of the task with this key start one at a time, in
+                enqueue order (each once the one before it has ended, or waits out a retry
+                backoff).
+
+        Only one of `singleton`, `debounce` and `sequence` per enqueue, and `singleton` and
+        `sequence` not on a task with `concurrency=` (they make the run's concurrency key).
 
         An argument it refuses (a priority out of range, a negative delay, a `conn` the
         backend cannot join) raises `UsageError` naming it, before anything is stored.
@@ -337,6 +360,18 @@ class Engine:
             input_type=definition.input_type,
             input_json=input_json,
         )
+        flow = flow_key_fields(
+            task_name=definition.name,
+            concurrency=definition.concurrency,
+            singleton=singleton,
+            debounce=debounce,
+            sequence=sequence,
+            idempotency_key=idempotency_key,
+            delay=delay,
+            start_within=start_within,
+            conn=conn,
+        )
+        delay = flow.pop("delay", delay)
         if definition.rate_limit is not None:
             await ensure_defined(self.backend, definition.rate_limit, "enqueue()")
         strategy = definition.concurrency.strategy if definition.concurrency else "queue"
@@ -368,6 +403,7 @@ class Engine:
                 tags=run_tags,
                 **keyed,
                 **limited,
+                **flow,
                 deadline_at=deadline_at,
                 timeout=timeout,
                 start_within=start_within,
@@ -388,7 +424,7 @@ class Engine:
             self.telemetry.enqueue_requests.add(
                 1, {**task_attributes, "umt.enqueue.transaction": transaction}
             )
-            if not result.created:
+            if not result.created and not (result.skipped or result.debounced):
                 self._check_key_input(result, new)
                 await self._check_key_version(result, definition, idempotency_key)
         if result.created and conn is None:
@@ -401,6 +437,23 @@ class Engine:
                     run_id=result.run_id,
                     key=new.concurrency_key,
                 )
+            for replaced in result.replaced:
+                await self.backend.cancel(
+                    replaced,
+                    reason=f"singleton key {new.concurrency_key!r} replaced by run {run_id}",
+                )
+        if result.skipped and result.task_version not in (None, definition.version):
+            # The active run is of another version: the handle says so, with its output type.
+            pair = TaskPair(name=definition.name, version=result.task_version)
+            found = {d.pair: d for d in self.registry}.get(pair)
+            return RunHandle(
+                run_id=result.run_id,
+                task_name=definition.name,
+                task_version=result.task_version,
+                created=False,
+                engine=self,
+                output_type=Any if found is None else found.output_type,
+            )
         return RunHandle(
             run_id=result.run_id,
             task_name=definition.name,

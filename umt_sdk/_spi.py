@@ -315,6 +315,25 @@ class NewRun:
     stored the limit first, `RateLimitStore.define_rate_limit`): see `claim`. None: none."""
     rate_limit_key: str = ""
     """With `rate_limit`: the run's bucket of that limit ("" : the limit's one bucket)."""
+    singleton: Literal["skip", "replace"] | None = None
+    """With `concurrency_key` (`enqueue(singleton=Singleton(key, mode))`): the backend reads
+    the runs of this task name and key that are not terminal under a lock of the key, held
+    until the run is stored, so concurrent enqueues of the key are serialized. `"skip"`: when
+    there is one, nothing is stored and the result names the newest (`created=False`,
+    `skipped=True`, its `task_version`). `"replace"`: the run is stored and the result lists
+    them (`EnqueueResult.replaced`); the SDK requests their cancel. The SDK never gives it
+    with an idempotency key or `conn`."""
+    debounce_key: str | None = None
+    """`enqueue(debounce=Debounce(key, period, max_wait))`: under a lock of (task name, key),
+    the key's run of this task version that has not started (pending, never claimed) takes
+    this input (`input_json`, `input_hash`; nothing else of it changes) and becomes claimable
+    at the earliest of the clock plus `delay` (the period), its debounce deadline, and its
+    deadline; the result names it (`created=False`, `debounced=True`). Without such a run,
+    this one is stored as usual (claimable after `delay`) with its debounce deadline, the
+    clock plus `debounce_max_wait` (None: no bound). The SDK never gives it with an
+    idempotency key, a start deadline or `conn`."""
+    debounce_max_wait: timedelta | None = None
+    """With `debounce_key`: how long after the first trigger the run may start at the latest."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -322,6 +341,8 @@ class NewRun:
                 "NewRun: concurrency_key and concurrency_limit go together (both or neither), "
                 f"got key {self.concurrency_key!r} and limit {self.concurrency_limit!r}"
             )
+        if self.singleton is not None and self.concurrency_key is None:
+            raise ValueError("NewRun: singleton needs the key as concurrency_key")
 
 
 @frozen(kw_only=True)
@@ -340,6 +361,15 @@ class EnqueueResult:
     pruned: bool = False
     """When not `created`: the key names a run that retention deleted (its tombstone,
     `PrunedRun`, keeps the key, input hash and version): the key is still taken."""
+    skipped: bool = False
+    """When not `created`: the run is the active run of the new run's singleton key
+    (`NewRun.singleton` `"skip"`), not the run of an idempotency key."""
+    replaced: tuple[UUID, ...] = ()
+    """When `created` with `NewRun.singleton` `"replace"`: the key's runs that were not
+    terminal when it was stored (the SDK requests their cancel)."""
+    debounced: bool = False
+    """When not `created`: the run is the key's not yet started run that took the new input
+    (`NewRun.debounce_key`)."""
 
 
 @frozen(kw_only=True)
@@ -676,6 +706,8 @@ class Backend(Protocol):
         `IdempotencyConflictError`. Keys never expire silently. The engine refuses a key that
         names another version. A child run keeps `parent_run_id`, `parent_fact` and
         `cancel_with_parent` for its finishing write (`finishing`, module docstring).
+        A singleton (`new.singleton`) or a debounced run (`new.debounce_key`) is decided under
+        a lock of its key, as those fields say.
         """
         ...
 

@@ -11,6 +11,7 @@ from uuid import UUID
 
 from umt_sdk._engine import Engine, connect
 from umt_sdk._export import RunHistory
+from umt_sdk._flow_keys import Debounce, Singleton
 from umt_sdk._retention import DEFAULT_BATCH_SIZE, PruneReport
 from umt_sdk._spi import CancelOutcome, Clock, PausedTask, RunStatus, TaskPair
 from umt_sdk._streams import StreamItem
@@ -63,6 +64,9 @@ class SyncEngine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | None = None,
+        debounce: Debounce | None = None,
+        sequence: str | None = None,
     ) -> UUID:
         """Enqueue (see `Engine.enqueue`) and return the run id."""
         handle = self._call(
@@ -76,6 +80,9 @@ class SyncEngine:
                 tags=tags,
                 deadline=deadline,
                 start_within=start_within,
+                singleton=singleton,
+                debounce=debounce,
+                sequence=sequence,
             )
         )
         return handle.run_id

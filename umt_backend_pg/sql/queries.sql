@@ -27,7 +27,8 @@ WITH inserted AS (
         id, task_name, task_version, status, priority, available_at, idempotency_key,
         input_hash, trace_context, input, queued, parent_run_id, parent_fact,
         cancel_with_parent, rerun_of, forked_from, forked_at_step, concurrency_key,
-        count_waiting, tags, deadline_at, start_by, rate_limit, rate_limit_key
+        count_waiting, tags, deadline_at, start_by, rate_limit, rate_limit_key, debounce_key,
+        debounce_until
     )
     SELECT
         %(id)s, %(task_name)s, %(task_version)s, 'pending', %(priority)s,
@@ -42,7 +43,8 @@ WITH inserted AS (
         %(rerun_of)s::uuid, %(forked_from)s::uuid, %(forked_at_step)s::text,
         %(concurrency_key)s::text, %(count_waiting)s, %(tags)s::jsonb, d.deadline_at,
         now() + %(delay)s::interval + %(start_within)s::interval, %(rate_limit)s::text,
-        CASE WHEN %(rate_limit)s::text IS NOT NULL THEN %(rate_limit_key)s::text END
+        CASE WHEN %(rate_limit)s::text IS NOT NULL THEN %(rate_limit_key)s::text END,
+        %(debounce_key)s::text, now() + %(debounce_max_wait)s::interval
     FROM (SELECT least(%(deadline_at)s::timestamptz, now() + %(timeout)s::interval)
               AS deadline_at) AS d
     WHERE %(idempotency_key)s::text IS NULL OR NOT EXISTS (
@@ -68,6 +70,35 @@ WITH inserted AS (
 )
 SELECT i.id, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, %(pair)s) END
 FROM inserted i;
+
+-- name: lock_flow_key
+-- A singleton's or a debounced enqueue: the lock of its (task name, key), held until its
+-- transaction ends (migration 0019). Two keys whose hashes collide only wait for each other.
+SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+
+-- name: active_key_runs
+-- The runs of a singleton's key that are not terminal, oldest first (under lock_flow_key).
+SELECT id, task_version FROM {schema}.runs
+WHERE task_name = %(task_name)s AND concurrency_key = %(concurrency_key)s
+  AND status IN ('pending', 'running', 'waiting')
+ORDER BY id;
+
+-- name: debounce_run
+-- A debounced trigger (under lock_flow_key): the key's run that has not started takes the
+-- input and is claimable after the period again, never past its debounce deadline or its
+-- deadline. The claim locks the run it takes: the update waits for it, re-checks the run on
+-- its newest version, and finds nothing when it was claimed (a new run is stored then).
+UPDATE {schema}.runs r SET
+    input = %(input)s::jsonb, input_hash = %(input_hash)s,
+    available_at = least(now() + %(delay)s::interval, r.debounce_until, r.deadline_at),
+    updated_at = now()
+WHERE r.id = (
+    SELECT d.id FROM {schema}.runs d
+    WHERE d.task_name = %(task_name)s AND d.task_version = %(task_version)s
+      AND d.debounce_key = %(debounce_key)s AND d.status = 'pending' AND d.claims = 0
+    ORDER BY d.id DESC LIMIT 1
+) AND r.status = 'pending' AND r.claims = 0 AND NOT r.queued
+RETURNING r.id;
 
 -- name: copy_fork
 -- A fork's history, in the transaction that inserted it: the step records of the old run it

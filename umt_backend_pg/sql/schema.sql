@@ -59,7 +59,10 @@ CREATE TABLE {schema}.runs (
     -- a token of (parked by the claim, or by a step) (migration 0014).
     rate_limit          text,
     rate_limit_key      text,
-    waits_for_limit     text
+    waits_for_limit     text,
+    -- A debounced run's key and the latest it may start (migration 0019).
+    debounce_key        text,
+    debounce_until      timestamptz
 ) WITH (
     fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_cost_limit = 10000
@@ -92,6 +95,12 @@ CREATE INDEX runs_claim_keyed
 -- ... and every run of a key, for the strategies (cancel_in_progress, keep_newest).
 CREATE INDEX runs_by_concurrency_key ON {schema}.runs (task_name, concurrency_key, id)
     WHERE concurrency_key IS NOT NULL;
+-- ... and the runs of a key that are not terminal, for a singleton's enqueue (0019).
+CREATE INDEX runs_active_keyed ON {schema}.runs (task_name, concurrency_key, id)
+    WHERE concurrency_key IS NOT NULL AND status IN ('pending', 'running', 'waiting');
+-- Debounced runs that have not started, per (task name, version, key) (0019).
+CREATE INDEX runs_debounce ON {schema}.runs (task_name, task_version, debounce_key, id)
+    WHERE debounce_key IS NOT NULL AND status = 'pending' AND claims = 0;
 
 -- Per concurrency key: its limit and two exact counters, `running` (runs holding a slot) and
 -- `queued` (runs wanting one), changed by every write that changes a keyed run's status.

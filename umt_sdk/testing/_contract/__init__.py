@@ -33,6 +33,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_streams`: streams of runs (order, live follow, no duplicates on re-runs) and their store
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
+- `_flow_keys`: singletons (skip, replace, serialized per key), debounce, per-key FIFO
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
@@ -56,6 +57,7 @@ from umt_sdk.testing._contract import (
     _deadlines,
     _facts,
     _fanout,
+    _flow_keys,
     _insight,
     _leases,
     _ledger,
@@ -102,6 +104,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_streams.TASKS,
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
+    *_flow_keys.TASKS,
     *_rate_limits.TASKS,
     *_deadlines.TASKS,
     *_insight.TASKS,
@@ -137,6 +140,7 @@ class BackendContract(
     _streams.StreamsContract,
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
+    _flow_keys.FlowKeysContract,
     _rate_limits.RateLimitsContract,
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
