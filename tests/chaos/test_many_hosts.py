@@ -676,9 +676,16 @@ async def check_outcomes(
             )
         }
         ever = [p for p in cluster.spawner.started if p.name.startswith(f"{fault.host}.")]
-        said = "".join(p.errors() for p in ever)
+        said = "".join(p.errors() for p in ever).splitlines()
         for run_id, _ in sorted(known):
-            assert f"lost the lease of run {run_id}" in said, said[-3000:]
+            # Whichever way it learnt it: its lease lapsed unrenewed ("lost the lease of run
+            # ...: ... stopping its execution"), or a write of it got no answer ("run ...: the
+            # backend is unavailable (...); stopping this execution").
+            about = [line for line in said if f"run {run_id}" in line]
+            assert any("stopping" in line for line in about), (
+                f"{fault.host} held run {run_id} and never said it stopped; its lines about it: "
+                f"{about}; its last lines: {said[-40:]}"
+            )
 
     await check_housekeeping(url, schema, faults, started, ended_load)
 
