@@ -17,6 +17,7 @@ from umt_sdk import _serde
 
 PUBLIC_MODULES = [
     "umt_sdk",
+    "umt_sdk.agents",
     "umt_sdk.backend",
     "umt_sdk.dashboard",
     "umt_sdk.exceptions",

@@ -1,0 +1,283 @@
+"""`UmtAgent`: a Pydantic AI agent as a umt run, on the memory backend and its FakeClock.
+
+The model is Pydantic AI's own `FunctionModel`, scripted per turn; nothing leaves the process.
+Each model request and tool call is counted where it really runs, so a test can tell a replay
+(no count) from a call made again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pydantic_ai import Agent, DeferredToolRequests
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+)
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from umt_backend_memory import MemoryBackend, MemoryStore
+from umt_sdk import Engine, Registry, TaskContext, connect, task
+from umt_sdk.agents import APPROVALS_STREAM, FencedTool, UmtAgent, current_attempt
+from umt_sdk.exceptions import NotInTaskError, UsageError
+from umt_sdk.testing import FakeClock, simulate_crash
+
+LEASE = timedelta(seconds=5)
+CALLS: Counter[str] = Counter()
+"""Every real model request (`model:<turn>`) and tool call (`tool:<name>`)."""
+PAUSE_AT: set[str] = set()
+"""Points (as counted in CALLS) whose first call blocks until GATE is set: a crash there."""
+
+
+class Gate:
+    """A pause in a call: `reached` once it is there, and it goes on once `opened`."""
+
+    def __init__(self) -> None:
+        self.reached = asyncio.Event()
+        self.opened = asyncio.Event()
+
+
+GATE = Gate()
+STORE = MemoryStore()
+"""The business database the fenced tool's ledger lives in."""
+BOOKINGS: Counter[str] = Counter()
+"""The outside system the `book` tool has an effect on."""
+
+
+async def _maybe_pause(point: str) -> None:
+    if point in PAUSE_AT and CALLS[point] == 1:
+        gate = GATE
+        gate.reached.set()
+        await gate.opened.wait()
+
+
+def _turn(messages: list[ModelMessage]) -> int:
+    return 1 + sum(isinstance(m, ModelResponse) for m in messages)
+
+
+def _last_return(messages: list[ModelMessage]) -> Any:
+    returns = [
+        p for m in messages for p in getattr(m, "parts", []) if isinstance(p, ToolReturnPart)
+    ]
+    return returns[-1].content if returns else None
+
+
+async def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Turn 1 looks the city up, turn 2 books it, turn 3 answers with the booking."""
+    turn = _turn(messages)
+    CALLS[f"model:{turn}"] += 1
+    await _maybe_pause(f"model:{turn}")
+    if turn == 1:
+        return ModelResponse(parts=[ToolCallPart("lookup", {"city": "Paris"}, "call-1")])
+    if turn == 2:
+        hotel = _last_return(messages)
+        return ModelResponse(parts=[ToolCallPart("book", {"hotel": hotel, "nights": 2}, "call-2")])
+    return ModelResponse(parts=[TextPart(f"booked: {_last_return(messages)}")])
+
+
+def make_agent(*, approval: bool = False) -> Agent[None, str | DeferredToolRequests]:
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(script), output_type=[str, DeferredToolRequests], name="travel"
+    )
+
+    @agent.tool_plain
+    async def lookup(city: str) -> str:
+        CALLS["tool:lookup"] += 1
+        await _maybe_pause("tool:lookup")
+        return f"hotel-{city.lower()}"
+
+    @agent.tool_plain(requires_approval=approval)
+    async def book(hotel: str, nights: int) -> dict[str, Any]:
+        CALLS["tool:book"] += 1
+        attempt = current_attempt()
+        if attempt is not None and attempt.resumed:
+            CALLS["tool:book:resumed"] += 1
+        if attempt is None or not attempt.resumed or not BOOKINGS[hotel]:
+            BOOKINGS[hotel] += 1  # the outside effect; a resumed attempt looks it up first
+        await _maybe_pause("tool:book")
+        return {"hotel": hotel, "nights": nights}
+
+    return agent
+
+
+PLAIN = UmtAgent(make_agent())
+APPROVED = UmtAgent(make_agent(approval=True), name="travel-approved")
+FENCED = UmtAgent(
+    make_agent(),
+    name="travel-fenced",
+    fenced={"book": FencedTool(op_key="book:{hotel}", conn=STORE)},
+)
+
+
+@task("agents.travel", version=1)
+async def travel(ctx: TaskContext[str]) -> str:
+    agent = {"plain": PLAIN, "approved": APPROVED, "fenced": FENCED}[ctx.input]
+    result = await agent.run("Book two nights in Paris")
+    assert isinstance(result.output, str)
+    return result.output
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def engine(clock: FakeClock) -> AsyncIterator[Engine]:
+    CALLS.clear()
+    PAUSE_AT.clear()
+    global GATE
+    GATE = Gate()
+    BOOKINGS.clear()
+    engine = await connect("memory://", registry=Registry([travel]), clock=clock)
+    yield engine
+    GATE.opened.set()
+    await engine.close()
+
+
+def _worker(engine: Engine) -> Any:
+    return engine.worker(lease=LEASE, poll_interval=timedelta(milliseconds=20))
+
+
+async def _eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_multi_turn_run_makes_each_call_once_as_a_named_step(engine: Engine) -> None:
+    handle = await engine.enqueue(travel, "plain")
+    async with _worker(engine):
+        assert await handle.result(timeout=5) == "booked: {'hotel': 'hotel-paris', 'nights': 2}"
+    assert (
+        Counter({"model:1": 1, "model:2": 1, "model:3": 1, "tool:lookup": 1, "tool:book": 1})
+        == CALLS
+    )
+    info = await engine.get(handle.run_id)
+    assert [s.name for s in info.timeline] == [
+        "travel/turn-1/model",
+        "travel/turn-1/tool/lookup/call-1",
+        "travel/turn-2/model",
+        "travel/turn-2/tool/book/call-2",
+        "travel/turn-3/model",
+    ]
+
+
+async def _crash_at(engine: Engine, clock: FakeClock, point: str, which: str = "plain") -> str:
+    PAUSE_AT.add(point)
+    handle = await engine.enqueue(travel, which)
+    crashed = _worker(engine)
+    await crashed.start()
+    await asyncio.wait_for(GATE.reached.wait(), 5)
+    simulate_crash(crashed)
+    await crashed.stop()
+    GATE.opened.set()  # the killed call goes on in the void; nothing it writes lands
+    clock.advance(LEASE * 2)
+    async with _worker(engine):
+        output: str = await handle.result(timeout=5)
+    info = await engine.get(handle.run_id)
+    assert [e.outcome for e in info.executions] == ["interrupted", "completed"]
+    return output
+
+
+async def test_a_crash_inside_a_tool_call_resumes_without_repeating_completed_calls(
+    engine: Engine, clock: FakeClock
+) -> None:
+    output = await _crash_at(engine, clock, "tool:book")
+    assert output.startswith("booked: ")
+    # The tool call in flight runs again (at least once); every completed call ran once.
+    assert Counter({"hotel-paris": 2}) == BOOKINGS, "unfenced, the effect in flight is repeated"
+    assert (
+        Counter({"model:1": 1, "model:2": 1, "model:3": 1, "tool:lookup": 1, "tool:book": 2})
+        == CALLS
+    )
+
+
+async def test_a_crash_inside_a_model_request_resumes_without_repeating_completed_calls(
+    engine: Engine, clock: FakeClock
+) -> None:
+    output = await _crash_at(engine, clock, "model:2")
+    assert output.startswith("booked: ")
+    assert (
+        Counter({"model:1": 1, "model:2": 2, "model:3": 1, "tool:lookup": 1, "tool:book": 1})
+        == CALLS
+    )
+
+
+async def test_a_fenced_tool_killed_after_its_effect_does_it_once(
+    engine: Engine, clock: FakeClock
+) -> None:
+    output = await _crash_at(engine, clock, "tool:book", which="fenced")
+    assert output.startswith("booked: ")
+    assert CALLS["tool:book"] == 2
+    assert CALLS["tool:book:resumed"] == 1, "the second attempt is told an earlier one began"
+    assert Counter({"hotel-paris": 1}) == BOOKINGS, "the effect happened once"
+    backend = engine.backend
+    assert isinstance(backend, MemoryBackend)
+    assert list(backend.ledger_entries()) == ["book:hotel-paris"]
+
+
+async def test_an_approval_waits_two_virtual_days_without_a_worker_slot(
+    engine: Engine, clock: FakeClock
+) -> None:
+    handle = await engine.enqueue(travel, "approved")
+    fact = "travel-approved/approval/call-2"
+    start = clock.now()
+    async with _worker(engine) as worker:
+        await _eventually(lambda: CALLS["model:2"] == 1 and not worker.running_runs)
+        info = await engine.get(handle.run_id)
+        assert (info.status, info.waiting_for) == ("waiting", fact)
+        announced = await engine.stream_last(handle.run_id, APPROVALS_STREAM)
+        assert announced is not None
+        assert announced.value == {
+            "fact": fact,
+            "kind": "approval",
+            "tool": "book",
+            "tool_call_id": "call-2",
+            "args": {"hotel": "hotel-paris", "nights": 2},
+        }
+        clock.advance(timedelta(days=2))
+        assert (await engine.get(handle.run_id)).status == "waiting"
+        assert CALLS["tool:book"] == 0
+        await engine.signal(handle.run_id, fact, True)
+        assert await handle.result(timeout=5) == "booked: {'hotel': 'hotel-paris', 'nights': 2}"
+    assert clock.now() - start >= timedelta(days=2)
+    # The resumed execution replayed turns 1 and 2 from their records.
+    assert (
+        Counter({"model:1": 1, "model:2": 1, "model:3": 1, "tool:lookup": 1, "tool:book": 1})
+        == CALLS
+    )
+
+
+async def test_a_denied_approval_tells_the_model_and_skips_the_tool(
+    engine: Engine, clock: FakeClock
+) -> None:
+    handle = await engine.enqueue(travel, "approved")
+    await engine.signal(
+        handle.run_id, "travel-approved/approval/call-2", {"approved": False, "message": "too dear"}
+    )
+    async with _worker(engine):
+        assert await handle.result(timeout=5) == "booked: too dear"
+    assert CALLS["tool:book"] == 0
+
+
+async def test_run_outside_a_task_says_where_to_call_it() -> None:
+    with pytest.raises(NotInTaskError, match="async @task handler"):
+        await PLAIN.run("hello")
+
+
+def test_a_fenced_tool_needs_an_op_key() -> None:
+    with pytest.raises(UsageError, match="op_key"):
+        FencedTool(op_key="", conn=STORE)
+    with pytest.raises(UsageError, match="FencedTool"):
+        UmtAgent(make_agent(), fenced={"book": "book:{hotel}"})  # type: ignore[dict-item]
