@@ -71,13 +71,17 @@ def _last_return(messages: list[ModelMessage]) -> Any:
     return returns[-1].content if returns else None
 
 
+CITY = ["Paris"]
+"""What the model asks for in turn 1: a test changes it between a crash and the resume."""
+
+
 async def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     """Turn 1 looks the city up, turn 2 books it, turn 3 answers with the booking."""
     turn = _turn(messages)
     CALLS[f"model:{turn}"] += 1
     await _maybe_pause(f"model:{turn}")
     if turn == 1:
-        return ModelResponse(parts=[ToolCallPart("lookup", {"city": "Paris"}, "call-1")])
+        return ModelResponse(parts=[ToolCallPart("lookup", {"city": CITY[0]}, "call-1")])
     if turn == 2:
         hotel = _last_return(messages)
         return ModelResponse(parts=[ToolCallPart("book", {"hotel": hotel, "nights": 2}, "call-2")])
@@ -138,6 +142,7 @@ async def engine(clock: FakeClock) -> AsyncIterator[Engine]:
     global GATE
     GATE = Gate()
     BOOKINGS.clear()
+    CITY[:] = ["Paris"]
     engine = await connect("memory://", registry=Registry([travel]), clock=clock)
     yield engine
     GATE.opened.set()
@@ -173,7 +178,13 @@ async def test_a_multi_turn_run_makes_each_call_once_as_a_named_step(engine: Eng
     ]
 
 
-async def _crash_at(engine: Engine, clock: FakeClock, point: str, which: str = "plain") -> str:
+async def _crash_at(
+    engine: Engine,
+    clock: FakeClock,
+    point: str,
+    which: str = "plain",
+    before_resume: Callable[[], None] = lambda: None,
+) -> str:
     PAUSE_AT.add(point)
     handle = await engine.enqueue(travel, which)
     crashed = _worker(engine)
@@ -182,6 +193,7 @@ async def _crash_at(engine: Engine, clock: FakeClock, point: str, which: str = "
     simulate_crash(crashed)
     await crashed.stop()
     GATE.opened.set()  # the killed call goes on in the void; nothing it writes lands
+    before_resume()
     clock.advance(LEASE * 2)
     async with _worker(engine):
         output: str = await handle.result(timeout=5)
@@ -212,6 +224,18 @@ async def test_a_crash_inside_a_model_request_resumes_without_repeating_complete
         Counter({"model:1": 1, "model:2": 2, "model:3": 1, "tool:lookup": 1, "tool:book": 1})
         == CALLS
     )
+
+
+async def test_a_model_changed_between_crash_and_resume_keeps_the_recorded_turns(
+    engine: Engine, clock: FakeClock
+) -> None:
+    # The documented tolerance: replay is by step name, so the turn recorded before the crash
+    # is returned as recorded although the model would now answer otherwise.
+    output = await _crash_at(
+        engine, clock, "model:2", before_resume=lambda: CITY.__setitem__(0, "Rome")
+    )
+    assert output == "booked: {'hotel': 'hotel-paris', 'nights': 2}"
+    assert CALLS["model:1"] == 1
 
 
 async def test_a_fenced_tool_killed_after_its_effect_does_it_once(
