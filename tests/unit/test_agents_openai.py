@@ -56,7 +56,9 @@ def _outputs(items: Any) -> list[str]:
     return [
         str(i["output"])
         for i in items
-        if isinstance(i, dict) and i.get("type") == "function_call_output"
+        if isinstance(i, dict)
+        and i.get("type") == "function_call_output"
+        and i.get("call_id") != "call-0"  # the handoff's own output
     ]
 
 
@@ -234,3 +236,46 @@ async def test_a_rejected_approval_skips_the_tool(engine: Engine) -> None:
         output = await handle.result(timeout=5)
     assert CALLS["tool:charge"] == 0
     assert output == "receipt: no", "the model is told the rejection's message"
+
+
+class TriageModel(Model):
+    """Hands the conversation off to the cashier."""
+
+    async def get_response(
+        self, system_instructions: Any, input: Any, *args: Any, **kwargs: Any
+    ) -> ModelResponse:
+        CALLS["model:triage"] += 1
+        item = function_call("transfer_to_cashier", {}, call_id="call-0")
+        return ModelResponse(output=[item], usage=Usage(requests=1), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+@task("agents.triage", version=1)
+async def triage(ctx: TaskContext[str]) -> str:
+    cashier_agent = _agent()
+    triage_agent = Agent(name="triage", model=TriageModel(), handoffs=[cashier_agent])
+    result = await UmtRunner.run(
+        triage_agent, "Charge order o-7", run_config=RunConfig(tracing_disabled=True)
+    )
+    return f"{result.last_agent.name}: {result.final_output}"
+
+
+async def test_a_handoff_makes_the_next_agents_calls_steps_too(clock: FakeClock) -> None:
+    CALLS.clear()
+    engine = await connect("memory://", registry=Registry([triage]), clock=clock)
+    handle = await engine.enqueue(triage, "x")
+    async with _worker(engine):
+        assert await handle.result(timeout=5) == "cashier: receipt: charged 1250 for o-7"
+    info = await engine.get(handle.run_id)
+    await engine.close()
+    assert [s.name for s in info.timeline] == [
+        "triage/turn-1/model",
+        "triage/turn-2/model",
+        "triage/turn-2/tool/price/call-1",
+        "triage/turn-3/model",
+        "triage/turn-3/tool/charge/call-2",
+        "triage/turn-4/model",
+    ]
+    assert Counter({"model:triage": 1, **ONCE}) == CALLS

@@ -29,7 +29,7 @@ from umt_backend_memory import MemoryBackend, MemoryStore
 from umt_sdk import Engine, Registry, TaskContext, connect, task
 from umt_sdk.agents import APPROVALS_STREAM, FencedTool, UmtAgent, current_attempt
 from umt_sdk.exceptions import NotInTaskError, UsageError
-from umt_sdk.testing import FakeClock, simulate_crash
+from umt_sdk.testing import FakeClock, freeze_heartbeats, simulate_crash
 
 LEASE = timedelta(seconds=5)
 CALLS: Counter[str] = Counter()
@@ -53,8 +53,12 @@ BOOKINGS: Counter[str] = Counter()
 """The outside system the `book` tool has an effect on."""
 
 
+PASSES: Counter[str] = Counter()
+
+
 async def _maybe_pause(point: str) -> None:
-    if point in PAUSE_AT and CALLS[point] == 1:
+    PASSES[point] += 1
+    if point in PAUSE_AT and PASSES[point] == 1:
         gate = GATE
         gate.reached.set()
         await gate.opened.wait()
@@ -88,7 +92,37 @@ async def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse
     return ModelResponse(parts=[TextPart(f"booked: {_last_return(messages)}")])
 
 
-def make_agent(*, approval: bool = False) -> Agent[None, str | DeferredToolRequests]:
+class HotelSystem:
+    """An outside system that takes a fencing token and an idempotency key with each booking:
+    a key books once, and a token older than one it has seen for the key is refused."""
+
+    def __init__(self) -> None:
+        self.booked: Counter[str] = Counter()
+        self.newest: dict[str, int] = {}
+        self.refused: list[int] = []
+
+    def book(self, key: str, token: int) -> None:
+        if token < self.newest.get(key, 0):
+            self.refused.append(token)
+            raise RuntimeError(f"stale token {token} for {key}")
+        self.newest[key] = token
+        if not self.booked[key]:
+            self.booked[key] += 1
+
+
+HOTEL = HotelSystem()
+COMMITS: list[Any] = []
+"""What the fenced tool's commit callback wrote, once per commit that ran."""
+
+
+def record_commit(tx: Any, result: Any) -> None:
+    COMMITS.append(result)
+    tx.put("receipts", "book", result)
+
+
+def make_agent(
+    *, approval: bool = False, zombie_proof: bool = False
+) -> Agent[None, str | DeferredToolRequests]:
     agent: Agent[None, str | DeferredToolRequests] = Agent(
         FunctionModel(script), output_type=[str, DeferredToolRequests], name="travel"
     )
@@ -102,7 +136,11 @@ def make_agent(*, approval: bool = False) -> Agent[None, str | DeferredToolReque
     @agent.tool_plain(requires_approval=approval)
     async def book(hotel: str, nights: int) -> dict[str, Any]:
         CALLS["tool:book"] += 1
+        await _maybe_pause("tool:book:start")
         attempt = current_attempt()
+        if attempt is not None and zombie_proof:  # the processor takes the attempt's token
+            HOTEL.book(attempt.op_key, attempt.attempt_token)
+            return {"hotel": hotel, "nights": nights}
         if attempt is not None and attempt.resumed:
             CALLS["tool:book:resumed"] += 1
         if attempt is None or not attempt.resumed or not BOOKINGS[hotel]:
@@ -122,9 +160,17 @@ FENCED = UmtAgent(
 )
 
 
+ZOMBIE_PROOF = UmtAgent(
+    make_agent(zombie_proof=True),
+    name="travel-zombie",
+    fenced={"book": FencedTool(op_key="book:{hotel}", conn=STORE, commit=record_commit)},
+)
+
+
 @task("agents.travel", version=1)
 async def travel(ctx: TaskContext[str]) -> str:
-    agent = {"plain": PLAIN, "approved": APPROVED, "fenced": FENCED}[ctx.input]
+    agents = {"plain": PLAIN, "approved": APPROVED, "fenced": FENCED, "zombie": ZOMBIE_PROOF}
+    agent = agents[ctx.input]
     result = await agent.run("Book two nights in Paris")
     assert isinstance(result.output, str)
     return result.output
@@ -138,11 +184,15 @@ def clock() -> FakeClock:
 @pytest.fixture
 async def engine(clock: FakeClock) -> AsyncIterator[Engine]:
     CALLS.clear()
+    PASSES.clear()
     PAUSE_AT.clear()
     global GATE
     GATE = Gate()
     BOOKINGS.clear()
     CITY[:] = ["Paris"]
+    global HOTEL
+    HOTEL = HotelSystem()
+    COMMITS.clear()
     engine = await connect("memory://", registry=Registry([travel]), clock=clock)
     yield engine
     GATE.opened.set()
@@ -249,6 +299,33 @@ async def test_a_fenced_tool_killed_after_its_effect_does_it_once(
     backend = engine.backend
     assert isinstance(backend, MemoryBackend)
     assert list(backend.ledger_entries()) == ["book:hotel-paris"]
+
+
+async def test_a_zombie_attempt_of_a_fenced_tool_neither_books_nor_commits_again(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """Worker A's heartbeats stop while it is inside the fenced tool (begun, before its
+    effect); B takes the run over and books; then A goes on: the hotel refuses A's older token
+    and the ledger refuses A's commit, so there is one booking and one commit."""
+    PAUSE_AT.add("tool:book:start")
+    handle = await engine.enqueue(travel, "zombie")
+    zombie = _worker(engine)
+    await zombie.start()
+    await asyncio.wait_for(GATE.reached.wait(), 5)
+    freeze_heartbeats(zombie)
+    clock.advance(LEASE * 2)
+    async with _worker(engine):
+        output = await handle.result(timeout=5)
+    assert output == "booked: {'hotel': 'hotel-paris', 'nights': 2}"
+    GATE.opened.set()  # the zombie wakes up inside the tool
+    await _eventually(lambda: not zombie.running_runs)
+    await zombie.stop()
+    assert Counter({"book:hotel-paris": 1}) == HOTEL.booked
+    assert HOTEL.refused == [HOTEL.newest["book:hotel-paris"] - 1], "the zombie's token"
+    assert COMMITS == [{"hotel": "hotel-paris", "nights": 2}], "committed once"
+    info = await engine.get(handle.run_id)
+    assert info.status == "completed"
+    assert CALLS["tool:book"] == 2
 
 
 async def test_an_approval_waits_two_virtual_days_without_a_worker_slot(
