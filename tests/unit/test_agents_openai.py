@@ -22,7 +22,7 @@ from agents.usage import Usage
 from umt_backend_memory import MemoryStore
 from umt_sdk import Engine, Registry, TaskContext, connect, task
 from umt_sdk.agents import APPROVALS_STREAM, FencedTool, UmtRunner, current_attempt
-from umt_sdk.testing import FakeClock, simulate_crash
+from umt_sdk.testing import FakeClock, explore_crashes, simulate_crash
 
 set_tracing_disabled(True)
 
@@ -134,12 +134,17 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-async def engine(clock: FakeClock) -> AsyncIterator[Engine]:
+def fresh() -> None:
+    """The module's counters and switches, reset."""
     global GATE
     CALLS.clear()
     CHARGES.clear()
     PAUSE_AT.clear()
     GATE = Gate()
+
+
+@pytest.fixture
+async def engine(clock: FakeClock, fresh: None) -> AsyncIterator[Engine]:
     engine = await connect("memory://", registry=Registry([cashier]), clock=clock)
     yield engine
     GATE.opened.set()
@@ -225,6 +230,15 @@ async def test_an_approval_waits_two_virtual_days(engine: Engine, clock: FakeClo
         assert await handle.result(timeout=5) == "receipt: charged 1250 for o-7"
     assert clock.now() - start >= timedelta(days=2)
     assert Counter(ONCE) == CALLS
+
+
+@pytest.mark.parametrize("which", ["fenced", "approval"])
+async def test_the_crash_explorer_finds_every_crash_of_an_agent_run_harmless(
+    fresh: None, which: str
+) -> None:
+    report = await explore_crashes(cashier, which, facts={"cashier/approval/call-2": True})
+    assert report.ok, report.explain()
+    assert len(report.points) >= 10, report.explain()
 
 
 async def test_a_rejected_approval_skips_the_tool(engine: Engine) -> None:

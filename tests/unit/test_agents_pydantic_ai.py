@@ -29,7 +29,7 @@ from umt_backend_memory import MemoryBackend, MemoryStore
 from umt_sdk import Engine, Registry, TaskContext, connect, task
 from umt_sdk.agents import APPROVALS_STREAM, FencedTool, UmtAgent, current_attempt
 from umt_sdk.exceptions import NotInTaskError, UsageError
-from umt_sdk.testing import FakeClock, freeze_heartbeats, simulate_crash
+from umt_sdk.testing import FakeClock, explore_crashes, freeze_heartbeats, simulate_crash
 
 LEASE = timedelta(seconds=5)
 CALLS: Counter[str] = Counter()
@@ -182,17 +182,21 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-async def engine(clock: FakeClock) -> AsyncIterator[Engine]:
+def fresh() -> None:
+    """The module's counters and switches, reset."""
     CALLS.clear()
     PASSES.clear()
     PAUSE_AT.clear()
-    global GATE
+    global GATE, HOTEL
     GATE = Gate()
     BOOKINGS.clear()
     CITY[:] = ["Paris"]
-    global HOTEL
     HOTEL = HotelSystem()
     COMMITS.clear()
+
+
+@pytest.fixture
+async def engine(clock: FakeClock, fresh: None) -> AsyncIterator[Engine]:
     engine = await connect("memory://", registry=Registry([travel]), clock=clock)
     yield engine
     GATE.opened.set()
@@ -370,6 +374,27 @@ async def test_a_denied_approval_tells_the_model_and_skips_the_tool(
     async with _worker(engine):
         assert await handle.result(timeout=5) == "booked: too dear"
     assert CALLS["tool:book"] == 0
+
+
+def _new_outside_systems() -> HotelSystem:
+    """Each explored run starts on a fresh memory engine, whose tokens start again at 1."""
+    global HOTEL
+    HOTEL = HotelSystem()
+    BOOKINGS.clear()
+    return HOTEL
+
+
+@pytest.mark.parametrize("which", ["fenced", "zombie", "approved"])
+async def test_the_crash_explorer_finds_every_crash_of_an_agent_run_harmless(
+    fresh: None, which: str
+) -> None:
+    """A crash at every point an agent run passes (before and after each model and tool step,
+    the fenced operation's begin and finish, the approval's park): each run ends as the
+    crash-free one, no recorded step runs again, the fenced commit happens once."""
+    facts = {"travel-approved/approval/call-2": True}
+    report = await explore_crashes(travel, which, facts=facts, setup=_new_outside_systems)
+    assert report.ok, report.explain()
+    assert len(report.points) >= 10, report.explain()
 
 
 async def test_run_outside_a_task_says_where_to_call_it() -> None:

@@ -11,6 +11,7 @@ first used, so this module imports without either.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 from umt_sdk.agents._common import APPROVALS_STREAM, FencedTool, current_attempt
@@ -26,6 +27,9 @@ _LAZY = {
     "UmtRunner": "umt_sdk.agents._openai_agents",
 }
 
+# Evaluate string annotations where they were written before `__module__` changes (as
+# umt_sdk's own re-exports do): get_type_hints resolves them in `__module__`'s namespace.
+FencedTool.__annotations__ = inspect.get_annotations(FencedTool, eval_str=True)
 FencedTool.__module__ = __name__
 current_attempt.__module__ = __name__
 
