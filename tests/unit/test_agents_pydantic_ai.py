@@ -15,7 +15,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from pydantic_ai import Agent, DeferredToolRequests
+from pydantic_ai import Agent, DeferredToolRequests, RunContext
+from pydantic_ai.exceptions import ApprovalRequired, CallDeferred
 from pydantic_ai.messages import (
     ModelMessage,
     ModelResponse,
@@ -407,3 +408,69 @@ def test_a_fenced_tool_needs_an_op_key() -> None:
         FencedTool(op_key="", conn=STORE)
     with pytest.raises(UsageError, match="FencedTool"):
         UmtAgent(make_agent(), fenced={"book": "book:{hotel}"})  # type: ignore[dict-item]
+
+
+def asking_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    if len(messages) == 1:
+        calls = [
+            ToolCallPart("pay", {"cents": 5}, "c1"),
+            ToolCallPart("ask", {"q": "color?"}, "c2"),
+        ]
+        return ModelResponse(parts=calls)
+    return ModelResponse(parts=[TextPart(f"done: {_returns(messages)}")])
+
+
+def _returns(messages: list[ModelMessage]) -> list[Any]:
+    return [p.content for m in messages for p in m.parts if isinstance(p, ToolReturnPart)]
+
+
+asking: Agent[None, str | DeferredToolRequests] = Agent(
+    FunctionModel(asking_model), output_type=[str, DeferredToolRequests]
+)
+
+
+@asking.tool
+async def pay(ctx: RunContext[None], cents: int) -> str:
+    CALLS["tool:pay"] += 1
+    if not ctx.tool_call_approved:
+        raise ApprovalRequired({"why": "a payment"})
+    return f"paid {cents}"
+
+
+@asking.tool_plain
+async def ask(q: str) -> str:
+    CALLS["tool:ask"] += 1
+    raise CallDeferred({"q": q})
+
+
+ASKING = UmtAgent(asking, name="asking")
+
+
+@task("agents.asking", version=1)
+async def asking_task(ctx: TaskContext[str]) -> str:
+    return str((await ASKING.run(ctx.input)).output)
+
+
+async def test_tools_that_raise_approval_required_or_call_deferred_wait_for_their_facts(
+    fresh: None,
+) -> None:
+    engine = await connect(
+        "memory://", registry=Registry([asking_task]), clock=FakeClock(auto_advance=True)
+    )
+    handle = await engine.enqueue(asking_task, "go")
+    await engine.signal(handle.run_id, "asking/approval/c1", True)  # facts may come first
+    await engine.signal(handle.run_id, "asking/result/c2", "blue")
+    async with _worker(engine):
+        assert await handle.result(timeout=5) == "done: ['paid 5', 'blue']"
+    info = await engine.get(handle.run_id)
+    await engine.close()
+    assert [s.name for s in info.timeline] == [
+        "asking/turn-1/model",
+        "asking/turn-1/tool/pay/c1",  # raised ApprovalRequired: recorded, raised on replay
+        "asking/turn-1/tool/ask/c2",  # raised CallDeferred
+        "asking/approval/c1",
+        "asking/result/c2",
+        "asking/turn-1/tool/pay/c1#2",  # approved: the call made again, as a step of its own
+        "asking/turn-2/model",
+    ]
+    assert Counter({"tool:pay": 2, "tool:ask": 1}) == CALLS
