@@ -9,6 +9,7 @@ Tools that need approval park the run on a fact per call.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -132,8 +133,7 @@ def _step_tool(tool: FunctionTool, turns: _Turns) -> FunctionTool:
 
 
 def _arguments(input_json: str) -> dict[str, Any]:
-    import json
-
+    """A tool call's JSON arguments as a dict (empty when they are not a JSON object)."""
     try:
         value = json.loads(input_json or "{}")
     except ValueError:
