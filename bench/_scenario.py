@@ -11,6 +11,13 @@ rate of 1-step runs, umt worker processes serve them, and the run goes through p
     active-readers  warmup, clean, active-readers (4 REPEATABLE READ connections scanning the
                     hot tables, transactions overlapping), recovery
     high-load       warmup, clean, high-load (1.5x the offered rate), recovery
+    pg-backend-kill warmup, clean, backend-kill (`pg_terminate_backend` on one of the engine's
+                    sessions, producer's or workers', every 0.25 s), recovery
+    postgres-restart
+                    warmup, clean, postgres-restart (the server crashed with `pg_ctl stop -m
+                    immediate` and started again, twice in the phase), recovery
+    repeated-kill   warmup, clean, worker-kill (every 20 s one of the two worker processes is
+                    SIGKILLed and a new one started at once), recovery
 
 then the producer stops and the workers drain what is left (phase `drain`). Every window (10 s;
 1 s with --quick; windows restart at each phase boundary) records the pickup latency (enqueue
@@ -20,12 +27,17 @@ read per claim-index scan, the oldest transaction's xmin age and a wait-event sa
 second). At the end of each phase the claim query is run under EXPLAIN (ANALYZE, BUFFERS) and
 rolled back. Runs lost (acknowledged enqueues not completed after the drain) must be 0.
 
+The three chaos scenarios run the step with a fenced side effect (a row written through
+`with_attempt_token`, see bench/_scenario_child.py): effects made twice and effects missing
+(a completed run without its row) must both be 0.
+
 Output: bench/results/scenario_<name>.json, .txt (the window table) and .png (matplotlib).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -52,7 +64,12 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "idle-in-tx": ("warmup", "clean", "idle-in-tx", "recovery"),
     "active-readers": ("warmup", "clean", "active-readers", "recovery"),
     "high-load": ("warmup", "clean", "high-load", "recovery"),
+    "pg-backend-kill": ("warmup", "clean", "backend-kill", "recovery"),
+    "postgres-restart": ("warmup", "clean", "postgres-restart", "recovery"),
+    "repeated-kill": ("warmup", "clean", "worker-kill", "recovery"),
 }
+# The scenarios that break something: their step makes a fenced effect, counted at the end.
+CHAOS = frozenset({"pg-backend-kill", "postgres-restart", "repeated-kill"})
 HOT_TABLES = ("runs", "steps", "executions", "ready_0", "ready_1", "ready_2")
 
 
@@ -82,6 +99,9 @@ class ScenarioConfig:
     high_load_multiplier: float = 1.5
     readers: int = 4
     reader_tx_s: float = 10.0
+    backend_kill_every_s: float = 0.25
+    restarts: int = 2
+    worker_kill_every_s: float = 20.0
     keep_db: bool = False
     explain: bool = True
     phases: list[tuple[str, float]] = field(default_factory=list)
@@ -103,9 +123,14 @@ class ScenarioConfig:
                 window_s=1.0,
                 drain_timeout_s=60.0,
                 reader_tx_s=1.5,
+                restarts=1,
+                worker_kill_every_s=1.5,
+                lease_s=2.0,  # a killed worker's runs come back within the smoke run
             )
         else:
             cfg = cls(name=name, quick=False)
+        if name == "repeated-kill":
+            cfg.workers = 2  # one serves while the other is killed and replaced
         for key, value in overrides.items():
             if value is not None:
                 setattr(cfg, key, value)
@@ -115,6 +140,9 @@ class ScenarioConfig:
             "idle-in-tx": cfg.phase_s,
             "active-readers": cfg.phase_s,
             "high-load": cfg.phase_s,
+            "backend-kill": cfg.phase_s,
+            "postgres-restart": cfg.phase_s,
+            "worker-kill": cfg.phase_s,
             "recovery": cfg.recovery_s,
         }
         cfg.phases = [(p, length[p]) for p in SCENARIOS[name]]
@@ -190,6 +218,71 @@ class ActiveReaders:
         }
 
 
+class BackendKiller:
+    """Every `every_s`, `pg_terminate_backend` on one of the engine's sessions (the producer's
+    or a worker's, chosen at random; never the harness's own, named `bench_*`), as a pooler, a
+    failover or an operator cuts sessions."""
+
+    def __init__(self, dsn: str, dbname: str, every_s: float) -> None:
+        self.stop_event = threading.Event()
+        self.kills = 0
+        self.errors: list[str] = []
+        self.thread = threading.Thread(
+            target=self._loop, args=(dsn, dbname, every_s), name="bench-backend-kill", daemon=True
+        )
+        self.thread.start()
+
+    def _loop(self, dsn: str, dbname: str, every_s: float) -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True, application_name="bench_chaos") as conn:
+                while not self.stop_event.wait(every_s):
+                    row = conn.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = %s AND backend_type = 'client backend' "
+                        "AND pid <> pg_backend_pid() AND application_name NOT LIKE 'bench\\_%%' "
+                        "ORDER BY random() LIMIT 1",
+                        (dbname,),
+                    ).fetchone()
+                    if row and row[0]:
+                        self.kills += 1
+        except psycopg.Error as exc:
+            self.errors.append(str(exc)[:300])
+
+    def stop(self) -> dict[str, Any]:
+        self.stop_event.set()
+        self.thread.join(30)
+        return {"backend_kills": self.kills, "errors": self.errors[:5]}
+
+
+class Restarter:
+    """Crashes the server `times` times, evenly through the phase, and starts it again at once
+    (`Server.crash_restart`); the seconds each one was down are recorded."""
+
+    def __init__(self, server: Server, times: int, phase_s: float) -> None:
+        self.stop_event = threading.Event()
+        self.down_s: list[float] = []
+        self.errors: list[str] = []
+        self.thread = threading.Thread(
+            target=self._loop, args=(server, times, phase_s), name="bench-restart", daemon=True
+        )
+        self.thread.start()
+
+    def _loop(self, server: Server, times: int, phase_s: float) -> None:
+        every = phase_s / (times + 1)
+        for _ in range(times):
+            if self.stop_event.wait(every):
+                return
+            try:
+                self.down_s.append(round(server.crash_restart(), 3))
+            except Exception as exc:  # reported; the run's check says what it cost
+                self.errors.append(repr(exc)[:300])
+
+    def stop(self) -> dict[str, Any]:
+        self.stop_event.set()
+        self.thread.join(120)
+        return {"restarts": len(self.down_s), "down_s": self.down_s, "errors": self.errors[:5]}
+
+
 # -- windows ----------------------------------------------------------------------------------
 
 
@@ -208,6 +301,7 @@ class Window:
         self.samples: list[dict[str, Any]] = []
         self.waits: dict[str, int] = {}
         self.wait_samples = 0
+        self.unreachable = 0  # seconds the monitor could not reach the server
 
     def row(self, t0: float) -> dict[str, Any]:
         seconds = max(self.t_end - self.t_start, 1e-9)
@@ -231,6 +325,7 @@ class Window:
             "monitor_ms_max": max((s.get("monitor_ms", 0.0) for s in self.samples), default=None),
             "waits": dict(sorted(self.waits.items(), key=lambda kv: -kv[1])),
             "wait_samples": self.wait_samples,
+            "unreachable_samples": self.unreachable,
         }
         # Index entries read per scan of the claim indexes, over the window.
         reads: dict[str, Any] = {}
@@ -249,9 +344,9 @@ class Monitor:
     """Once a second: queue depth, table statistics and sizes, wait events, xmin age."""
 
     def __init__(self, dsn: str, dbname: str) -> None:
-        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.dsn = dsn
+        self.conn: psycopg.Connection[Any] | None = self._connect()
         self.dbname = dbname
-        self.conn.execute("SET application_name = 'bench_monitor'")
         # Postgres 18 counts each backend's buffer accesses: the monitor's own are taken out of
         # the work per run (its queries read the bloated indexes too).
         row = self.conn.execute(
@@ -259,9 +354,26 @@ class Monitor:
         ).fetchone()
         self.counts_itself = bool(row and row[0])
 
-    def sample(self) -> dict[str, Any]:
+    def _connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            self.dsn, autocommit=True, application_name="bench_monitor", connect_timeout=5
+        )
+
+    def sample_or_none(self) -> dict[str, Any] | None:
+        """A sample, or None while the server cannot be reached (a crash being recovered)."""
+        try:
+            if self.conn is None or self.conn.closed:
+                self.conn = self._connect()
+            return self.sample(self.conn)
+        except psycopg.OperationalError:
+            with contextlib.suppress(Exception):
+                if self.conn is not None:
+                    self.conn.close()
+            self.conn = None
+            return None
+
+    def sample(self, c: psycopg.Connection[Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        c = self.conn
         row = c.execute(
             f"SELECT count(*) FILTER (WHERE status = 'pending') AS {MONITOR_TAG}, "
             "count(*) FILTER (WHERE status = 'running') "
@@ -342,7 +454,8 @@ class Monitor:
         }
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -374,7 +487,9 @@ def _explain_claim(dsn: str, limit: int, lease_s: float) -> str:
             params["timers_after"] = datetime.now(UTC) - timedelta(seconds=6)
             params["timers_margin"] = timedelta(seconds=5)
             out.append(f"-- with timers = {timers} (from 6 s ago)")
-        with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as conn:
+        with psycopg.connect(
+            dsn, cursor_factory=psycopg.ClientCursor, application_name="bench_explain"
+        ) as conn:
             try:
                 cur = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + query, params)
                 out.extend(str(r[0]) for r in cur.fetchall())
@@ -395,6 +510,7 @@ class _Fold:
         self.last_error: str | None = None
         self.results: dict[str, Any] = {}
         self.ended: set[str] = set()
+        self.starts_seen: dict[str, int] = {}  # each worker's last starts_total
 
     def result(self, child: Child, timeout: float) -> Any:
         """The child's RESULT, whether pump() has read it already or not."""
@@ -435,6 +551,7 @@ class _Fold:
                     w.enqueue_errors += ev["errors"]
                     w.producer_lag_s = max(w.producer_lag_s, float(ev["lag_s"]))
             else:
+                self.starts_seen[child.name] = int(ev.get("starts_total", 0))
                 self.started_total += ev["started"]
                 self.finished_total += ev["finished"]
                 if w is not None:
@@ -457,8 +574,17 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
     from umt_backend_pg import migrate
 
     dbname = "bench_scenario_" + cfg.name.replace("-", "_")
+    chaos = cfg.name in CHAOS
+    if cfg.name == "postgres-restart" and not server.can_crash:
+        raise SystemExit(
+            "scenario postgres-restart crashes and restarts the server: it needs the bench's "
+            "own embedded Postgres, so leave out --database-url"
+        )
     dsn = server.fresh_db(dbname)
     asyncio.run(migrate(dsn))
+    if chaos:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE public.bench_effects (run_id uuid NOT NULL, token bigint)")
     started_at = time.time()
     load_before = list(os.getloadavg())
     ids_file = Path(tempfile.mkstemp(prefix="umt-scenario-ids-")[1])
@@ -470,21 +596,23 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
     phases_out: list[dict[str, Any]] = []
     explains: dict[str, str] = {}
     monitor = Monitor(dsn, dbname)
+    worker_argv = [
+        *base,
+        "work",
+        "--dsn",
+        dsn,
+        "--concurrency",
+        str(cfg.concurrency),
+        "--lease",
+        str(cfg.lease_s),
+        *(["--conns", str(cfg.worker_conns)] if cfg.worker_conns else []),
+        *(["--effect"] if chaos else []),
+    ]
+    killed: list[Child] = []  # SIGKILLed by worker-kill; their last totals count
+    starting: list[_Starting] = []  # their replacements, until READY
     try:
         for wid in range(cfg.workers):
-            argv = [
-                *base,
-                "work",
-                "--dsn",
-                dsn,
-                "--concurrency",
-                str(cfg.concurrency),
-                "--lease",
-                str(cfg.lease_s),
-            ]
-            if cfg.worker_conns:
-                argv += ["--conns", str(cfg.worker_conns)]
-            workers.append(Child(argv, name=f"scenario-w{wid + 1}"))
+            workers.append(Child(worker_argv, name=f"scenario-w{wid + 1}"))
         producer = Child(
             [
                 *base,
@@ -569,6 +697,10 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                 info["xid"] = disturbance.xid
             elif phase == "active-readers":
                 disturbance = ActiveReaders(dsn, cfg.readers, cfg.reader_tx_s)
+            elif phase == "backend-kill":
+                disturbance = BackendKiller(dsn, dbname, cfg.backend_kill_every_s)
+            elif phase == "postgres-restart":
+                disturbance = Restarter(server, cfg.restarts, seconds)
             elif phase == "drain":
                 producer.send("STOP")
             offered = rate * (cfg.high_load_multiplier if phase == "high-load" else 1.0)
@@ -578,9 +710,28 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
             window = Window(phase, k, p_start)
             windows.append(window)
             fold.window = window
+            next_sample = min(next_sample, p_start)  # every window begins with a sample
             explained = False
+            next_kill = p_start + cfg.worker_kill_every_s
             while True:
                 now = time.time()
+                if phase == "worker-kill" and now >= next_kill and not starting:
+                    victim = workers[len(killed) % len(workers)]
+                    _kill_worker(victim, fold)
+                    killed.append(victim)
+                    workers.remove(victim)
+                    children.remove(victim)
+                    info["worker_kills"] = len(killed)
+                    # Its replacement starts at once, in the background (it takes a second or
+                    # two to be READY; the windows go on meanwhile).
+                    name = f"scenario-w{cfg.workers + len(killed)}"
+                    starting.append(_Starting(Child(worker_argv, name=name)))
+                    next_kill = now + cfg.worker_kill_every_s
+                for new in [w for w in starting if w.ready.is_set()]:
+                    starting.remove(new)
+                    new.raise_error()
+                    workers.append(new.child)
+                    children.append(new.child)
                 for child in children:
                     fold.pump(child)
                     if child.proc.poll() is not None and not (
@@ -588,16 +739,20 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                     ):
                         raise ChildError(f"{child.name} died\n{child.stderr_tail()}")
                 if now >= next_sample:
-                    s = monitor.sample()
-                    window.samples.append(s)
-                    for key, count in s["waits"].items():
-                        window.waits[key] = window.waits.get(key, 0) + count
-                    window.wait_samples += 1
+                    s = monitor.sample_or_none()
                     next_sample += 1.0
                     if next_sample < now:
                         next_sample = now + 1.0
+                    if s is None:
+                        window.unreachable += 1
+                    else:
+                        window.samples.append(s)
+                        for key, count in s["waits"].items():
+                            window.waits[key] = window.waits.get(key, 0) + count
+                        window.wait_samples += 1
                     if (
-                        phase == "drain"
+                        s is not None
+                        and phase == "drain"
                         and producer.proc.poll() is not None
                         and not s["pending"]
                         and not s["running"]
@@ -611,8 +766,9 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                     and phase not in ("warmup", "drain")
                     and now >= end - min(2.0, cfg.window_s)
                 ):
-                    explains[phase] = _explain_claim(dsn, cfg.concurrency, cfg.lease_s)
-                    explained = True
+                    with contextlib.suppress(psycopg.OperationalError):  # the server is down:
+                        explains[phase] = _explain_claim(dsn, cfg.concurrency, cfg.lease_s)
+                        explained = True  # else try again on the next turn
                 if now >= end:
                     window.t_end = now
                     break
@@ -623,8 +779,15 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                     window = Window(phase, k, now)
                     windows.append(window)
                     fold.window = window
+                    next_sample = now
                 time.sleep(0.05)
             _log_window(window, t0)
+            for new in starting:  # a replacement still starting when the phase ends
+                new.ready.wait(180)
+                new.raise_error()
+                workers.append(new.child)
+                children.append(new.child)
+            starting.clear()
             if disturbance is not None:
                 info.update(disturbance.stop())
             if phase == "high-load":
@@ -641,11 +804,13 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
             worker_results.append(fold.result(child, 120))
             child.close(60)
         workers = []
-        final = monitor.sample()
-        check = _check_runs(dsn, ids_file)
+        final = monitor.sample_or_none()
+        if final is None:
+            raise ChildError("the server cannot be reached after the drain")
+        check = _check_runs(dsn, ids_file, effects=chaos)
     finally:
         monitor.close()
-        for child in [*workers, *([producer] if producer else [])]:
+        for child in [*workers, *(w.child for w in starting), *([producer] if producer else [])]:
             child.kill()
         with contextlib.suppress(OSError):
             ids_file.unlink()
@@ -695,7 +860,9 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
             **check,
             "producer_acknowledged": producer_result.get("enqueued"),
             "producer_errors": producer_result.get("errors"),
-            "handler_starts": sum(int(r["starts"]) for r in worker_results),
+            # A killed worker sends no RESULT: its last EVENT's total (its last second is lost).
+            "handler_starts": sum(int(r["starts"]) for r in worker_results)
+            + sum(fold.starts_seen.get(c.name, 0) for c in killed),
             "handler_finishes": sum(int(r["finished"]) for r in worker_results),
         },
         "final": {
@@ -713,8 +880,9 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
             "database": dbname if cfg.keep_db else None,
         },
     }
-    # Handler starts beyond one per completed run (calibration runs included on both sides).
-    result["runs"]["reexecutions"] = result["runs"]["handler_starts"] - int(
+    # Executions beyond one per completed run (lease takeovers; calibration runs included on
+    # both sides), from the database: a SIGKILLed worker's own count of its starts dies with it.
+    result["runs"]["reexecutions"] = sum(check["execution_outcomes"].values()) - int(
         check["statuses"].get("completed", 0)
     )
     if not cfg.keep_db:
@@ -758,19 +926,31 @@ def _phase_work(
     }
     if len(samples) < 2:
         return out
-    a, b = samples[0], samples[-1]
-    if completed and a.get("buffers") is not None and b.get("buffers") is not None:
-        out["buffers_per_run"] = (b["buffers"] - a["buffers"]) / completed
-        out["transactions_per_run"] = (b["transactions"] - a["transactions"]) / completed
-        if a.get("monitor_buffers") is not None and b.get("monitor_buffers") is not None:
-            monitor = b["monitor_buffers"] - a["monitor_buffers"]
+    buffers = _grown(samples, lambda s: s.get("buffers"))
+    if completed and buffers is not None:
+        out["buffers_per_run"] = buffers / completed
+        transactions = _grown(samples, lambda s: s.get("transactions"))
+        out["transactions_per_run"] = None if transactions is None else transactions / completed
+        monitor = _grown(samples, lambda s: s.get("monitor_buffers"))
+        if monitor is not None:
             out["monitor_buffers_per_run"] = monitor / completed
-            out["engine_buffers_per_run"] = (b["buffers"] - a["buffers"] - monitor) / completed
-    ra = (a.get("tables") or {}).get("runs") or {}
-    rb = (b.get("tables") or {}).get("runs") or {}
-    if rb and ra and rb["upd"] > ra["upd"]:
-        out["runs_hot_update_share"] = (rb["hot_upd"] - ra["hot_upd"]) / (rb["upd"] - ra["upd"])
+            out["engine_buffers_per_run"] = (buffers - monitor) / completed
+    updates = _grown(samples, lambda s: ((s.get("tables") or {}).get("runs") or {}).get("upd"))
+    hot = _grown(samples, lambda s: ((s.get("tables") or {}).get("runs") or {}).get("hot_upd"))
+    if updates and hot is not None:
+        out["runs_hot_update_share"] = hot / updates
     return out
+
+
+def _grown(samples: list[dict[str, Any]], read: Any) -> int | None:
+    """How much a cumulative counter grew over the samples. A counter that went down was reset
+    (crash recovery discards the statistics; a reconnected monitor is a new backend): from
+    there it counts from 0, so its value is the growth since (what happened between the last
+    sample before the reset and the reset is lost, at most a second)."""
+    values = [v for v in (read(s) for s in samples) if v is not None]
+    if len(values) < 2:
+        return None
+    return sum(b - a if b >= a else b for a, b in itertools.pairwise(values))
 
 
 def _sum_waits(items: Any) -> dict[str, int]:
@@ -781,8 +961,41 @@ def _sum_waits(items: Any) -> dict[str, int]:
     return out
 
 
-def _check_runs(dsn: str, ids_file: Path) -> dict[str, Any]:
-    """Every acknowledged enqueue must be a completed run: runs_lost counts those that are not."""
+class _Starting:
+    """A worker process started in the background: READY awaited, then told GO."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._start, name=f"start-{child.name}", daemon=True).start()
+
+    def _start(self) -> None:
+        try:
+            self.child.expect("READY", 180)
+            self.child.send("GO")
+        except BaseException as exc:  # the harness raises it when it takes the child in
+            self.error = exc
+        finally:
+            self.ready.set()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise ChildError(f"{self.child.name} did not start: {self.error}")
+
+
+def _kill_worker(victim: Child, fold: _Fold) -> None:
+    """SIGKILL a worker process, then fold what it had sent before it died."""
+    victim.kill()
+    deadline = time.monotonic() + 5
+    while victim.name not in fold.ended and time.monotonic() < deadline:
+        fold.pump(victim)
+        time.sleep(0.01)
+
+
+def _check_runs(dsn: str, ids_file: Path, *, effects: bool = False) -> dict[str, Any]:
+    """Every acknowledged enqueue must be a completed run: runs_lost counts those that are not.
+    With `effects`, every completed run must have made its fenced effect exactly once."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TEMP TABLE acked (id uuid PRIMARY KEY)")
         with conn.cursor().copy("COPY acked (id) FROM STDIN") as copy, ids_file.open() as f:
@@ -808,7 +1021,26 @@ def _check_runs(dsn: str, ids_file: Path) -> dict[str, Any]:
             "SELECT count(*) FROM umt.runs r JOIN acked a ON a.id = r.id "
             "WHERE r.status = 'completed'"
         ).fetchone()
+        fenced: dict[str, Any] = {}
+        if effects:
+            made = conn.execute(
+                "SELECT count(*), count(DISTINCT run_id) FROM public.bench_effects"
+            ).fetchone()
+            missing = conn.execute(
+                "SELECT count(*) FROM umt.runs r WHERE r.task_name = %s AND r.status = "
+                "'completed' AND NOT EXISTS (SELECT 1 FROM public.bench_effects e "
+                "WHERE e.run_id = r.id)",
+                (TASK,),
+            ).fetchone()
+            assert made is not None
+            assert missing is not None
+            fenced = {
+                "effects": int(made[0]),
+                "effects_doubled": int(made[0]) - int(made[1]),
+                "effects_missing": int(missing[0]),
+            }
     return {
+        **fenced,
         "acknowledged": int(row[0]),
         "found": int(row[1]),
         "runs_lost": int(row[2]),
@@ -830,6 +1062,9 @@ def _log_window(w: Window, t0: float) -> None:
 
 
 # -- output -----------------------------------------------------------------------------------
+
+
+CHAOS_KEYS = ("backend_kills", "restarts", "down_s", "worker_kills")
 
 
 def _mb(n: Any) -> str:
@@ -888,11 +1123,23 @@ def table(result: dict[str, Any]) -> str:
             f"  {shown}"
         )
     runs = result["runs"]
+    chaos = [
+        f"{p['phase']}: " + ", ".join(f"{k} {p[k]}" for k in CHAOS_KEYS if p.get(k) is not None)
+        for p in result["phases"]
+        if any(p.get(k) is not None for k in CHAOS_KEYS)
+    ]
+    effects = (
+        f"; fenced effects {runs['effects']}, made twice {runs['effects_doubled']}, "
+        f"missing {runs['effects_missing']}"
+        if "effects" in runs
+        else ""
+    )
     lines += [
         "",
+        *(["faults: " + "; ".join(chaos)] if chaos else []),
         f"runs: acknowledged {runs['acknowledged']}, completed {runs['completed']}, "
         f"lost {runs['runs_lost']}, re-executions {runs['reexecutions']}, "
-        f"producer errors {runs['producer_errors']}; execution outcomes "
+        f"producer errors {runs['producer_errors']}{effects}; execution outcomes "
         f"{runs['execution_outcomes']}",
         "",
         "per window:",

@@ -2,6 +2,7 @@
 
 python -m bench._scenario_child produce --dsn URL --rate R [--conns C] [--ids FILE]
 python -m bench._scenario_child work    --dsn URL [--concurrency C] [--conns C] [--lease S]
+                                        [--effect]
 
 The producer enqueues 1-step runs at a fixed offered rate (open loop: runs are due on a fixed
 schedule whatever the database does; at most --inflight enqueues are outstanding, and the time
@@ -12,6 +13,10 @@ line, so the harness can check that every one of them completed.
 The worker's handler takes its pickup latency (handler start minus the input) into a
 bounded-memory histogram; once a second both processes send an EVENT with what happened in
 that second (counts, and the worker's latency histogram), which the harness folds into windows.
+
+With --effect (the chaos scenarios) the step also makes a fenced side effect: a row in
+`public.bench_effects` written through `with_attempt_token` (op key `effect:<run id>`), so the
+harness can count effects made twice (a zombie attempt's) and effects missing.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
 from bench._hist import Histogram
 from bench.peers._proto import send
-from umt_sdk import Registry, TaskContext, connect, task
+from umt_sdk import AttemptInfo, Registry, TaskContext, connect, task, with_attempt_token
 
 TASK = "bench_pickup"
 
@@ -64,13 +72,36 @@ async def _noop(i: int) -> int:
     return i
 
 
+EFFECTS: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+
+
+async def _effect(run_id: str) -> int:
+    """The fenced side effect of --effect: one `bench_effects` row, committed with the result."""
+    assert EFFECTS is not None
+
+    def token(info: AttemptInfo) -> int:
+        return info.attempt_token
+
+    async def record(tx: psycopg.AsyncConnection[Any], attempt_token: int) -> None:
+        await tx.execute(
+            "INSERT INTO public.bench_effects (run_id, token) VALUES (%s, %s)",
+            (run_id, attempt_token),
+        )
+
+    async with EFFECTS.connection() as conn:
+        return await with_attempt_token(conn, f"effect:{run_id}", token, commit=record)
+
+
 @task(TASK, version=1)
 async def bench_pickup(ctx: TaskContext[float]) -> int:
     """One no-op step; the pickup latency is taken when the handler starts."""
     STATS.hist.add(max(0.0, (time.time() - float(ctx.input)) * 1000.0))
     STATS.started += 1
     STATS.starts_total += 1
-    await ctx.step.run("s0", _noop, 0)
+    if EFFECTS is None:
+        await ctx.step.run("s0", _noop, 0)
+    else:
+        await ctx.step.run("s0", _effect, str(ctx.run_id))
     STATS.finished += 1
     STATS.finished_total += 1
     return 0
@@ -186,7 +217,17 @@ async def produce(args: argparse.Namespace) -> None:
 
 
 async def work(args: argparse.Namespace) -> None:
+    global EFFECTS
     cmd = Commands(asyncio.get_running_loop(), 0.0)
+    if args.effect:
+        EFFECTS = AsyncConnectionPool(
+            args.dsn,
+            min_size=1,
+            max_size=max(2, args.concurrency // 4),
+            kwargs={"autocommit": True},
+            open=False,
+        )
+        await EFFECTS.open()
     options: dict[str, Any] = {}
     if args.conns:
         options = {"min_size": args.conns, "max_size": args.conns}
@@ -209,6 +250,8 @@ async def work(args: argparse.Namespace) -> None:
     await ticker
     cpu = time.process_time() - cpu0
     await engine.close()
+    if EFFECTS is not None:
+        await EFFECTS.close()
     send(
         "RESULT",
         {
@@ -232,6 +275,7 @@ def main() -> None:
     parser.add_argument("--listen", type=int, default=1)
     parser.add_argument("--lease", type=float, default=10.0)
     parser.add_argument("--poll", type=float, default=1.0)
+    parser.add_argument("--effect", action="store_true")
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness stops us with STOP
     if args.mode == "produce":

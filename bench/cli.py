@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--high-load-multiplier", type=float, help="high-load rate factor (1.5)")
     s.add_argument("--readers", type=int, help="active-readers connections (4)")
     s.add_argument("--reader-tx-seconds", type=float, help="each reader's transaction (10)")
+    s.add_argument(
+        "--backend-kill-every", type=float, help="pg-backend-kill: seconds between kills (0.25)"
+    )
+    s.add_argument("--restarts", type=int, help="postgres-restart: crashes in the phase (2; 1)")
+    s.add_argument(
+        "--worker-kill-every", type=float, help="repeated-kill: seconds between kills (20; 1.5)"
+    )
     s.add_argument("--keep-db", action="store_true", help="keep the scenario's database")
     s.add_argument("--no-explain", action="store_true", help="skip the claim EXPLAIN per phase")
     return p
@@ -245,6 +252,9 @@ def scenario(args: argparse.Namespace) -> int:
         high_load_multiplier=args.high_load_multiplier,
         readers=args.readers,
         reader_tx_s=args.reader_tx_seconds,
+        backend_kill_every_s=args.backend_kill_every,
+        restarts=args.restarts,
+        worker_kill_every_s=args.worker_kill_every,
         keep_db=args.keep_db or None,
         explain=False if args.no_explain else None,
     )
@@ -253,7 +263,9 @@ def scenario(args: argparse.Namespace) -> int:
     result = run_scenario(server, cfg)
     written = write_scenario(result, args.results_dir, args.json)
     _log("wrote " + ", ".join(str(p) for p in written))
-    return 0 if result["runs"]["runs_lost"] == 0 else 1
+    runs = result["runs"]
+    broken = runs["runs_lost"] or runs.get("effects_doubled") or runs.get("effects_missing")
+    return 1 if broken else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
 """Smoke check of the long-horizon scenario harness: `python -m bench --scenario NAME --quick`
 runs each phase for a few seconds against the session's Postgres. It checks what the harness
-records and that no run was lost, never a latency or throughput figure."""
+records and that no run was lost, never a latency or throughput figure. The chaos scenarios
+(backends terminated, the server crashed and restarted, workers SIGKILLed) must also show the
+fault happened and every completed run's fenced effect made exactly once."""
 
 from __future__ import annotations
 
@@ -19,7 +21,11 @@ PHASES = {
     "idle-in-tx": ["warmup", "clean", "idle-in-tx", "recovery", "drain"],
     "active-readers": ["warmup", "clean", "active-readers", "recovery", "drain"],
     "high-load": ["warmup", "clean", "high-load", "recovery", "drain"],
+    "pg-backend-kill": ["warmup", "clean", "backend-kill", "recovery", "drain"],
+    "postgres-restart": ["warmup", "clean", "postgres-restart", "recovery", "drain"],
+    "repeated-kill": ["warmup", "clean", "worker-kill", "recovery", "drain"],
 }
+CHAOS = {"pg-backend-kill", "postgres-restart", "repeated-kill"}
 
 
 @pytest.mark.slow
@@ -35,14 +41,16 @@ def test_quick_scenario_records_windows_and_loses_nothing(
         "--scenario",
         scenario,
         "--quick",
-        "--database-url",
-        pg_url,
+        # postgres-restart crashes the server: the bench's own embedded one, not the suite's.
+        *(["--database-url", pg_url] if scenario != "postgres-restart" else []),
         "--results-dir",
         str(tmp_path / "results"),
         "--json",
         str(out),
     ]
-    if scenario != "idle-in-tx":  # one of them measures the drain rate first, as by default
+    if scenario in CHAOS:  # long enough for the faults and a lease to lapse after them
+        argv += ["--rate", "50", "--phase-seconds", "6", "--clean-seconds", "2"]
+    elif scenario != "idle-in-tx":  # one of them measures the drain rate first, as by default
         argv += ["--rate", "50", "--phase-seconds", "2", "--clean-seconds", "2"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -53,7 +61,13 @@ def test_quick_scenario_records_windows_and_loses_nothing(
     assert runs["acknowledged"] > 0
     assert runs["runs_lost"] == 0, runs
     assert runs["found"] == runs["acknowledged"] == runs["completed"], runs
-    assert runs["producer_errors"] == 0
+    if scenario in CHAOS:
+        # Every completed run made its fenced effect, and none made it twice.
+        assert runs["effects"] == runs["completed"] + (data["calibration"] or {}).get("n", 0)
+        assert runs["effects_doubled"] == 0, runs
+        assert runs["effects_missing"] == 0, runs
+    else:  # a cut session or a crashed server may fail an enqueue: counted, never acknowledged
+        assert runs["producer_errors"] == 0
     if scenario == "idle-in-tx":
         assert data["calibration"]["drain_runs_per_s"] > 0
 
@@ -63,12 +77,16 @@ def test_quick_scenario_records_windows_and_loses_nothing(
         assert mine, f"no window recorded for {phase}"
         assert sum(w["pickup"]["n"] for w in mine) > 0, phase
         for w in mine:
+            if w["unreachable_samples"]:  # the server was down for this window's samples
+                assert scenario == "postgres-restart", w
+                continue
             assert w["wait_samples"] >= 1, w
             for table in ("runs", "steps", "executions"):
                 assert isinstance(w["tables"][table]["dead"], int), (phase, table)
                 assert w["tables"][table]["total_bytes"] > 0, (phase, table)
     total = sum(w["pickup"]["n"] for w in windows)
-    assert total >= runs["acknowledged"]  # every completed run's pickup is in some window
+    if scenario != "repeated-kill":  # a SIGKILLed worker's last second of pickups dies with it
+        assert total >= runs["acknowledged"]  # every completed run's pickup is in some window
 
     by_phase = {p["phase"]: p for p in data["phases"]}
     for phase in PHASES[scenario][1:-1]:
@@ -83,6 +101,14 @@ def test_quick_scenario_records_windows_and_loses_nothing(
     if scenario == "active-readers":
         assert by_phase["active-readers"]["scans"] > 0
         assert by_phase["active-readers"]["errors"] == []
+    if scenario == "pg-backend-kill":
+        assert by_phase["backend-kill"]["backend_kills"] > 0
+        assert by_phase["backend-kill"]["errors"] == []
+    if scenario == "postgres-restart":
+        assert by_phase["postgres-restart"]["restarts"] == 1
+        assert by_phase["postgres-restart"]["errors"] == []
+    if scenario == "repeated-kill":
+        assert by_phase["worker-kill"]["worker_kills"] >= 2
     if scenario == "high-load":
         assert by_phase["high-load"]["offered_per_s"] == pytest.approx(
             1.5 * by_phase["clean"]["offered_per_s"]
