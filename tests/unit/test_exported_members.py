@@ -17,6 +17,7 @@ from umt_sdk import _serde
 
 PUBLIC_MODULES = [
     "umt_sdk",
+    "umt_sdk.agents",
     "umt_sdk.backend",
     "umt_sdk.dashboard",
     "umt_sdk.exceptions",
@@ -50,7 +51,7 @@ def test_star_import_gives_exactly_all(module_name: str) -> None:
     assert sorted(namespace) == sorted(_module(module_name).__all__)
 
 
-@pytest.mark.parametrize("module_name", ["umt_sdk", "umt_backend_memory"])
+@pytest.mark.parametrize("module_name", ["umt_sdk", "umt_sdk.agents", "umt_backend_memory"])
 def test_reexported_classes_report_the_public_module(module_name: str) -> None:
     module = _module(module_name)
     classes = {
@@ -71,7 +72,7 @@ def test_reexported_functions_report_the_public_module() -> None:
     assert {n: f.__module__ for n, f in functions.items() if f.__module__ != "umt_sdk"} == {}
 
 
-@pytest.mark.parametrize("module_name", ["umt_sdk", "umt_backend_memory"])
+@pytest.mark.parametrize("module_name", ["umt_sdk", "umt_sdk.agents", "umt_backend_memory"])
 def test_renamed_classes_still_resolve_their_annotations(module_name: str) -> None:
     # Renaming __module__ must not break get_type_hints / attrs / cattrs, which look names up
     # in the namespace of __module__.
