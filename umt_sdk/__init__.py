@@ -40,7 +40,7 @@ from umt_sdk._spi import (
     TaskPair,
 )
 from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
-from umt_sdk._sync import SyncEngine, connect_sync
+from umt_sdk._sync import SyncEngine, SyncRateLimits, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
 from umt_sdk._views import RunInfo, RunPage, StepView
 from umt_sdk._worker import Worker
@@ -138,6 +138,7 @@ __all__ = [
     "StreamItem",
     "SyncChildHandle",
     "SyncEngine",
+    "SyncRateLimits",
     "SyncStep",
     "SyncStepApi",
     "SyncStreamApi",

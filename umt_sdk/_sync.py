@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from uuid import UUID
@@ -12,21 +13,63 @@ from uuid import UUID
 from umt_sdk._engine import Engine, connect
 from umt_sdk._export import RunHistory
 from umt_sdk._flow_keys import Debounce, Singleton
+from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import DEFAULT_BATCH_SIZE, PruneReport
-from umt_sdk._spi import CancelOutcome, Clock, PausedTask, RunStatus, TaskPair
+from umt_sdk._spi import CancelOutcome, Clock, PausedTask, RateLimitInfo, RunStatus, TaskPair
 from umt_sdk._streams import StreamItem
 from umt_sdk._task import Registry, TaskDefinition
 from umt_sdk._views import RunInfo, RunPage
 
-__all__ = ["SyncEngine", "connect_sync"]
+__all__ = ["SyncEngine", "SyncRateLimits", "connect_sync"]
 
 T = TypeVar("T")
 
 
+class SyncRateLimits:
+    """`sync_engine.rate_limits`: `Engine.rate_limits` (`RateLimits`), blocking."""
+
+    def __init__(
+        self, rate_limits: RateLimits, call: Callable[[Coroutine[Any, Any, Any]], Any]
+    ) -> None:
+        self._rate_limits = rate_limits
+        self._call = call
+
+    def set(
+        self,
+        name: str | RateLimit[Any],
+        *,
+        limit: int | None = None,
+        per: timedelta | None = None,
+    ) -> RateLimitInfo:
+        """Store a limit, or change a stored one (see `RateLimits.set`)."""
+        info: RateLimitInfo = self._call(self._rate_limits.set(name, limit=limit, per=per))
+        return info
+
+    def get(self, name: str) -> RateLimitInfo | None:
+        """The stored limit of that name, or None (see `RateLimits.get`)."""
+        info: RateLimitInfo | None = self._call(self._rate_limits.get(name))
+        return info
+
+    def list(self) -> builtins.list[RateLimitInfo]:
+        """Every stored limit, by name (see `RateLimits.list`)."""
+        infos: builtins.list[RateLimitInfo] = self._call(self._rate_limits.list())
+        return infos
+
+    def pause(self, name: str) -> bool:
+        """Pause a limit (see `RateLimits.pause`); False when it was paused already."""
+        changed: bool = self._call(self._rate_limits.pause(name))
+        return changed
+
+    def resume(self, name: str) -> bool:
+        """Resume a paused limit (see `RateLimits.resume`); False when it was not paused."""
+        changed: bool = self._call(self._rate_limits.resume(name))
+        return changed
+
+
 class SyncEngine:
     """enqueue / enqueue_many / signal / cancel / pause / resume / rerun / fork / get / list /
-    result / stream, blocking. Runs its own event loop in a background thread; close it (or
-    use `with`) when done."""
+    result / stream / rate_limits, blocking. Runs its own event loop in a background thread;
+    close it (or use `with`) when done."""
 
     def __init__(
         self, engine: Engine, loop: asyncio.AbstractEventLoop, thread: threading.Thread
@@ -34,6 +77,9 @@ class SyncEngine:
         self._engine = engine
         self._loop = loop
         self._thread = thread
+        self.rate_limits = SyncRateLimits(engine.rate_limits, self._call)
+        """Set, read, list, pause and resume the stored rate limits, blocking (see
+        `Engine.rate_limits`)."""
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop.is_closed():
