@@ -362,13 +362,23 @@ class Steps:
             )
             until = host.now() + max(wait, timedelta(0))
             clock = host.backend.clock
-            if wait <= SHORT_TOKEN_WAIT and not isinstance(clock, ControllableClock):
+            in_place = wait <= SHORT_TOKEN_WAIT and not isinstance(clock, ControllableClock)
+            deadline = host.claimed.deadline_at
+            if not in_place and deadline is not None and until > deadline:
+                until = deadline  # the deadline ends the run then
+            self._telemetry.rate_limit_wait(
+                full,
+                attempt,
+                limit=name,
+                key=request.key,
+                until=until,
+                paused=grant.status == "paused",
+                parked=not in_place,
+            )
+            if in_place:
                 await wait_until(host.now, until, clock)
                 host.check_before_step()
                 continue
-            deadline = host.claimed.deadline_at
-            if deadline is not None and until > deadline:
-                until = deadline  # the deadline ends the run then
             _probe.reach(host.aborts, "park", full, attempt=attempt, step_kind="step")
             await host.park(outcome="waiting", step=None, available_at=until)
             raise Suspend

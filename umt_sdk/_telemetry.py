@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 from opentelemetry import metrics, propagate, trace
@@ -273,6 +274,34 @@ class ExecutionTelemetry:
         )
         self._retry_error = error
         Telemetry.fail(self.span, error)
+
+    def rate_limit_wait(
+        self,
+        step_name: str,
+        attempt: int,
+        *,
+        limit: str,
+        key: str,
+        until: datetime,
+        paused: bool,
+        parked: bool,
+    ) -> None:
+        """A step found no token of its rate limit and waits for one: in place (a token due
+        within a second) or with its run parked until `until`, when it asks again."""
+        if not self.records:
+            return
+        self.event(
+            "umt.rate_limit.wait",
+            **{
+                "umt.step.name": step_name,
+                "umt.step.attempt": attempt,
+                "umt.rate_limit.name": limit,
+                "umt.rate_limit.key": key or None,
+                "umt.rate_limit.until": until.isoformat(),
+                "umt.rate_limit.paused": paused,
+                "umt.rate_limit.parked": parked,
+            },
+        )
 
     def fenced(self, step_name: str | None) -> None:
         """A write of this execution was refused: another attempt holds the run."""

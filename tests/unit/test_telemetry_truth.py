@@ -14,7 +14,7 @@ import asyncio
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -31,6 +31,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from umt_sdk import (
     Engine,
     FactTimeoutError,
+    RateLimit,
     Registry,
     RetryPolicy,
     RunInfo,
@@ -558,6 +559,111 @@ async def test_the_queue_depth_gauge_counts_the_pending_runs_a_worker_serves() -
     (point,) = otel.points("umt.queue.depth")
     assert point.value == 2
     assert dict(point.attributes) == {"umt.task.name": "tel.noop", "umt.task.version": 1}
+
+
+LIMITED = RateLimit("tel.api", limit=1, per=timedelta(minutes=1))
+
+
+@task("tel.limited", version=1)
+async def tel_limited(ctx: TaskContext[Key]) -> str:
+    first: str = await ctx.step.run(
+        "ask", lambda: "a", rate_limit=LIMITED, rate_limit_key=ctx.input.key
+    )
+    second: str = await ctx.step.run(
+        "again", lambda: "b", rate_limit="tel.api", rate_limit_key=ctx.input.key
+    )
+    return first + second
+
+
+async def test_a_step_waiting_for_a_rate_limit_token_is_an_event_naming_the_limit() -> None:
+    otel = Otel()
+    clock = FakeClock(auto_advance=True)
+    engine = await otel.engine(tel_limited, clock=clock)
+    handle = await engine.enqueue(tel_limited, Key("t7"))
+    async with engine.worker():
+        assert await handle.result(timeout=10) == "ab"
+    await engine.close()
+    runs = otel.spans("umt.run tel.limited")
+    assert [attrs_of(s)["umt.outcome"] for s in runs] == ["parked", "completed"]
+    waits = [e for s in runs for e in events(s, "umt.rate_limit.wait")]
+    # "ask" took the bucket's one token; "again" found none and parked its run until the next.
+    (wait,) = waits
+    until = wait.pop("umt.rate_limit.until")
+    assert wait == {
+        "umt.step.name": "again",
+        "umt.step.attempt": 1,
+        "umt.rate_limit.name": "tel.api",
+        "umt.rate_limit.key": "t7",
+        "umt.rate_limit.paused": False,
+        "umt.rate_limit.parked": True,
+    }
+    (ask,) = otel.spans("umt.step ask")
+    (again,) = otel.spans("umt.step again")
+    assert ask.start_time is not None
+    # The wait names the bucket's next token: one interval after "ask" took the first.
+    parked_at = datetime.fromisoformat(until)
+    assert parked_at > datetime.fromtimestamp(ask.start_time / 1e9, tz=UTC)
+    assert again.parent is not None
+    assert again.parent.span_id == runs[1].context.span_id
+
+
+BRISK = RateLimit("tel.brisk", limit=1, per=timedelta(milliseconds=900))
+
+
+@task("tel.brisk", version=1)
+async def tel_brisk(ctx: TaskContext[Key]) -> str:
+    for name in ("one", "two"):
+        await ctx.step.run(name, lambda: None, rate_limit=BRISK, rate_limit_key=ctx.input.key)
+    return "done"
+
+
+async def test_a_short_wait_for_a_token_is_in_place_and_does_not_park_the_run() -> None:
+    otel = Otel()
+    engine = await connect(  # the real clock: a token due within a second is waited for here
+        "memory://",
+        registry=Registry([tel_brisk]),
+        tracer_provider=otel.tracer_provider,
+        meter_provider=otel.meter_provider,
+    )
+    handle = await engine.enqueue(tel_brisk, Key("b"))
+    async with engine.worker():
+        assert await handle.result(timeout=10) == "done"
+    await engine.close()
+    (run,) = otel.spans("umt.run tel.brisk")
+    assert attrs_of(run)["umt.outcome"] == "completed"
+    waits = events(run, "umt.rate_limit.wait")
+    assert waits, "step 'two' came within 900 ms of 'one' and found the bucket empty"
+    assert {
+        (w["umt.step.name"], w["umt.rate_limit.key"], w["umt.rate_limit.parked"]) for w in waits
+    } == {("two", "b", False)}
+
+
+@task("tel.unkeyed", version=1)
+async def tel_unkeyed(ctx: TaskContext[Key]) -> str:
+    value: str = await ctx.step.run("call", lambda: ctx.input.key, rate_limit=LIMITED)
+    return value
+
+
+async def test_a_step_waiting_on_a_paused_limit_says_so_and_names_no_key() -> None:
+    otel = Otel()
+    engine = await otel.engine(tel_unkeyed, clock=FakeClock(auto_advance=True))
+    await engine.rate_limits.set(LIMITED)
+    await engine.rate_limits.pause("tel.api")
+    handle = await engine.enqueue(tel_unkeyed, Key("u"))
+    async with engine.worker():
+        await until(engine, handle.run_id, lambda info: info.status == "waiting")
+        assert await engine.rate_limits.resume("tel.api") is True
+        assert await handle.result(timeout=10) == "u"
+    await engine.close()
+    runs = otel.spans("umt.run tel.unkeyed")
+    waits = [e for s in runs for e in events(s, "umt.rate_limit.wait")]
+    assert waits, "the paused limit made the step wait"
+    for wait in waits:
+        assert "umt.rate_limit.key" not in wait  # the limit's one bucket
+        assert "umt.rate_limit.until" in wait
+        assert (wait["umt.rate_limit.name"], wait["umt.rate_limit.paused"]) == ("tel.api", True)
+        assert (wait["umt.step.name"], wait["umt.rate_limit.parked"]) == ("call", True)
+    assert attrs_of(runs[-1])["umt.outcome"] == "completed"
 
 
 # -- the table -------------------------------------------------------------------------------------
