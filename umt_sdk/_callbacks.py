@@ -38,6 +38,7 @@ __all__ = [
     "callback_envelope",
     "find_minted",
     "mint_token",
+    "minted_for",
     "minted_of",
     "parse_token",
 ]
@@ -118,6 +119,14 @@ def minted_of(record: StepRecord) -> MintedCallback | None:
         fact=str(body["fact"]),
         expires_at=datetime.fromisoformat(str(body["expires_at"])),
     )
+
+
+def minted_for(record: StepRecord, run_id: UUID) -> bool:
+    """False for a callback record whose token is another run's (a fork copies the records
+    it keeps): the fork mints its own. True for every other record (a plain step's record
+    is the code's business: replay reports a changed kind as non-determinism)."""
+    minted = minted_of(record)
+    return minted is None or minted.token.startswith(f"{_TOKEN_PREFIX}.{run_id.hex}.")
 
 
 def find_minted(records: Iterable[StepRecord], token: str) -> MintedCallback | None:

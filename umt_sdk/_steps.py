@@ -22,7 +22,14 @@ from attrs import field, frozen
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
-from umt_sdk._callbacks import callback_envelope, find_minted, mint_token, minted_of, parse_token
+from umt_sdk._callbacks import (
+    callback_envelope,
+    find_minted,
+    mint_token,
+    minted_for,
+    minted_of,
+    parse_token,
+)
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._error_info import error_info
@@ -999,7 +1006,10 @@ class Steps:
         """Mint the callback `name`'s token, once: a step whose record keeps the token, so a
         replay returns the same one (see `_callbacks`)."""
         full = self.history.occurrence(name)
+        run_id = self._host.claimed.run_id
         last = self.history.last(full, "step")
+        if last is not None and last.status == "completed" and not minted_for(last, run_id):
+            last = None  # copied from the run this one was forked from: mint its own token
         replayed = last is not None and last.status == "completed"
         _probe.report("call", full, step_kind="step", replayed=replayed)
         if last is not None and last.status == "completed":
@@ -1016,7 +1026,7 @@ class Steps:
         self._host.check_before_step()
         self._host.go_live()
         now = self._host.now()
-        token = mint_token(self._host.claimed.run_id)
+        token = mint_token(run_id)
         await self._record(
             self._step_record(
                 full,

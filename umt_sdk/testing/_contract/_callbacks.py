@@ -14,6 +14,8 @@ from umt_sdk import (
     CallbackTimeoutError,
     CallbackTokenError,
     Engine,
+    RetryPolicy,
+    RunFailedError,
     TaskContext,
     TaskDefinition,
     UsageError,
@@ -49,7 +51,26 @@ async def expiring_callback_task(ctx: TaskContext[Job]) -> str:
     return "completed"
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (callback_task, expiring_callback_task)
+@task("contract.callback_misuse", version=1, retry=RetryPolicy(max_attempts=3))
+async def callback_misuse_task(ctx: TaskContext[Job]) -> str:
+    """Callbacks used wrongly, as users might: each `n` one mistake."""
+    current_tally().body_runs[(ctx.input.key, "handler")] += 1
+    if ctx.input.n == 0:
+        await ctx.step.callback_token("payment", timeout=timedelta(0))
+    elif ctx.input.n == 1:
+        await ctx.step.callback_token("payment", timeout=30)  # type: ignore[arg-type]  # under test
+    elif ctx.input.n == 2:
+        await ctx.step.wait_for_callback(f"umtcb1.{'0' * 32}.{'A' * 43}")
+    else:
+        await ctx.step.wait_for_callback("nope")
+    return "not reached"
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (
+    callback_task,
+    expiring_callback_task,
+    callback_misuse_task,
+)
 """The tasks of this topic that the suite's engine registers."""
 
 
@@ -169,3 +190,39 @@ class CallbacksContract:
             ("payment", "completed"),
             ("umt.callback:payment", "completed"),
         ]
+
+    async def test_a_fork_mints_its_own_token(self, engine: Engine, tally: Tally) -> None:
+        old = await engine.enqueue(callback_task, Job(key="forked"))
+        async with engine.worker():
+            token = await _token_of(engine, tally, old.run_id, "forked")
+            await engine.complete_callback(token, {"paid": 5})
+            assert (await old.result(timeout=15))["token"] == token
+            fork = await engine.fork(old.run_id, "umt.callback:payment")
+            result = await fork.result(timeout=15)
+        # The fork keeps the old run's facts (the completion), but not its token: a token is
+        # bound to one run, so the fork's replay of the kept step mints one of its own.
+        assert result["payload"] == {"paid": 5}
+        assert result["token"] != token
+        assert result["token"].startswith(f"umtcb1.{fork.run_id.hex}.")
+        with pytest.raises(CallbackTokenError, match="already completed"):
+            await engine.complete_callback(result["token"], {"paid": 6})
+
+    @pytest.mark.parametrize(
+        ("n", "error_type", "says"),
+        [
+            (0, "umt_sdk.UsageError", "timeout"),
+            (1, "umt_sdk.UsageError", "timeout"),
+            (2, "umt_sdk.UsageError", "not minted by this run"),
+            (3, "umt_sdk.CallbackTokenError", "malformed"),
+        ],
+    )
+    async def test_misuse_fails_the_run_at_once(
+        self, engine: Engine, tally: Tally, n: int, error_type: str, says: str
+    ) -> None:
+        handle = await engine.enqueue(callback_misuse_task, Job(key=f"misuse-{n}", n=n))
+        async with engine.worker():
+            with pytest.raises(RunFailedError) as caught:
+                await handle.result(timeout=15)
+        assert caught.value.error_type == error_type
+        assert says in caught.value.error_message
+        assert tally.body_runs[(f"misuse-{n}", "handler")] == 1, "a refused call is not retried"
