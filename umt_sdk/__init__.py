@@ -46,6 +46,8 @@ from umt_sdk._views import RunInfo, RunPage, StepView
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
     BackendError,
+    CallbackTimeoutError,
+    CallbackTokenError,
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
@@ -78,6 +80,8 @@ __all__ = [
     "AsyncStep",
     "AttemptInfo",
     "BackendError",
+    "CallbackTimeoutError",
+    "CallbackTokenError",
     "CanceledError",
     "ChildCanceledError",
     "ChildError",

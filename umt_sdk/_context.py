@@ -16,9 +16,11 @@ from umt_sdk._abort import Aborts, AbortState, Release
 from umt_sdk._cron import tick_of_key
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._names import (
+    check_callback_arguments,
     check_name,
     check_run_arguments,
     check_sleep_arguments,
+    check_type_argument,
     check_wait_arguments,
 )
 from umt_sdk._rate_limits import RateLimit, check_step_rate_limit
@@ -200,6 +202,21 @@ class StepApi:
         value: T = await self._steps.wait_for_fact(
             name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
         )
+        return value
+
+    async def callback_token(self, name: str, *, timeout: timedelta) -> str:
+        """Mint an unguessable, single-use token for the callback `name`, as a step: a replay
+        returns the same token. Hand it to whoever completes it (`engine.complete_callback(
+        token, payload)`), then `wait_for_callback(token)`. It expires `timeout` from now."""
+        check_callback_arguments(name, timeout)
+        return await self._steps.callback_token(name, timeout)
+
+    async def wait_for_callback(self, token: str, *, payload_type: type[T] | Any = Any) -> T:
+        """Wait durably (the run parked, no slot held) until `token` is completed, and return
+        its payload; a completion that came first is kept and returned at once. Past the
+        token's expiry: `CallbackTimeoutError` (recorded, so replays raise it too)."""
+        check_type_argument(payload_type, "payload_type", where="wait_for_callback()")
+        value: T = await self._steps.wait_for_callback(token, payload_type)
         return value
 
     async def start_child(
@@ -485,6 +502,18 @@ class SyncStepApi:
                 name, timeout=timeout, check=check, payload_type=payload_type, poll=poll_interval
             )
         )
+        return value
+
+    def callback_token(self, name: str, *, timeout: timedelta) -> str:
+        """Mint a callback token, once (see `StepApi.callback_token`)."""
+        check_callback_arguments(name, timeout)
+        token: str = self._steps.from_thread(self._steps.callback_token(name, timeout))
+        return token
+
+    def wait_for_callback(self, token: str, *, payload_type: type[T] | Any = Any) -> T:
+        """Wait durably for a callback (see `StepApi.wait_for_callback`)."""
+        check_type_argument(payload_type, "payload_type", where="wait_for_callback()")
+        value: T = self._steps.from_thread(self._steps.wait_for_callback(token, payload_type))
         return value
 
     def start_child(

@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar, get_args, overload
 from uuid import UUID
 
@@ -18,6 +18,7 @@ from opentelemetry.trace import TracerProvider
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
+from umt_sdk._callbacks import CALLBACK_FACT_PREFIX, find_minted, parse_token
 from umt_sdk._check import shown
 from umt_sdk._codec import PayloadCodec, check_codec
 from umt_sdk._codec_backend import codec_of, wrap_backend
@@ -81,6 +82,7 @@ from umt_sdk._views import RunInfo, RunPage, build_run_info
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
     BackendError,
+    CallbackTokenError,
     IdempotencyConflictError,
     ResultTimeoutError,
     RunCanceledError,
@@ -130,7 +132,14 @@ def _refuse_reserved_key(key: str) -> None:
 def _refuse_child_fact(name: str) -> None:
     """Refuse a fact name umt stores itself: a child's ending tells its parent with the fact
     `umt.child:<child id>`, and a fact sent under that name would wake the parent as if the
-    child had finished."""
+    child had finished; a callback's fact (`umt.callback:<step>`) is stored only by
+    `complete_callback`, with the token."""
+    if name.startswith(CALLBACK_FACT_PREFIX):
+        raise UsageError(
+            f"fact name {name!r}: names starting with {CALLBACK_FACT_PREFIX!r} are reserved by "
+            "umt (a callback is completed with engine.complete_callback(token, payload))",
+            argument="name",
+        )
     if name.startswith(CHILD_KEY_PREFIX):
         raise UsageError(
             f"fact name {name!r}: names starting with {CHILD_KEY_PREFIX!r} are reserved by umt "
@@ -771,6 +780,58 @@ class Engine:
             stored = await self.backend.signal(run_id=run_id, name=name, payload_json=payload_json)
             span.set_attribute("umt.fact.stored", stored)
         return stored
+
+    async def complete_callback(self, token: str, payload: Any = None) -> None:
+        """Complete the callback that `token` (from `ctx.step.callback_token`) names, exactly
+        once: its run's `wait_for_callback` returns `payload`, now or when it gets there.
+
+        Refused with `CallbackTokenError`, nothing stored, when the token is malformed, when
+        no callback of its run has it (forged, or bound to another run), when it expired,
+        when it was already completed (the first payload stays), or when its run has ended.
+        Two racing completions: one wins, the other is refused as already completed.
+        """
+        where = "complete_callback()"
+        run_id = parse_token(token, where=where)  # shape and size first: nothing read yet
+        payload_json = _serde.encode(payload, what="payload of a callback")
+        run = await self.backend.get_run(run_id)
+        minted = find_minted(run.steps, token) if run is not None else None
+        if run is None or minted is None:
+            raise CallbackTokenError(
+                f"{where}: no callback of run {run_id} has this token (forged, bound to "
+                "another run, or its run was deleted)",
+                reason="unknown",
+            )
+        attributes = {"umt.run.id": str(run_id), "umt.step.name": minted.step_name}
+        with self.telemetry.producer_span(f"umt.complete_callback {minted.step_name}", attributes):
+            used = await self.backend.get_facts(run_id=run_id, name=minted.fact)
+            if any(fact.run_id == run_id for fact in used):
+                raise CallbackTokenError(
+                    f"{where}: callback {minted.step_name!r} of run {run_id} was already "
+                    "completed; a token completes its callback once (the first payload stays)",
+                    reason="completed",
+                )
+            now = run.observed_at or datetime.now(UTC)  # every backend sets it; a guard
+            if now >= minted.expires_at:
+                raise CallbackTokenError(
+                    f"{where}: the token of callback {minted.step_name!r} of run {run_id} "
+                    f"expired at {minted.expires_at.isoformat()}",
+                    reason="expired",
+                )
+            if run.status in ("completed", "failed", "canceled", "compensated"):
+                raise CallbackTokenError(
+                    f"{where}: run {run_id} has ended ({run.status}); its callback "
+                    f"{minted.step_name!r} can no longer be completed",
+                    reason="finished",
+                )
+            stored = await self.backend.signal(
+                run_id=run_id, name=minted.fact, payload_json=payload_json
+            )
+        if not stored:  # a racing completion stored it between our look and our write
+            raise CallbackTokenError(
+                f"{where}: callback {minted.step_name!r} of run {run_id} was already "
+                "completed; a token completes its callback once (the first payload stays)",
+                reason="completed",
+            )
 
     async def broadcast(self, name: str, payload: Any = None) -> bool:
         """Store a fact every run can wait for by `name` (first write wins), and wake them."""

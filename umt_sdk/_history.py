@@ -6,7 +6,7 @@ last record is and tell it what they recorded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from uuid import UUID
 
 from umt_sdk._spi import StepKind, StepRecord
@@ -61,6 +61,11 @@ class History:
                 current_kind=kind,
             )
         return last
+
+    def latest(self) -> Iterator[StepRecord]:
+        """Each step's newest record."""
+        for tries in self._records.values():
+            yield tries[-1]
 
     def remember(self, record: StepRecord) -> None:
         """A record this execution stored (it replaces the same try of the same step)."""

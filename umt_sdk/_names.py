@@ -27,6 +27,7 @@ __all__ = [
     "check_name",
     "check_retry",
     "check_run_arguments",
+    "check_callback_arguments",
     "check_sleep_arguments",
     "check_storable",
     "check_type_argument",
@@ -234,6 +235,20 @@ def check_sleep_arguments(name: object, duration: object) -> None:
         expected=f"a timedelta such as timedelta(minutes=5) (at most {check.MAX_DURATION.days} "
         "days)",
         where=f"sleep {name!r}",
+    )
+
+
+def check_callback_arguments(name: object, timeout: object) -> None:
+    """`ctx.step.callback_token(name, timeout=)`: a step's name, and a timeout > 0 (a token
+    that never expires would stay usable for ever, so there is no default)."""
+    check_name("step", name, argument="name")
+    check.duration(
+        timeout,
+        "timeout",
+        positive=True,
+        expected=f"a timedelta > 0 such as timedelta(hours=1) (at most {check.MAX_DURATION.days} "
+        "days)",
+        where=f"callback_token {name!r}",
     )
 
 

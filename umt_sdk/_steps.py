@@ -22,6 +22,14 @@ from attrs import field, frozen
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._callbacks import (
+    callback_envelope,
+    find_minted,
+    mint_token,
+    minted_for,
+    minted_of,
+    parse_token,
+)
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._error_info import error_info
@@ -53,6 +61,7 @@ from umt_sdk._streams import StepScope, step_scope
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
 from umt_sdk._timers import wait_until
 from umt_sdk.exceptions import (
+    CallbackTimeoutError,
     CanceledError,
     ChildCanceledError,
     ChildFailedError,
@@ -60,6 +69,7 @@ from umt_sdk.exceptions import (
     DeadlineExceededError,
     FactTimeoutError,
     IdempotencyConflictError,
+    NonDeterminismError,
     PayloadError,
     StepFailedError,
     StepTimeoutError,
@@ -982,7 +992,96 @@ class Steps:
     ) -> Any:
         check_name("fact", name, argument="name")
         _check_wait_arguments(name, timeout=timeout, check=check, poll=poll)
+        return await self._wait_for(
+            self.history.occurrence(name),
+            name,
+            timeout=timeout,
+            deadline_at=None,
+            check=check,
+            payload_type=payload_type,
+            poll=poll,
+        )
+
+    async def callback_token(self, name: str, timeout: timedelta) -> str:
+        """Mint the callback `name`'s token, once: a step whose record keeps the token, so a
+        replay returns the same one (see `_callbacks`)."""
         full = self.history.occurrence(name)
+        run_id = self._host.claimed.run_id
+        last = self.history.last(full, "step")
+        if last is not None and last.status == "completed" and not minted_for(last, run_id):
+            last = None  # copied from the run this one was forked from: mint its own token
+        replayed = last is not None and last.status == "completed"
+        _probe.report("call", full, step_kind="step", replayed=replayed)
+        if last is not None and last.status == "completed":
+            minted = minted_of(last)
+            if minted is None:
+                raise NonDeterminismError(
+                    f"step {full!r} of run {self._host.claimed.run_id} was recorded as a "
+                    "plain step but the code now makes it a callback token; bump the task's "
+                    "version for incompatible changes",
+                    step_name=full,
+                )
+            self._telemetry.replayed(last)
+            return minted.token
+        self._host.check_before_step()
+        self._host.go_live()
+        now = self._host.now()
+        token = mint_token(run_id)
+        await self._record(
+            self._step_record(
+                full,
+                "step",
+                status="completed",
+                started_at=now,
+                finished_at=now,
+                output_json=callback_envelope(full, token, now + timeout),
+            )
+        )
+        self._telemetry.event("umt.callback.minted", **{"umt.step.name": full})
+        return token
+
+    async def wait_for_callback(self, token: str, payload_type: Any) -> Any:
+        """Wait durably for `token`'s completion: a fact wait on the callback's fact, with the
+        token's expiry as its deadline (then `CallbackTimeoutError`, recorded)."""
+        run_id = self._host.claimed.run_id
+        bound_to = parse_token(token, where="wait_for_callback()")
+        minted = find_minted(self.history.latest(), token) if bound_to == run_id else None
+        if minted is None:
+            raise UsageError(
+                "wait_for_callback(): the token was not minted by this run's "
+                "ctx.step.callback_token(); a run waits only for its own callbacks",
+                argument="token",
+            )
+        try:
+            return await self._wait_for(
+                self.history.occurrence(minted.fact),
+                minted.fact,
+                timeout=None,
+                deadline_at=minted.expires_at,
+                check=None,
+                payload_type=payload_type,
+                poll=None,
+            )
+        except FactTimeoutError as exc:
+            raise CallbackTimeoutError(
+                f"callback {minted.step_name!r} was not completed before its token expired "
+                f"at {minted.expires_at.isoformat()}",
+                callback_name=minted.step_name,
+            ) from exc
+
+    async def _wait_for(
+        self,
+        full: str,
+        name: str,
+        *,
+        timeout: timedelta | None,
+        deadline_at: datetime | None,
+        check: Callable[[], Any] | None,
+        payload_type: Any,
+        poll: timedelta | None,
+    ) -> Any:
+        """Wait for the fact `name` as the step `full`: until `timeout` from the wait's start,
+        or `deadline_at`, or for ever when both are None."""
         last = self.history.last(full, "fact")
         replayed = last is not None and last.status == "completed"
         _probe.report("call", full, step_kind="fact", replayed=replayed)
@@ -996,7 +1095,7 @@ class Steps:
         if last is not None:
             deadline = last.wake_at
         else:
-            deadline = started + timeout if timeout is not None else None
+            deadline = started + timeout if timeout is not None else deadline_at
         while True:
             now = self._host.now()
             if check is not None:

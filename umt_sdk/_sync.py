@@ -166,6 +166,9 @@ class SyncEngine:
     def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
         return self._call(self._engine.signal(run_id, name, payload))
 
+    def complete_callback(self, token: str, payload: Any = None) -> None:
+        self._call(self._engine.complete_callback(token, payload))
+
     def broadcast(self, name: str, payload: Any = None) -> bool:
         return self._call(self._engine.broadcast(name, payload))
 

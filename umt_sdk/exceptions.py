@@ -5,7 +5,8 @@ UmtError
 ├── UsageError               (also ValueError) an API got an argument it refuses (fix the call)
 │   ├── TaskDefinitionError  a task or step is declared wrongly (@task, @step, Registry)
 │   │   └── UnknownTaskError (also LookupError) no such (name, version) is registered
-│   └── NotInTaskError       a step or the context was used outside a running task
+│   ├── NotInTaskError       a step or the context was used outside a running task
+│   └── CallbackTokenError   complete_callback: the token is malformed, unknown, expired or used
 ├── PayloadError             (also ValueError) an input/output/payload does not fit its type
 ├── CodecError               a stored payload cannot be decoded (tampered, unknown key, no codec)
 ├── BackendError             the backend failed; the operation may be retried
@@ -20,6 +21,7 @@ UmtError
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
+│   └── CallbackTimeoutError  a wait_for_callback passed its token's expiry
 ├── StepTimeoutError         (also TimeoutError) a step attempt ran past its timeout
 ├── DeadlineExceededError    (also TimeoutError) the run was not finished at its deadline
 │   └── StartDeadlineExceededError  the run was not started before its start deadline
@@ -53,6 +55,8 @@ __all__ = [
     "BackendError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "CallbackTimeoutError",
+    "CallbackTokenError",
     "CanceledError",
     "ChildCanceledError",
     "ChildFailedError",
@@ -99,6 +103,17 @@ class UsageError(UmtError, ValueError):
     def __init__(self, message: str | None = None, *, argument: str = "") -> None:
         super().__init__(message)
         self.argument = argument
+
+
+class CallbackTokenError(UsageError):
+    """`complete_callback` refused the token, and changed nothing. `reason` says why:
+    `malformed` (not a token's shape), `unknown` (well formed, but no callback of that run
+    has it: forged, or bound to another run), `expired` (its timeout passed), `completed`
+    (already used: the first payload stays), `finished` (its run has ended)."""
+
+    def __init__(self, message: str | None = None, *, reason: str = "") -> None:
+        super().__init__(message, argument="token")
+        self.reason = reason
 
 
 class TaskDefinitionError(UsageError):
@@ -302,6 +317,15 @@ class FactTimeoutError(UmtError, TimeoutError):
     def __init__(self, message: str | None = None, *, fact_name: str = "") -> None:
         super().__init__(message)
         self.fact_name = fact_name
+
+
+class CallbackTimeoutError(FactTimeoutError):
+    """No `complete_callback` came before the callback token expired (raised by
+    `wait_for_callback`, and again on replay)."""
+
+    def __init__(self, message: str | None = None, *, callback_name: str = "") -> None:
+        super().__init__(message, fact_name=callback_name)
+        self.callback_name = callback_name
 
 
 class StepTimeoutError(UmtError, TimeoutError):

@@ -666,6 +666,42 @@ async def test_a_step_waiting_on_a_paused_limit_says_so_and_names_no_key() -> No
     assert attrs_of(runs[-1])["umt.outcome"] == "completed"
 
 
+# -- callback tokens ----------------------------------------------------------------------------
+
+TOKENS: list[str] = []
+
+
+@task("tel.callback", version=1)
+async def calls_back(ctx: TaskContext[Key]) -> str:
+    token = await ctx.step.callback_token("pay", timeout=timedelta(hours=1))
+    TOKENS.append(token)
+    got: str = await ctx.step.wait_for_callback(token)
+    return got
+
+
+async def test_a_callback_mints_once_and_its_completion_is_a_span() -> None:
+    TOKENS.clear()
+    otel = Otel()
+    engine = await otel.engine(calls_back, clock=FakeClock(auto_advance=True))
+    handle = await engine.enqueue(calls_back, Key("c"))
+    async with engine.worker():
+        await until(engine, handle.run_id, lambda i: i.status == "waiting")
+        await engine.complete_callback(TOKENS[0], "ok")
+        assert await handle.result(timeout=10) == "ok"
+    await engine.close()
+    runs = otel.spans("umt.run tel.callback")
+    minted = [e for s in runs for e in events(s, "umt.callback.minted")]
+    assert minted == [{"umt.step.name": "pay"}], "minted once, not again on replay"
+    (completed,) = otel.spans("umt.complete_callback pay")
+    assert completed.kind == SpanKind.PRODUCER
+    assert attrs_of(completed)["umt.run.id"] == str(handle.run_id)
+    assert attrs_of(completed)["umt.step.name"] == "pay"
+    spans = otel.exporter.get_finished_spans()
+    everything = [str(v) for s in spans for v in attrs_of(s).values()]
+    everything += [str(v) for s in spans for e in s.events for v in (e.attributes or {}).values()]
+    assert not any(TOKENS[0] in v for v in everything), "the token is never an attribute"
+
+
 # -- the table -------------------------------------------------------------------------------------
 
 _EMITTERS = [

@@ -12,6 +12,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_batches`: `enqueue_many` (one write, the outcome of single enqueues, keys honoured)
 - `_replay`: replay by step name, non-determinism, plain tasks and steps
 - `_facts`: durable sleeps and facts
+- `_callbacks`: callback tokens (one per step, completed once, bad tokens refused)
 - `_children`: child runs, their results, and the cancels a parent's end cascades
 - `_fanout`: `map` and `gather`: order, partial failure, `max_concurrency`, one wake-up
 - `_user_code`: handlers and steps as users write them
@@ -49,6 +50,7 @@ from umt_sdk.testing._contract import (
     _arguments,
     _base,
     _batches,
+    _callbacks,
     _cancel,
     _children,
     _claims,
@@ -85,6 +87,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_batches.TASKS,
     *_replay.TASKS,
     *_facts.TASKS,
+    *_callbacks.TASKS,
     *_children.TASKS,
     *_fanout.TASKS,
     *_user_code.TASKS,
@@ -120,6 +123,7 @@ class BackendContract(
     _batches.BatchesContract,
     _replay.ReplayContract,
     _facts.FactsContract,
+    _callbacks.CallbacksContract,
     _children.ChildrenContract,
     _fanout.FanOutContract,
     _user_code.UserCodeContract,
