@@ -596,25 +596,7 @@ class Execution:
             if isinstance(exc, CodecError):  # a step record it cannot read, on replay
                 await self._hand_back_unreadable(exc)
                 return
-            task = asyncio.current_task()
-            verdict = self.aborts.classify(
-                exc, cancelled_by_worker=task is not None and task.cancelling() > 0
-            )
-            if verdict in (Verdict.SUSPEND, Verdict.STOP):
-                if isinstance(exc, (Stop, Suspend, asyncio.CancelledError, SimulatedCrash)):
-                    raise
-                raise Stop from None
-            if verdict is Verdict.FENCED:
-                self.fenced()
-                raise Stop from None
-            if verdict is Verdict.RELEASE:
-                await self._release()
-            elif verdict is Verdict.CANCEL:
-                await self._finish_canceled(exc)
-            elif verdict is Verdict.EXPIRE:
-                await self._finish_expired(self._deadline_error())
-            else:
-                await self._finish_failed(exc)
+            await self._settle(exc, self._finish_failed)
             return
         deadline = self.claimed.deadline_at
         if self.aborts.expiring or (deadline is not None and self.now() >= deadline):
@@ -736,30 +718,40 @@ class Execution:
         try:
             await self._run_compensations(cause)
         except (Exception, asyncio.CancelledError, Stop, Suspend, Release, SimulatedCrash) as exc:
-            task = asyncio.current_task()
-            verdict = self.aborts.classify(
-                exc, cancelled_by_worker=task is not None and task.cancelling() > 0
-            )
-            if verdict in (Verdict.SUSPEND, Verdict.STOP):
-                if isinstance(exc, (Stop, Suspend, asyncio.CancelledError, SimulatedCrash)):
-                    raise
-                raise Stop from None
-            if verdict is Verdict.FENCED:
-                self.fenced()
-                raise Stop from None
-            if verdict is Verdict.RELEASE:
-                await self._release()
-            elif verdict is Verdict.CANCEL:
-                await self._finish_canceled(exc)
-            elif verdict is Verdict.EXPIRE:
-                await self._finish_expired(self._deadline_error())
-            else:  # a compensation's code is not the handler's: no retry of the run
-                await self._end(
-                    Ending(
-                        status="failed", outcome="failed", error=error_info(exc), count_failure=True
-                    )
-                )
-                self._outcome("failed", exc)
+            # A compensation's code is not the handler's: no retry of the run.
+            await self._settle(exc, self._fail_for_good)
+
+    async def _fail_for_good(self, exc: BaseException) -> None:
+        await self._end(
+            Ending(status="failed", outcome="failed", error=error_info(exc), count_failure=True)
+        )
+        self._outcome("failed", exc)
+
+    async def _settle(
+        self, exc: BaseException, fail: Callable[[BaseException], Awaitable[None]]
+    ) -> None:
+        """What an exception out of the handler (or of the compensations) makes of the run,
+        as the abort state classifies it: stop (`exc` raised again), fenced, released, canceled,
+        expired, or `fail(exc)`."""
+        task = asyncio.current_task()
+        verdict = self.aborts.classify(
+            exc, cancelled_by_worker=task is not None and task.cancelling() > 0
+        )
+        if verdict in (Verdict.SUSPEND, Verdict.STOP):
+            if isinstance(exc, (Stop, Suspend, asyncio.CancelledError, SimulatedCrash)):
+                raise exc
+            raise Stop from None
+        if verdict is Verdict.FENCED:
+            self.fenced()
+            raise Stop from None
+        if verdict is Verdict.RELEASE:
+            await self._release()
+        elif verdict is Verdict.CANCEL:
+            await self._finish_canceled(exc)
+        elif verdict is Verdict.EXPIRE:
+            await self._finish_expired(self._deadline_error())
+        else:
+            await fail(exc)
 
     async def _run_compensations(self, cause: BaseException | None) -> None:
         saga = self.steps.saga

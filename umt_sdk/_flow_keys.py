@@ -41,7 +41,7 @@ MODES: tuple[str, ...] = ("skip", "replace")
 
 def _key(where: str) -> Any:
     def validate(_: object, __: object, value: object) -> None:
-        check.text(
+        text = check.text(
             value,
             "key",
             empty=False,
@@ -49,7 +49,7 @@ def _key(where: str) -> Any:
             expected=f"a non-empty str of at most {MAX_KEY_LENGTH} characters",
             where=where,
         )
-        _serde.check_text(value, what=f"{where} key")  # type: ignore[arg-type]
+        _serde.check_text(text, what=f"{where} key")
 
     return validate
 

@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 
 from umt_sdk import Debounce, Engine, Registry, TaskContext, connect, task
-from umt_sdk.backend import TaskPair
+from umt_sdk.backend import ClaimedRun, TaskPair
 
 
 @attrs.frozen
@@ -87,7 +87,7 @@ async def test_a_trigger_waiting_for_a_run_a_claim_takes_stores_a_new_run(
 
 async def test_a_trigger_after_a_real_claim_stores_a_new_run(engine: Engine) -> None:
     first = await engine.enqueue(reindex, Edit("v1"), debounce=EDITS)
-    claimed: list[object] = []
+    claimed: list[ClaimedRun] = []
     for _ in range(200):  # the period is a millisecond; the claim reads timers about once a second
         claimed += await engine.backend.claim(
             worker_id="racer", pairs=[PAIR], limit=1, lease=timedelta(seconds=60)
@@ -95,7 +95,7 @@ async def test_a_trigger_after_a_real_claim_stores_a_new_run(engine: Engine) -> 
         if claimed:
             break
         await asyncio.sleep(0.05)
-    assert [c.run_id for c in claimed] == [first.run_id]  # type: ignore[attr-defined]
+    assert [c.run_id for c in claimed] == [first.run_id]
     second = await engine.enqueue(reindex, Edit("v2"), debounce=EDITS)
     assert second.created
     assert (await engine.get(first.run_id)).input == {"text": "v1"}

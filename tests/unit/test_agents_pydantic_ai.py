@@ -407,7 +407,7 @@ def test_a_fenced_tool_needs_an_op_key() -> None:
     with pytest.raises(UsageError, match="op_key"):
         FencedTool(op_key="", conn=STORE)
     with pytest.raises(UsageError, match="FencedTool"):
-        UmtAgent(make_agent(), fenced={"book": "book:{hotel}"})  # type: ignore[dict-item]
+        UmtAgent(make_agent(), fenced={"book": "book:{hotel}"})  # type: ignore[dict-item]  # under test
 
 
 def asking_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:

@@ -35,7 +35,7 @@ DEPLOYED: dict[str, bool] = {"without_compensation": False}
 
 def test_on_failure_takes_fail_or_compensate() -> None:
     with pytest.raises(TaskDefinitionError) as caught:
-        task("t", on_failure="undo")  # type: ignore[arg-type]
+        task("t", on_failure="undo")  # type: ignore[arg-type]  # the bad input under test
     assert caught.value.argument == "on_failure"
     assert "'compensate'" in str(caught.value)
 

@@ -208,7 +208,7 @@ class FlowKeysContract:
             Singleton("")
         assert caught.value.argument == "key"
         with pytest.raises(UsageError) as caught:
-            Singleton("k", mode="newest")  # type: ignore[arg-type]
+            Singleton("k", mode="newest")  # type: ignore[arg-type]  # the bad input under test
         assert caught.value.argument == "mode"
         refused: list[tuple[str, dict[str, Any]]] = [
             ("singleton", {"singleton": "k"}),
@@ -273,7 +273,8 @@ class FlowKeysContract:
         moved = await engine.backend.get_run_head(first.run_id)
         assert moved is not None
         assert moved.available_at is not None
-        assert head.created_at + period < moved.available_at <= head.created_at + bounded.max_wait  # type: ignore[operator]
+        assert bounded.max_wait is not None
+        assert head.created_at + period < moved.available_at <= head.created_at + bounded.max_wait
         tight = Debounce("t", period=period, max_wait=period)
         first = await engine.enqueue(debounced_task, Job(key="t:0"), debounce=tight)
         await harness.advance(timedelta(milliseconds=50))
