@@ -83,10 +83,14 @@ class NightInput:
 
 
 async def load_plan(plan_id: str, run_id: str) -> Plan:
-    """Read the plan and note which run carries it (for the operator's signal)."""
+    """Read the plan and note which run carries it (for the operator's signal).
+
+    The status only moves forward: a worker cut off from Postgres may have sent this write
+    before its lease lapsed, and it can land after another worker took the run over and went
+    on (to `done`, even). Unfenced writes must be idempotent *and* never move state back."""
     row = await _fetchone(
-        "UPDATE {s}.plans SET run_id = %s, status = 'awaiting approval' WHERE id = %s"
-        " RETURNING url, size",
+        "UPDATE {s}.plans SET run_id = %s, status = CASE WHEN status IN ('planned', 'scheduled')"
+        " THEN 'awaiting approval' ELSE status END WHERE id = %s RETURNING url, size",
         run_id,
         plan_id,
     )

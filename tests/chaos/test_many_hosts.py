@@ -593,7 +593,7 @@ async def check_outcomes(
     per_plan = await fetch(
         url,
         q(
-            "SELECT p.id, p.status, (SELECT count(*) FROM {s}.client_jobs j"
+            "SELECT p.id, p.status, p.run_id, (SELECT count(*) FROM {s}.client_jobs j"
             " WHERE j.tag = 'submit:' || p.id) AS jobs,"
             " (SELECT count(*) FROM {s}.assets a WHERE a.plan_id = p.id) AS assets,"
             " (SELECT count(*) FROM {s}.assets a WHERE a.plan_id = p.id"
@@ -610,7 +610,13 @@ async def check_outcomes(
         if (r["status"], r["jobs"], r["assets"], r["described"]) != ("done", 1, 1, 1)
     ]
     # 0 doubled fenced effects: one client job (the fenced submit) and one asset per plan.
-    assert not wrong, f"plans whose effects are missing or doubled: {wrong}"
+    if wrong:
+        log = (cluster.spawner.workdir / "steps.log").read_text().splitlines()
+        runs_of = {str(r["run_id"]) for r in wrong}
+        began = [line for line in log if line.split()[1] in runs_of]
+        raise AssertionError(
+            f"plans whose effects are missing or doubled: {wrong}; their runs' steps: {began}"
+        )
 
     # 0 completed steps begun again: no step began after a completed record of it, under a
     # newer token (a second before the record's time is allowed for the commit's order).
