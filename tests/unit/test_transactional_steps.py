@@ -23,10 +23,12 @@ from umt_sdk import (
     SyncTaskContext,
     TaskContext,
     connect,
+    step,
     task,
 )
 from umt_sdk._codec_backend import inner_backend
 from umt_sdk.backend import TransactionStore
+from umt_sdk.exceptions import TaskDefinitionError
 from umt_sdk.testing import FakeClock
 
 READ_BOTH = asyncio.Event()
@@ -209,3 +211,41 @@ async def test_a_codec_seals_the_record_of_a_transactional_step() -> None:
         info = await engine.get(handle.run_id)
         assert info.timeline[0].output_json == '"secret output"', "opened on the way out"
         assert inner.store.rows("receipts") == {"s": "secret"}
+
+
+@step("credit", transactional=True)
+async def credit(tx: MemoryTransaction, account: str, amount: int) -> int:
+    balance: int = tx.get("accounts", account, 0) + amount
+    tx.put("accounts", account, balance)
+    return balance
+
+
+@task("tx.decorated", version=1)
+async def decorated_task(ctx: TaskContext[str]) -> int:
+    await credit(ctx.input, 5)
+    return await credit(ctx.input, 7)  # typed: (account: str, amount: int) -> int
+
+
+async def test_a_decorated_transactional_step_is_called_without_its_transaction() -> None:
+    engine = await connect(
+        "memory://", registry=Registry([decorated_task]), clock=FakeClock(auto_advance=True)
+    )
+    async with engine:
+        handle = await engine.enqueue(decorated_task, "acct")
+        async with engine.worker():
+            assert await handle.result(timeout=10) == 12
+        info = await engine.get(handle.run_id)
+        assert [(s.name, s.status) for s in info.timeline] == [
+            ("credit", "completed"),
+            ("credit#2", "completed"),
+        ]
+        assert inner_backend(engine.backend).store.rows("accounts") == {"acct": 12}
+
+
+def test_a_transactional_step_must_be_async() -> None:
+    def plain(tx: Any) -> None: ...
+
+    with pytest.raises(TaskDefinitionError, match="must decorate an async function"):
+        step("plain", transactional=True)(plain)  # type: ignore[arg-type]  # refused: plain
+    with pytest.raises(TaskDefinitionError, match="transactional must be True or False"):
+        step("x", transactional="yes")  # type: ignore[call-overload]  # refused: not a bool
