@@ -66,32 +66,36 @@ class StepTransactions:
         try:
             with wrap_exceptions():
                 pool = await self._connections()
-            async with pool.connection() as conn, conn.transaction():
-                cur = await conn.execute(self._q["step_transaction_fence"], fence)
-                if await cur.fetchone() is None:
-                    raise fenced(lease, f"beginning {what}")
-                in_body = True
-                step = await body(conn)
-                in_body = False
-                what = f"recording step {step.name!r}"
-                cur = await conn.execute(
-                    self._q["step_transaction_record"],
-                    {
-                        **fence,
-                        "lease": lease.duration,
-                        "name": step.name,
-                        "attempt": step.attempt,
-                        "kind": step.kind,
-                        "status": step.status,
-                        "output": step.output_json,
-                        "error": _error_json(step.error),
-                        "started": step.started_at,
-                        "finished": step.finished_at,
-                        "wake": step.wake_at,
-                    },
-                )
-                if await cur.fetchone() is None:
-                    raise fenced(lease, what)  # rolls the body's writes back with it
+            async with pool.connection() as conn:
+                # Whatever the server's default: the fence at the commit must see the run
+                # row as it is then (client-side: sent with the BEGIN).
+                await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)
+                async with conn.transaction():
+                    cur = await conn.execute(self._q["step_transaction_fence"], fence)
+                    if await cur.fetchone() is None:
+                        raise fenced(lease, f"beginning {what}")
+                    in_body = True
+                    step = await body(conn)
+                    in_body = False
+                    what = f"recording step {step.name!r}"
+                    cur = await conn.execute(
+                        self._q["step_transaction_record"],
+                        {
+                            **fence,
+                            "lease": lease.duration,
+                            "name": step.name,
+                            "attempt": step.attempt,
+                            "kind": step.kind,
+                            "status": step.status,
+                            "output": step.output_json,
+                            "error": _error_json(step.error),
+                            "started": step.started_at,
+                            "finished": step.finished_at,
+                            "wake": step.wake_at,
+                        },
+                    )
+                    if await cur.fetchone() is None:
+                        raise fenced(lease, what)  # rolls the body's writes back with it
         except FencingError:
             raise
         except _CONFLICTS as exc:
