@@ -71,6 +71,7 @@ from umt_sdk._spi import (
     TaskPair,
     TokenGrant,
     TokenRequest,
+    TransactionStore,
     WorkerRecord,
     WorkerState,
 )
@@ -134,6 +135,7 @@ __all__ = [
     "TokenGrant",
     "TokenRequest",
     "TokenTake",
+    "TransactionStore",
     "WorkerRecord",
     "WorkerState",
     "check_codec",
