@@ -13,6 +13,7 @@ from attrs import field, frozen
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
+from umt_sdk._attention import check_uncertain_on
 from umt_sdk._check import shown
 from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
@@ -214,16 +215,19 @@ class _StepBase(Generic[P, R]):
         fn: Callable[P, Any],
         retry: RetryPolicy | None,
         timeout: timedelta | None = None,
+        uncertain_on: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.name = name
         self.fn = fn
         self.retry = retry
         self.timeout = timeout
+        self.uncertain_on = uncertain_on
         self.output_type = unwrap_awaitable(hints(fn).get("return", Any))
         check_storable(self.output_type, f"step {name!r}: the return type of {fn.__qualname__}")
         functools.update_wrapper(typing.cast(Any, self), fn)
         # What `ctx.step.run(name, this, ...)` runs instead (see `_names.inline_target`).
         self.__umt_step__ = (fn, self.output_type, retry, timeout)
+        self.__umt_uncertain_on__ = uncertain_on
 
     def __repr__(self) -> str:
         return f"<step {self.name!r} ({self.fn.__qualname__})>"
@@ -237,6 +241,7 @@ class _StepBase(Generic[P, R]):
             retry=self.retry,
             output_type=self.output_type,
             timeout=self.timeout,
+            uncertain_on=self.uncertain_on,
         )
 
 
@@ -297,7 +302,11 @@ class _StepDecorator(Protocol):
 
 
 def step(
-    name: str, *, retry: RetryPolicy | None = None, timeout: timedelta | None = None
+    name: str,
+    *,
+    retry: RetryPolicy | None = None,
+    timeout: timedelta | None = None,
+    uncertain_on: type[BaseException] | tuple[type[BaseException], ...] = (),
 ) -> _StepDecorator:
     """Declare a named step. Inside a task it runs once per run; replays return its record.
 
@@ -309,8 +318,17 @@ def step(
             one (a thread cannot be killed) is left to finish on its own and its result
             ignored, and the attempt fails with `StepTimeoutError`, retried per the step's
             policy. None (the default): no limit.
+        uncertain_on: an exception class (or a tuple of them, such as `(TimeoutError,)`)
+            after which the step's outcome is unknown: an attempt that fails so parks the run
+            in `needs_attention` until an operator settles it (`engine.settle`), instead of
+            being retried or failed.
     """
     check_name("step", name)
+    uncertain = (
+        check_uncertain_on(uncertain_on, where=f"step {name!r}", error=TaskDefinitionError)
+        if uncertain_on != ()
+        else ()
+    )
     check_retry(retry, where=f"step {name!r}", error=TaskDefinitionError)
     if timeout is not None:
         _check_timeout(timeout, where=f"step {name!r}")
@@ -322,8 +340,8 @@ def step(
                 argument="fn",
             )
         if inspect.iscoroutinefunction(fn):
-            return AsyncStep(name, fn, retry, timeout)
-        return SyncStep(name, fn, retry, timeout)
+            return AsyncStep(name, fn, retry, timeout, uncertain)
+        return SyncStep(name, fn, retry, timeout, uncertain)
 
     return typing.cast(_StepDecorator, decorate)
 
