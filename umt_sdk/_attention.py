@@ -36,7 +36,7 @@ from attrs import frozen
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
-from umt_sdk._spi import Backend, StepRecord
+from umt_sdk._spi import ATTENTION_WAIT_PREFIX, Backend, StepRecord
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import PayloadError, UsageError
 
@@ -57,7 +57,7 @@ __all__ = [
     "type_ref",
 ]
 
-ATTENTION_FACT_PREFIX = "umt.attention:"
+ATTENTION_FACT_PREFIX = ATTENTION_WAIT_PREFIX
 """The facts that settle a step: `umt.attention:<attempt>:<step>`. Reserved: `signal` and
 `broadcast` refuse them, so only `settle` stores one."""
 

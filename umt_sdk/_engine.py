@@ -1115,6 +1115,7 @@ class Engine:
         finished_before: datetime | None = None,
         concurrency_key: str | None = None,
         worker_id: str | None = None,
+        needs_attention: bool = False,
     ) -> RunPage:
         """Runs, newest first (by run id, which grows with time), matching every filter given;
         page with `before=page.next_cursor`.
@@ -1130,6 +1131,8 @@ class Engine:
                 keys are per task, so give `task_name` too.
             worker_id: only runs that an execution of this worker claimed (the ids on the
                 run's timeline; `engine.workers()` lists them).
+            needs_attention: only runs in `needs_attention`, waiting for an operator to
+                settle a step (`RunInfo.needs_attention` names it; `settle`).
             created_after: only runs created at or after this time (timezone-aware);
                 `created_before`: strictly before it.
             finished_after: only finished runs, finished at or after this time;
@@ -1175,6 +1178,8 @@ class Engine:
         for argument, value in times.items():
             if value is not None:
                 check.aware_datetime(value, argument, where="list()")
+        if not isinstance(needs_attention, bool):
+            check.refuse("needs_attention", "True or False", needs_attention, where="list()")
         records = await self.backend.list_runs(
             RunQuery(
                 task_name=task_name,
@@ -1191,6 +1196,7 @@ class Engine:
                 finished_before=finished_before,
                 concurrency_key=concurrency_key,
                 worker_id=worker_id,
+                needs_attention=needs_attention,
             )
         )
         page = [build_run_info(r) for r in records[:limit]]

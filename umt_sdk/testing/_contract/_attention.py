@@ -26,7 +26,7 @@ from umt_sdk import (
     task,
 )
 from umt_sdk.exceptions import TaskDefinitionError, UsageError
-from umt_sdk.testing._contract._base import Job, Tally, current_tally, wait_until
+from umt_sdk.testing._contract._base import Job, Tally, current_tally, wait_until, waiter_task
 
 __all__ = ["AttentionContract"]
 
@@ -145,9 +145,19 @@ class AttentionContract:
         assert tally.body_runs[("park", "charge")] == 1
         assert tally.body_runs[("park", "mail")] == 0
         assert info.failures == 0
-        # Listed as needing attention.
-        page = await engine.list(status="waiting")
+        # Listed as needing attention, apart from the runs waiting for a fact or a sleep.
+        other = await engine.enqueue(waiter_task, Job(key="park.fact"))
+        async with engine.worker():
+            await wait_until(engine, other.run_id, lambda i: i.status == "waiting")
+        page = await engine.list(needs_attention=True)
         assert [(r.run_id, r.needs_attention) for r in page] == [(info.run_id, "charge")]
+        assert {r.run_id for r in await engine.list(status="waiting")} == {
+            info.run_id,
+            other.run_id,
+        }
+        assert [r.run_id for r in await engine.list(needs_attention=True, task_name="x")] == []
+        tagged = await engine.list(needs_attention=True, tags={"tenant": "t1"})
+        assert [r.run_id for r in tagged] == []
 
     async def test_settled_done_records_the_output_and_goes_on_without_the_step(
         self, engine: Engine, tally: Tally
