@@ -37,6 +37,14 @@ async def wait(ctx: TaskContext[str]) -> str:
     return value
 
 
+async def _parked(engine: Engine, run_id: UUID) -> None:
+    for _ in range(3000):
+        if (await engine.get(run_id)).status == "waiting":
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"run {run_id} never parked")
+
+
 @pytest.fixture(params=["memory", "pg"])
 async def engine(request: pytest.FixtureRequest) -> AsyncIterator[Engine]:
     registry = Registry([reserve, wait])
@@ -63,8 +71,7 @@ async def test_the_run_list_filters_and_shows_runs_needing_attention(engine: Eng
     waiting = await engine.enqueue(wait, "x")
     async with engine.worker():
         for run_id in (stuck.run_id, waiting.run_id):
-            while (await engine.get(run_id)).status != "waiting":
-                await asyncio.sleep(0.01)
+            await _parked(engine, run_id)
     async with browser_for(create_app(engine)) as client:
         board = Browser(client)
         listed = await board.page("/runs?status=needs_attention")
