@@ -16,6 +16,7 @@ import attrs
 import pytest
 
 from umt_sdk import (
+    Concurrency,
     Engine,
     RetryPolicy,
     RunInfo,
@@ -69,6 +70,22 @@ async def attention_task(ctx: TaskContext[Job]) -> str:
     return f"{receipt.ref}:{receipt.cents}"
 
 
+def _one_tenant(job: Job) -> str:
+    return "tenant"
+
+
+@task(
+    "contract.attention_keyed",
+    version=1,
+    retry=_FAST_RETRIES,
+    concurrency=Concurrency(key=_one_tenant, limit=1),
+)
+async def attention_keyed_task(ctx: TaskContext[Job]) -> str:
+    """`attention_task` with one slot for all its runs (waiting runs give theirs back)."""
+    result: str = await attention_task.fn(ctx)
+    return result
+
+
 @step("charge", uncertain_on=TimeoutError, retry=_FAST_RETRIES)
 async def charge_step(key: str, cents: int) -> Receipt:
     return await charge(key, cents)
@@ -101,6 +118,7 @@ async def attention_misuse_task(ctx: TaskContext[Job]) -> str:
 
 TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     attention_task,
+    attention_keyed_task,
     attention_decorated_task,
     attention_plain_task,
     attention_misuse_task,
@@ -318,6 +336,19 @@ class AttentionContract:
         async with engine.worker():
             result = await engine.result(parked.run_id, timeout=15)
         assert result == f"by-{winners[0].by[3:]}:{winners[0].by[3:]}"
+
+    async def test_a_run_needing_attention_gives_its_concurrency_slot_back(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        parked = await _park(engine, attention_keyed_task, "slot")
+        tally.business["slot2.fail"] = 0
+        second = await engine.enqueue(attention_keyed_task, Job(key="slot2", n=3))
+        async with engine.worker():
+            assert await second.result(timeout=15) == "slot2-1:3"  # the key's one slot was free
+        assert (await engine.get(parked.run_id)).needs_attention == "charge"
+        await engine.settle(parked.run_id, step="charge", done=False)
+        async with engine.worker():
+            assert await engine.result(parked.run_id, timeout=15) == "slot-2:500"
 
     async def test_a_run_needing_attention_can_be_canceled(
         self, engine: Engine, tally: Tally
