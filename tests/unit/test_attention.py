@@ -4,11 +4,14 @@ run in `needs_attention` reads as."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import enum
+import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Annotated, Any, Literal, Optional
 
 import attrs
@@ -16,9 +19,10 @@ import pytest
 from opentelemetry.trace import StatusCode
 
 from tests.unit.test_telemetry_truth import Otel, attrs_of, events, until
-from umt_sdk import TaskContext, task
+from umt_sdk import Registry, TaskContext, connect, connect_sync, task
 from umt_sdk._attention import resolve_type, type_ref
-from umt_sdk.testing import FakeClock
+from umt_sdk.exceptions import UsageError
+from umt_sdk.testing import FakeClock, Replayer
 
 CALLS: Counter[str] = Counter()
 
@@ -127,3 +131,59 @@ async def test_a_park_and_its_settlement_in_the_trace_and_the_metrics(done: bool
     assert settled["umt.settled.by"] == "carol"
     assert len(otel.spans("umt.step charge")) == (1 if done else 2)
     assert CALLS["k"] == (1 if done else 2)
+
+
+@task("tel.attention_then", version=1)
+async def uncertain_then(ctx: TaskContext[str]) -> str:
+    async def charge() -> int:
+        CALLS[ctx.input] += 1
+        if CALLS[ctx.input] == 1:
+            raise TimeoutError("no answer")
+        return 2
+
+    value: int = await ctx.step.run("charge", charge, uncertain_on=(TimeoutError,))
+    mailed: str = await ctx.step.run("mail", lambda: f"mailed {value}")
+    return mailed
+
+
+@pytest.mark.parametrize("done", [True, False])
+async def test_a_settled_history_replays_on_the_same_code(done: bool) -> None:
+    CALLS.clear()
+    engine = await connect(
+        "memory://", registry=Registry([uncertain_then]), clock=FakeClock(auto_advance=True)
+    )
+    handle = await engine.enqueue(uncertain_then, "r")
+    async with engine.worker():
+        parked = await until(engine, handle.run_id, lambda i: i.needs_attention is not None)
+        in_flight = await engine.export_history(handle.run_id)
+        await engine.settle(parked.run_id, step="charge", done=done, output=5 if done else None)
+        assert await handle.result(timeout=10) == ("mailed 5" if done else "mailed 2")
+    history = await engine.export_history(handle.run_id)
+    await engine.close()
+    replayer = Replayer(Registry([uncertain_then]))
+    for recorded in (in_flight, history):
+        result = await replayer.replay(recorded)
+        assert result.ok, result.summary()
+    assert CALLS["r"] == (1 if done else 2), "a replay runs no step body"
+
+
+def test_a_plain_caller_settles_through_the_sync_facade() -> None:
+    CALLS.clear()
+    facade = connect_sync("memory://", registry=Registry([uncertain]))
+    try:
+        worker = facade.engine.worker(poll_interval=timedelta(milliseconds=50))
+        asyncio.run_coroutine_threadsafe(worker.start(), facade._loop).result(timeout=5)
+        run_id = facade.enqueue(uncertain, "s")
+        for _ in range(500):
+            if facade.get(run_id).needs_attention is not None:
+                break
+            time.sleep(0.01)
+        assert facade.get(run_id).needs_attention == "charge"
+        with pytest.raises(UsageError, match="not 'nope'"):
+            facade.settle(run_id, step="nope", done=False)
+        settlement = facade.settle(run_id, step="charge", done=True, output=9, by="erin")
+        assert (settlement.done, settlement.by, settlement.output_json) == (True, "erin", "9")
+        assert facade.result(run_id, timeout=5) == 9
+    finally:
+        facade.close()
+    assert CALLS["s"] == 1
