@@ -22,6 +22,7 @@ from attrs import define, evolve, field
 
 from umt_backend_memory._store import MemoryStore
 from umt_sdk.backend import (
+    ATTENTION_WAIT_PREFIX,
     HELD_WAIT,
     TERMINAL_STATUSES,
     Beat,
@@ -1875,6 +1876,10 @@ def _matches(run: _Run, query: RunQuery) -> bool:
         and (query.concurrency_key is None or run.concurrency_key == query.concurrency_key)
         and (query.idempotency_key is None or run.idempotency_key == query.idempotency_key)
         and (query.worker_id is None or any(e.worker_id == query.worker_id for e in run.executions))
+        and (
+            not query.needs_attention
+            or (run.status == "waiting" and (run.wait_for or "").startswith(ATTENTION_WAIT_PREFIX))
+        )
         and all(run.tags.get(key) == value for key, value in query.tags.items())
         and (query.created_after is None or run.created_at >= query.created_after)
         and (query.created_before is None or run.created_at < query.created_before)

@@ -936,6 +936,7 @@ class PostgresBackend:
             "concurrency_key": query.concurrency_key,
             "idempotency_key": query.idempotency_key,
             "worker_id": query.worker_id,
+            "needs_attention": query.needs_attention,
             "created_after": query.created_after,
             "created_before": query.created_before,
             "finished_after": query.finished_after,

@@ -13,6 +13,7 @@ from uuid import UUID
 
 from umt_sdk import _check as check
 from umt_sdk._abort import Aborts, AbortState, Release
+from umt_sdk._attention import check_uncertain_on
 from umt_sdk._cron import tick_of_key
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._names import (
@@ -33,6 +34,7 @@ from umt_sdk.exceptions import (
     ChildCanceledError,
     ChildFailedError,
     DeadlineExceededError,
+    UsageError,
 )
 
 __all__ = [
@@ -105,6 +107,7 @@ class StepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -120,6 +123,7 @@ class StepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def run(
@@ -134,6 +138,7 @@ class StepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
@@ -155,9 +160,15 @@ class StepApi:
         compensations of its completed steps run in reverse order, each as the durable step
         `umt.compensate:<name>`, called with the step's output (or with nothing if it takes
         no parameter). See docs/sagas.md.
-        The keywords `retry`, `output_type`, `timeout`, `rate_limit`, `rate_limit_key` and
-        `compensate` are taken by umt; pass a lambda if `fn` has a parameter of one of those
-        names.
+        `uncertain_on`: an exception class (or a tuple of them, such as `(TimeoutError,)`)
+        after which the step's outcome is unknown (the call may have happened): an attempt
+        that fails so is neither retried nor failed; the run parks in `needs_attention` until
+        an operator settles it (`engine.settle`, `umt runs settle`): done with the step's
+        output (the step is not run again), or not done (it runs again). See
+        docs/writing-tasks.md.
+        The keywords `retry`, `output_type`, `timeout`, `rate_limit`, `rate_limit_key`,
+        `compensate` and `uncertain_on` are taken by umt; pass a lambda if `fn` has a
+        parameter of one of those names.
         """
         check_run_arguments(name, fn, retry, output_type, timeout, compensate)
         check_step_rate_limit(name, rate_limit, rate_limit_key)
@@ -172,6 +183,7 @@ class StepApi:
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
             compensate=compensate,
+            uncertain_on=_uncertain_on(name, uncertain_on),
         )
         return self._steps.run(call)
 
@@ -435,6 +447,13 @@ ParentClose = Literal["cancel", "abandon"]
 requested) or `abandon` (it goes on)."""
 
 
+def _uncertain_on(name: str, value: object) -> tuple[type[BaseException], ...] | None:
+    """`ctx.step.run(..., uncertain_on=...)`: None keeps a decorated step's own."""
+    if value is None:
+        return None
+    return check_uncertain_on(value, where=f"step {name!r}", error=UsageError)
+
+
 def _check_child_arguments(
     name: str, task: object, priority: object, parent_close: object
 ) -> tuple[TaskDefinition[Any, Any], bool]:
@@ -520,6 +539,7 @@ class SyncStepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
@@ -537,6 +557,7 @@ class SyncStepApi:
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
             compensate=compensate,
+            uncertain_on=_uncertain_on(name, uncertain_on),
         )
         value: R = self._steps.from_thread(self._steps.run(call))
         return value

@@ -144,6 +144,11 @@ HELD_WAIT = "umt turn"
 with no `available_at`, until a member that ran finishes and lets it run. No fact can wake it
 (a fact's name has no space)."""
 
+ATTENTION_WAIT_PREFIX = "umt.attention:"
+"""The `wait_for` of a run in `needs_attention`: `umt.attention:<attempt>:<step>`, the fact that
+settles that attempt of that step (`umt_sdk._attention`). Such a run is `waiting` with no
+`available_at`; `RunQuery.needs_attention` lists them."""
+
 StepKind = Literal["step", "sleep", "fact"]
 StepStatus = Literal["completed", "failed", "retrying", "waiting"]
 """completed: output recorded; failed: no retries left (error recorded, replayed as an error);
@@ -635,6 +640,9 @@ class RunQuery:
     worker_id: str | None = None
     """Only the runs an execution of this worker claimed (`ExecutionRecord.worker_id`), still
     newest first by run id."""
+    needs_attention: bool = False
+    """Only the runs in `needs_attention`: `waiting` on a fact whose name starts with
+    `ATTENTION_WAIT_PREFIX`."""
 
 
 @frozen(kw_only=True)

@@ -19,10 +19,11 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 from uuid import UUID
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._attention import attention_envelope, attention_fact, attention_of, settlement_of
 from umt_sdk._callbacks import (
     callback_envelope,
     find_minted,
@@ -127,6 +128,9 @@ class StepCall:
     transactional: bool = False
     """`fn` runs as `fn(tx, *args, **kwargs)` inside the transaction that records the step
     (`TransactionStore`): its writes and the step's record commit together (`_transactions`)."""
+    uncertain_on: tuple[type[BaseException], ...] = ()
+    """The failures after which the step's outcome is unknown: the run parks in
+    `needs_attention` instead of retrying or failing (`_attention`)."""
 
     @classmethod
     def inline(
@@ -143,12 +147,15 @@ class StepCall:
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
         transactional: bool = False,
+        uncertain_on: tuple[type[BaseException], ...] | None = None,
     ) -> StepCall:
         """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
         the name checked, and a decorated `fn` replaced by its plain function, its output type
         and (unless `retry` / `timeout` override them) its retry policy and timeout
         (`_names.inline_target`)."""
         check_name("step", name)
+        if uncertain_on is None:  # a decorated step's own (`@step(uncertain_on=...)`)
+            uncertain_on = getattr(fn, "__umt_uncertain_on__", ())
         fn, declared, retry, timeout = inline_target(fn, retry, timeout)
         return cls(
             name=name,
@@ -162,6 +169,7 @@ class StepCall:
             rate_limit_key=rate_limit_key,
             compensate=compensate,
             transactional=transactional,
+            uncertain_on=uncertain_on,
         )
 
 
@@ -353,6 +361,10 @@ class Steps:
             if last.status == "failed":
                 self._telemetry.replayed(last)
                 raise _step_failed(full, last.error)
+            if attention_of(last) is not None:  # its outcome is unknown: settled yet?
+                done, value = await self._settled(call, full, last, look_first=True)
+                if done:
+                    return value
         attempt = (last.attempt + 1) if last is not None else 1
         self._host.check_before_step()
         if call.transactional:
@@ -500,6 +512,12 @@ class Steps:
                     )
                 )
                 raise _step_failed(full, info) from exc
+            if (
+                call.uncertain_on
+                and isinstance(exc, call.uncertain_on)
+                and not self._host.aborts.canceling
+            ):
+                return await self._uncertain(call, full, attempt, started, exc, step_trace)
             # A failure of the step's code (while canceling: recorded, never retried).
             policy = call.retry or self._host.default_retry
             info = error_info(exc)
@@ -578,6 +596,118 @@ class Steps:
         )
         _probe.report("step.recorded", full, attempt=attempt)
         return value
+
+    # -- outcomes an operator settles (`_attention`) ------------------------------------------
+
+    async def _uncertain(
+        self,
+        call: StepCall,
+        full: str,
+        attempt: int,
+        started: datetime,
+        exc: BaseException,
+        step_trace: StepTrace,
+    ) -> Any:
+        """The attempt failed in a way that leaves its outcome unknown: record it so (the
+        durable point: from here a replay never runs this attempt's body again), then park the
+        run in `needs_attention` until it is settled."""
+        host = self._host
+        record = self._step_record(
+            full,
+            "step",
+            status="waiting",
+            attempt=attempt,
+            error=error_info(exc),
+            started_at=started,
+            finished_at=host.now(),
+            output_json=attention_envelope(call.output_type),
+        )
+        try:
+            await self._record(record)
+            _probe.reach(host.aborts, "park", full, attempt=attempt, step_kind="step")
+            self._telemetry.needs_attention(full, attempt, exc)
+            done, value = await self._settled(call, full, record, look_first=False)
+        except Suspend:
+            step_trace.failed(exc, "needs_attention")
+            raise
+        except CanceledError:
+            step_trace.failed(exc, "canceled")
+            self.canceled_step = (full, started)
+            raise
+        except BaseException:
+            step_trace.failed(exc, self._stop_outcome())
+            raise
+        # Settled before the run could park (a fork carries its old run's facts).
+        if done:
+            return value
+        return await self._execute_step(call, full, attempt + 1, step_trace)
+
+    async def _settled(
+        self, call: StepCall, full: str, parked: StepRecord, *, look_first: bool
+    ) -> tuple[bool, Any]:
+        """The settlement of the uncertain attempt `parked`, applied: (True, the step's
+        value) when it was done, (False, None) when it was not (the step runs again). Parks
+        the run (raises `Suspend`) until there is one. `look_first`: read the stored fact
+        before trying to park (a replay after the run was woken)."""
+        host = self._host
+        name = attention_fact(full, parked.attempt)
+        recorded = self.history.last(name, "fact")
+        payload = recorded.output_json if recorded is not None else None
+        while payload is None:
+            if look_first:
+                facts = await host.guard(
+                    host.backend.get_facts(run_id=host.claimed.run_id, name=name)
+                )
+                own = [f for f in facts if f.run_id == host.claimed.run_id]
+                if own:
+                    payload = own[0].payload_json
+                    break
+            look_first = True
+            if await host.park(outcome="waiting", step=None, available_at=None, wait_for=name):
+                raise Suspend
+        settlement = settlement_of(payload)
+        if settlement is None:  # only `settle` stores this fact; a guard
+            raise UsageError(f"step {full!r}: the fact {name!r} holds no settlement")
+        host.check_before_step()
+        host.go_live()
+        now = host.now()
+        if recorded is None:  # the settlement, with who settled it, in the run's history
+            await self._record(
+                self._step_record(
+                    name,
+                    "fact",
+                    status="completed",
+                    started_at=parked.finished_at,
+                    finished_at=now,
+                    output_json=payload,
+                )
+            )
+        self._telemetry.event(
+            "umt.step.settled",
+            **{
+                "umt.step.name": full,
+                "umt.step.attempt": parked.attempt,
+                "umt.settled.as": "done" if settlement.done else "not-done",
+                "umt.settled.by": settlement.by,
+            },
+        )
+        if not settlement.done:
+            await self._record(evolve(parked, status="retrying", output_json=None))
+            return False, None
+        output_json = settlement.output_json or "null"
+        what = f"output of step {full!r} (settled by {settlement.by})"
+        try:
+            value = _serde.decode(output_json, call.output_type, what=what)
+        except PayloadError as exc:
+            info = error_info(exc)
+            await self._record(
+                evolve(parked, status="failed", output_json=None, error=info, finished_at=now)
+            )
+            raise _step_failed(full, info) from exc
+        await self._record(evolve(parked, status="completed", output_json=output_json, error=None))
+        if call.compensate is not None:
+            self.saga.register(full, call.compensate, value)
+        return True, value
 
     async def _body(self, call: StepCall, full: str, attempt: int) -> Any:
         """Run the step's body, its stream writes keyed by this attempt (`_streams`)."""

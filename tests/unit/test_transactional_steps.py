@@ -249,3 +249,9 @@ def test_a_transactional_step_must_be_async() -> None:
         step("plain", transactional=True)(plain)  # type: ignore[arg-type]  # refused: plain
     with pytest.raises(TaskDefinitionError, match="transactional must be True or False"):
         step("x", transactional="yes")  # type: ignore[call-overload]  # refused: not a bool
+
+
+def test_a_transactional_step_refuses_uncertain_on() -> None:
+    """Its writes commit with its record or not at all: its outcome is never unknown."""
+    with pytest.raises(TaskDefinitionError, match="uncertain_on= cannot go with transactional"):
+        step("x", transactional=True, uncertain_on=TimeoutError)

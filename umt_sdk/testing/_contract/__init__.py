@@ -39,6 +39,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
 - `_transactions`: transactional steps (writes and record commit together, once; fenced)
+- `_attention`: outcomes an operator settles (`uncertain_on`, `needs_attention`, `settle`)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from umt_sdk import TaskDefinition
 from umt_sdk.testing._contract import (
     _aborts,
     _arguments,
+    _attention,
     _base,
     _batches,
     _callbacks,
@@ -115,6 +117,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_insight.TASKS,
     *_sagas.TASKS,
     *_transactions.TASKS,
+    *_attention.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -153,6 +156,7 @@ class BackendContract(
     _insight.InsightContract,
     _sagas.SagasContract,
     _transactions.TransactionsContract,
+    _attention.AttentionContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
