@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
 
-from umt_sdk import _serde
+from umt_sdk import _probe, _serde
 from umt_sdk._error_info import error_info
 from umt_sdk._handlers import UpdateDefinition, known
 from umt_sdk._spi import TERMINAL_STATUSES, Backend, RunRecord, StepRecord
@@ -203,6 +203,8 @@ async def _apply(
         except Exception as exc:
             info = error_info(exc)
             body["error"] = {"type": info.type, "message": info.message}
+    output_json = json.dumps(body)
+    _probe.reach(steps._host.aborts, "step.returned", full, output=output_json)
     await steps.record(
         StepRecord(
             name=full,
@@ -211,9 +213,10 @@ async def _apply(
             fencing_token=steps._host.lease.fencing_token,
             started_at=started,
             finished_at=steps._host.now(),
-            output_json=json.dumps(body),
+            output_json=output_json,
         )
     )
+    _probe.report("step.recorded", full)
     await ctx.stream.write(UPDATES_STREAM, n)  # wakes the caller
     if "error" in body or handler is None:
         return None
