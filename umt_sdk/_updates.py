@@ -159,6 +159,8 @@ async def _apply(
     handler: UpdateDefinition[Any, Any] | None = handlers.get(name)
     full = steps.history.occurrence(result_step(n))
     last = steps.history.last(full, "step")
+    replayed = last is not None and last.status == "completed"
+    _probe.report("call", full, step_kind="step", replayed=replayed)
     if last is not None and last.status == "completed":  # a replay: the same point, again
         outcome: Any = json.loads(last.output_json or "{}")
         if handler is not None:
