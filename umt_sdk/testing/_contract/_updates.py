@@ -63,13 +63,16 @@ def adds_of(state: dict[str, int] | None) -> int | None:
 @task("contract.cart", version=1, updates=[add_item, close_cart], queries=[total_of, adds_of])
 async def cart_task(ctx: TaskContext[Job]) -> dict[str, Any]:
     """Keep a total that `add` updates change, until `close`; `n` = 1 first waits for the
-    fact `<key>.go` (so updates arrive before the run waits for them); `n` = 2 waits for
+    fact `<key>.go` (so updates arrive before the run waits for them), `n` = 3 too, then ends
+    without waiting for updates; `n` = 2 waits for
     updates at most 300 ms, else without a timeout (with `FakeClock(auto_advance=True)` a
     caller waiting for an update's result lets the clock jump to the run's next timer, as a
     caller of `result()` does)."""
     await ctx.set_query_state({"total": 0, "adds": 0})
-    if ctx.input.n == 1:
+    if ctx.input.n in (1, 3):
         await ctx.step.wait_for_fact(f"{ctx.input.key}.go")
+    if ctx.input.n == 3:  # ends without waiting for updates
+        return {"total": 0, "note": "never waited"}
     timeout = timedelta(milliseconds=300) if ctx.input.n == 2 else None
     try:
         closed = await ctx.step.wait_for_update("close", timeout=timeout)
@@ -189,6 +192,22 @@ class UpdatesContract:
             await handle.update("add", 1, timeout=15)
         assert caught.value.reason == "finished"
         assert await handle.query("total") == 0
+
+    async def test_a_run_that_ends_without_applying_an_update_says_so(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        handle = await engine.enqueue(cart_task, Job(key="never", n=3))
+        async with engine.worker():
+            await _waiting(engine, handle.run_id)
+            caller = asyncio.ensure_future(handle.update("add", 1, timeout=30))
+            while not await engine.backend.get_facts(run_id=handle.run_id, name="umt.update:1"):
+                assert not caller.done()
+                await asyncio.sleep(0.01)
+            assert await engine.signal(handle.run_id, "never.go")
+            with pytest.raises(UpdateFailedError, match="before it applied") as caught:
+                await caller
+            assert caught.value.reason == "finished"
+            assert (await handle.result(timeout=15))["note"] == "never waited"
 
     async def test_update_with_start_makes_one_run_per_key(
         self, engine: Engine, tally: Tally
