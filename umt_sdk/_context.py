@@ -234,8 +234,11 @@ class StepApi:
             check_name("update", name, argument="names")
         if timeout is not None:
             check.duration(timeout, "timeout", positive=True, where="wait_for_update()")
-        assert self._context is not None  # set by TaskContext
-        return await wait_for_update(self._context, self._steps, names, timeout)
+        context = self._context
+        assert context is not None  # set by TaskContext
+        return await wait_for_update(
+            context, self._steps, context._execution.definition, names, timeout
+        )
 
     async def start_child(
         self,

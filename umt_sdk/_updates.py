@@ -50,7 +50,7 @@ from umt_sdk.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from umt_sdk._context import TaskContext
+    from umt_sdk._definition import TaskDefinition
     from umt_sdk._steps import Steps
 
 __all__ = [
@@ -106,12 +106,16 @@ def _applied_count(steps: Any) -> int:
 
 
 async def wait_for_update(
-    ctx: TaskContext[Any], steps: Steps, names: tuple[str, ...], timeout: timedelta | None
+    ctx: Any,
+    steps: Steps,
+    definition: TaskDefinition[Any, Any],
+    names: tuple[str, ...],
+    timeout: timedelta | None,
 ) -> AppliedUpdate:
     """Apply the run's updates in the order they were sent until one named in `names` (any,
     when empty) has been applied without its handler raising; return it. Parked while none
-    is stored. `timeout` counts from this call's first wait (recorded, so replays agree)."""
-    definition = ctx._execution.definition  # the task being run
+    is stored. `timeout` counts from this call's first wait (recorded, so replays agree).
+    `ctx` is the run's `TaskContext`, which the handlers get."""
     first_started: datetime | None = None
     while True:
         n = steps.updates_received + 1
@@ -140,15 +144,15 @@ async def wait_for_update(
             record = steps.history.last(full, "fact")
             first_started = record.started_at if record is not None else None
         steps.updates_received = n
-        applied = await _apply(ctx, steps, definition.updates, n, raw)
+        applied = await _apply(ctx, steps, definition, n, raw)
         if applied is not None and (not names or applied.name in names):
             return applied
 
 
 async def _apply(
-    ctx: TaskContext[Any],
+    ctx: Any,
     steps: Steps,
-    handlers: Any,
+    definition: TaskDefinition[Any, Any],
     n: int,
     request: Any,
 ) -> AppliedUpdate | None:
@@ -156,7 +160,7 @@ async def _apply(
     name = str(request["name"])
     update_id = str(request["id"])
     arg_text = json.dumps(request.get("arg"))
-    handler: UpdateDefinition[Any, Any] | None = handlers.get(name)
+    handler: UpdateDefinition[Any, Any] | None = definition.updates.get(name)
     full = steps.history.occurrence(result_step(n))
     last = steps.history.last(full, "step")
     replayed = last is not None and last.status == "completed"
@@ -188,8 +192,8 @@ async def _apply(
     body: dict[str, Any] = {"id": update_id, "name": name}
     if handler is None:
         error = UsageError(
-            f"update {name!r}: the task {ctx.task_name}@{ctx.task_version} declares no such "
-            f"update (it declares {known(handlers)})",
+            f"update {name!r}: the task {definition.pair} declares no such update (it "
+            f"declares {known(definition.updates)})",
             argument="name",
         )
         body["error"] = {"type": type(error).__name__, "message": str(error)}
