@@ -25,6 +25,7 @@ from umt_sdk._engine import Engine, RunHandle, connect
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._flow_keys import Debounce, Singleton, SingletonMode
+from umt_sdk._handlers import QueryDefinition, UpdateDefinition, query, update
 from umt_sdk._insight import TaskStats, WorkerInfo
 from umt_sdk._rate_limits import RateLimit, RateLimits
 from umt_sdk._retention import PruneReport
@@ -43,6 +44,7 @@ from umt_sdk._spi import (
 from umt_sdk._streams import StreamApi, StreamItem, SyncStreamApi
 from umt_sdk._sync import SyncEngine, SyncRateLimits, connect_sync
 from umt_sdk._task import AsyncStep, Registry, Schedule, SyncStep, TaskDefinition, step, task
+from umt_sdk._updates import AppliedUpdate
 from umt_sdk._views import RunInfo, RunPage, StepView
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
@@ -73,11 +75,14 @@ from umt_sdk.exceptions import (
     StepFailedError,
     StepTimeoutError,
     UmtError,
+    UpdateFailedError,
+    UpdateTimeoutError,
     UsageError,
 )
 
 __all__ = [
     "AesGcmCodec",
+    "AppliedUpdate",
     "AsyncStep",
     "AttemptInfo",
     "BackendError",
@@ -113,6 +118,7 @@ __all__ = [
     "PayloadCodec",
     "PayloadError",
     "PruneReport",
+    "QueryDefinition",
     "RateLimit",
     "RateLimitInfo",
     "RateLimits",
@@ -155,14 +161,19 @@ __all__ = [
     "TaskStats",
     "TickReport",
     "UmtError",
+    "UpdateDefinition",
+    "UpdateFailedError",
+    "UpdateTimeoutError",
     "UsageError",
     "Worker",
     "WorkerInfo",
     "ZlibCodec",
     "connect",
     "connect_sync",
+    "query",
     "step",
     "task",
+    "update",
     "with_attempt_token",
 ]
 

@@ -29,6 +29,7 @@ from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
 from umt_sdk._steps import StepCall, Steps
 from umt_sdk._streams import StreamApi, StreamWriter, SyncStreamApi
+from umt_sdk._updates import QUERY_STATE_STREAM, AppliedUpdate, wait_for_update
 from umt_sdk.exceptions import (
     CanceledError,
     ChildCanceledError,
@@ -74,6 +75,8 @@ class Runner(Protocol):
     def steps(self) -> Steps: ...
     @property
     def streams(self) -> StreamWriter: ...
+    @property
+    def definition(self) -> TaskDefinition[Any, Any]: ...
 
     def in_handler_thread(self) -> bool: ...
 
@@ -89,10 +92,11 @@ def current_execution() -> Runner | None:
 class StepApi:
     """`ctx.step` in an async task: inline steps, durable sleeps and fact waits."""
 
-    __slots__ = ("_steps",)
+    __slots__ = ("_context", "_steps")
 
-    def __init__(self, steps: Steps) -> None:
+    def __init__(self, steps: Steps, context: TaskContext[Any] | None = None) -> None:
         self._steps = steps
+        self._context = context
 
     @overload
     def run(
@@ -292,6 +296,23 @@ class StepApi:
         check_type_argument(payload_type, "payload_type", where="wait_for_callback()")
         value: T = await self._steps.wait_for_callback(token, payload_type)
         return value
+
+    async def wait_for_update(self, *names: str, timeout: timedelta | None = None) -> AppliedUpdate:
+        """Apply the updates callers sent (`engine.update`), in the order they were sent,
+        until one named in `names` (any update, when none is named) has been applied without
+        its handler raising, and return it. The run is parked (slot freed) while no update is
+        stored. Each update's handler runs here and its result is recorded, then returned to
+        its caller; a replay applies them again at this same point. Past `timeout`, counted
+        from this call: `UpdateTimeoutError` (recorded, so replays raise it too)."""
+        for name in names:
+            check_name("update", name, argument="names")
+        if timeout is not None:
+            check.duration(timeout, "timeout", positive=True, where="wait_for_update()")
+        context = self._context
+        assert context is not None  # set by TaskContext
+        return await wait_for_update(
+            context, self._steps, context._execution.definition, names, timeout
+        )
 
     async def start_child(
         self,
@@ -841,13 +862,29 @@ class TaskContext(_BaseContext[I]):
     It has no public constructor; umt builds one for each execution.
     """
 
-    __slots__ = ("step", "stream")
+    __slots__ = ("_query_state", "step", "stream")
 
     def __init__(self, execution: Runner, input: I) -> None:
         super().__init__(execution, input)
-        self.step = StepApi(execution.steps)
+        self._query_state: Any = None
+        self.step = StepApi(execution.steps, self)
         self.stream = StreamApi(execution.streams)
         """Write to the run's streams: `await ctx.stream.write("progress", {...})`."""
+
+    async def set_query_state(self, state: Any) -> None:
+        """Keep `state` as what the task's queries (`@query`) answer from: `engine.query`
+        reads the newest value, in the caller's process, without a worker. Durable, like a
+        stream write (it is one, to the stream `umt.query-state`): a replay does not write
+        it again."""
+        await self.stream.write(QUERY_STATE_STREAM, state)
+        self._query_state = state
+
+    @property
+    def query_state(self) -> Any:
+        """The value last given to `set_query_state` in this execution (None before): where
+        update handlers keep what the run has been sent. A replay sets it again at the same
+        points, so it is the same on every execution."""
+        return self._query_state
 
 
 class SyncTaskContext(_BaseContext[I]):
@@ -860,3 +897,7 @@ class SyncTaskContext(_BaseContext[I]):
         self.step = SyncStepApi(execution.steps)
         self.stream = SyncStreamApi(execution.streams, execution.steps.from_thread)
         """Write to the run's streams: `ctx.stream.write("progress", {...})`."""
+
+    def set_query_state(self, state: Any) -> None:
+        """Keep `state` for the task's queries (see `TaskContext.set_query_state`)."""
+        self.stream.write(QUERY_STATE_STREAM, state)

@@ -3,11 +3,11 @@ steps, the execution), so each can name it without importing the decorator."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Generic, Literal, TypeVar
 
-from attrs import frozen
+from attrs import field, frozen
 
 from umt_sdk._concurrency import Concurrency
 from umt_sdk._rate_limits import RateLimit
@@ -52,6 +52,10 @@ class TaskDefinition(Generic[I, O]):
     on_failure: OnFailure = "fail"
     """What a run does when it fails for good: `"fail"`, or `"compensate"` (run the
     compensations of its completed steps in reverse order, then end `compensated`)."""
+    updates: Mapping[str, Any] = field(factory=dict)
+    """The update handlers by name (`@update`, `umt_sdk._handlers.UpdateDefinition`)."""
+    queries: Mapping[str, Any] = field(factory=dict)
+    """The query handlers by name (`@query`, `umt_sdk._handlers.QueryDefinition`)."""
 
     @property
     def pair(self) -> TaskPair:

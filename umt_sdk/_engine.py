@@ -27,6 +27,7 @@ from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields
+from umt_sdk._handlers import known
 from umt_sdk._ids import new_run_id
 from umt_sdk._insight import (
     TaskStats,
@@ -79,6 +80,7 @@ from umt_sdk._spi import (
 from umt_sdk._streams import StreamItem, follow_stream, heads_by_run, item_of, stream_store
 from umt_sdk._task import Registry, TaskDefinition
 from umt_sdk._telemetry import Telemetry
+from umt_sdk._updates import QUERY_STATE_STREAM, UPDATE_FACT_PREFIX, send_update
 from umt_sdk._views import RunInfo, RunPage, build_run_info
 from umt_sdk._worker import Worker
 from umt_sdk.exceptions import (
@@ -90,6 +92,7 @@ from umt_sdk.exceptions import (
     RunCompensatedError,
     RunFailedError,
     RunNotFoundError,
+    UpdateFailedError,
     UsageError,
 )
 
@@ -135,6 +138,12 @@ def _refuse_child_fact(name: str) -> None:
     `umt.child:<child id>`, and a fact sent under that name would wake the parent as if the
     child had finished; a callback's fact (`umt.callback:<step>`) is stored only by
     `complete_callback`, with the token."""
+    if name.startswith(UPDATE_FACT_PREFIX):
+        raise UsageError(
+            f"fact name {name!r}: names starting with {UPDATE_FACT_PREFIX!r} are reserved by "
+            "umt (an update is sent with engine.update(run_id, name, arg))",
+            argument="name",
+        )
     if name.startswith(CALLBACK_FACT_PREFIX):
         raise UsageError(
             f"fact name {name!r}: names starting with {CALLBACK_FACT_PREFIX!r} are reserved by "
@@ -192,6 +201,15 @@ class RunHandle(Generic[O]):
             self.run_id, timeout=timeout, output_type=self._output_type
         )
         return value
+
+    async def update(self, name: str, arg: Any = None, *, timeout: float | None = None) -> Any:
+        """Send the run the update `name` and return its handler's result (see
+        `Engine.update`)."""
+        return await self._engine.update(self.run_id, name, arg, timeout=timeout)
+
+    async def query(self, name: str) -> Any:
+        """The answer of the run's query `name` (see `Engine.query`)."""
+        return await self._engine.query(self.run_id, name)
 
 
 class Engine:
@@ -870,6 +888,125 @@ class Engine:
         return await settle_run(
             self.backend, self.telemetry, run_id, step=step, done=done, output=output, by=by
         )
+
+    async def update(
+        self, run_id: UUID, name: str, arg: Any = None, *, timeout: float | None = None
+    ) -> Any:
+        """Send the run the update `name` with `arg`, and return its handler's result once the
+        run has applied it and recorded the result in its history.
+
+        The update is stored for the run at once and applied, in the order updates were
+        sent, where the run waits for updates (`ctx.step.wait_for_update`). Refused with
+        `UsageError`, nothing stored, when the run's task declares no update `name`
+        (`argument="name"`) or when `arg` does not fit the handler's argument type or its
+        validator refuses it (`argument="arg"`). `UpdateFailedError` when the handler raised
+        (`reason="failed"`) or the run ended before applying it (`"finished"`, also when it
+        had ended already). `ResultTimeoutError` after `timeout` seconds: the update stays
+        stored and is still applied later.
+        """
+        run_id = _check_run_id(run_id, "update")
+        check_name("update", name, argument="name")
+        seconds = None
+        if timeout is not None:
+            seconds = check.seconds(
+                timeout, "timeout", expected="a finite number of seconds >= 0, or None"
+            )
+        record = await self.backend.get_run(run_id)
+        if record is None:
+            raise await self._not_found(run_id)
+        definition = self.registry.get(record.task_name, record.task_version)
+        handler = definition.updates.get(name)
+        if handler is None:
+            raise UsageError(
+                f"update(): task {definition.pair} declares no update {name!r} (it declares "
+                f"{known(definition.updates)})",
+                argument="name",
+            )
+        arg_json = handler.check_arg(arg, where="update()")
+        if record.status in TERMINAL_STATUSES:
+            raise UpdateFailedError(
+                f"run {run_id} has ended ({record.status}); it takes no more updates",
+                run_id=run_id,
+                update_name=name,
+                reason="finished",
+            )
+        attributes = {"umt.run.id": str(run_id), "umt.update.name": name}
+        with self.telemetry.producer_span(f"umt.update {name}", attributes):
+            return await send_update(self.backend, record, handler, arg_json, timeout=seconds)
+
+    async def query(self, run_id: UUID, name: str) -> Any:
+        """The answer of the run's query `name`: its handler (`@query`) called here, in this
+        process, with the newest value the run gave `ctx.set_query_state` (None before it set
+        one). No worker is involved and nothing is written; it works while the run runs,
+        sleeps or waits, and after it ended. `UsageError` (`argument="name"`) when the run's
+        task declares no such query."""
+        run_id = _check_run_id(run_id, "query")
+        check_name("query", name, argument="name")
+        head = await self.backend.get_run_head(run_id)
+        if head is None:
+            raise await self._not_found(run_id)
+        definition = self.registry.get(head.task_name, head.task_version)
+        handler = definition.queries.get(name)
+        if handler is None:
+            raise UsageError(
+                f"query(): task {definition.pair} declares no query {name!r} (it declares "
+                f"{known(definition.queries)})",
+                argument="name",
+            )
+        entries = await stream_store(self.backend).last_stream_entries([run_id], QUERY_STATE_STREAM)
+        return handler.answer(entries[0].value_json if entries else None)
+
+    async def update_with_start(
+        self,
+        task: TaskDefinition[Any, Any] | str,
+        input: Any,
+        *,
+        key: str,
+        update: str,
+        arg: Any = None,
+        version: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[RunHandle[Any], Any]:
+        """Start a run of `task` under the idempotency key `key` unless the key names one
+        already, then send it the update `update` (see `update`), in one call: two callers
+        racing on a key get the same run, and each its own update's result. Returns the
+        run's handle (`created` says whether this call started it) and the result.
+
+        The update's name and argument are checked against `task` first: when refused,
+        nothing is stored, not even the run. The key's run is used whatever its input (the
+        input is only for a run this call starts); a key that names a run which has ended
+        gives `UpdateFailedError` (`reason="finished"`).
+        """
+        check_name("update", update, argument="update")
+        definition = self.registry.resolve(task, version)
+        handler = definition.updates.get(update)
+        if handler is None:
+            raise UsageError(
+                f"update_with_start(): task {definition.pair} declares no update {update!r} "
+                f"(it declares {known(definition.updates)})",
+                argument="update",
+            )
+        handler.check_arg(arg, where="update_with_start()")
+        try:
+            handle = await self.enqueue(
+                definition, input, idempotency_key=key, version=definition.version
+            )
+        except IdempotencyConflictError as exc:  # the key's run, started with another input
+            if exc.run_id is None:
+                raise
+            head = await self.backend.get_run_head(exc.run_id)
+            if head is None:
+                raise await self._not_found(exc.run_id) from exc
+            handle = RunHandle(
+                run_id=head.run_id,
+                task_name=head.task_name,
+                task_version=head.task_version,
+                created=False,
+                engine=self,
+                output_type=self._output_type(head.task_name, head.task_version),
+            )
+        result = await self.update(handle.run_id, update, arg, timeout=timeout)
+        return handle, result
 
     async def broadcast(self, name: str, payload: Any = None) -> bool:
         """Store a fact every run can wait for by `name` (first write wins), and wake them."""

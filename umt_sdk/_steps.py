@@ -289,6 +289,8 @@ class Steps:
         self.canceled_step: tuple[str, datetime] | None = None
         # Who wants to know when a step starts (the worker, to name it in a prompt beat).
         self._on_step_start = on_step_start
+        # How many updates this execution has received so far (`umt_sdk._updates`).
+        self.updates_received = 0
 
     def step_for_beat(self) -> tuple[str, datetime] | None:
         """The step a heartbeat names: the one running, else the one a cancel cut off."""

@@ -182,6 +182,36 @@ class SyncEngine:
         """Settle the step of a run in `needs_attention` (see `Engine.settle`)."""
         return self._call(self._engine.settle(run_id, step=step, done=done, output=output, by=by))
 
+    def update(
+        self, run_id: UUID, name: str, arg: Any = None, *, timeout: float | None = None
+    ) -> Any:
+        """Send the run an update and wait for its result (see `Engine.update`)."""
+        return self._call(self._engine.update(run_id, name, arg, timeout=timeout))
+
+    def query(self, run_id: UUID, name: str) -> Any:
+        """The answer of the run's query `name` (see `Engine.query`)."""
+        return self._call(self._engine.query(run_id, name))
+
+    def update_with_start(
+        self,
+        task: TaskDefinition[Any, Any] | str,
+        input: Any,
+        *,
+        key: str,
+        update: str,
+        arg: Any = None,
+        version: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[UUID, Any]:
+        """Start the key's run unless it exists, then update it (see
+        `Engine.update_with_start`); returns the run's id and the update's result."""
+        handle, result = self._call(
+            self._engine.update_with_start(
+                task, input, key=key, update=update, arg=arg, version=version, timeout=timeout
+            )
+        )
+        return handle.run_id, result
+
     def broadcast(self, name: str, payload: Any = None) -> bool:
         return self._call(self._engine.broadcast(name, payload))
 

@@ -29,6 +29,7 @@ from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
 from umt_sdk._cron import CronSpec
 from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, OnFailure, TaskDefinition
+from umt_sdk._handlers import QueryDefinition, UpdateDefinition, check_handlers
 from umt_sdk._names import check_name, check_retry, check_storable, hints, unwrap_awaitable
 from umt_sdk._rate_limits import RateLimit, check_rate_limit
 from umt_sdk._retry import RetryPolicy
@@ -79,6 +80,8 @@ def task(
     timeout: timedelta | None = None,
     rate_limit: RateLimit[Any] | None = None,
     on_failure: OnFailure = "fail",
+    updates: Iterable[UpdateDefinition[Any, Any]] | None = None,
+    queries: Iterable[QueryDefinition[Any, Any]] | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
 
@@ -114,6 +117,11 @@ def task(
             ends `failed`; `"compensate"`: it first runs the compensations of its completed
             steps (`ctx.step.run(..., compensate=fn)`) in reverse order and ends
             `compensated`. See docs/sagas.md.
+        updates: update handlers (`@update(name)`), applied where the run calls
+            `ctx.step.wait_for_update`; callers send them with `engine.update`. See
+            docs/writing-tasks.md.
+        queries: query handlers (`@query(name)`) over the run's query state
+            (`ctx.set_query_state`); callers read them with `engine.query`.
     """
     check_name("task", name)
     if on_failure not in ("fail", "compensate"):
@@ -185,6 +193,7 @@ def task(
         output_type = found.get("return", Any)
         check_storable(input_type, f"task {name!r}: the input type of {fn.__qualname__}")
         check_storable(output_type, f"task {name!r}: the output type of {fn.__qualname__}")
+        by_update, by_query = check_handlers(name, is_async, updates, queries)
         return TaskDefinition(
             name=name,
             version=version,
@@ -199,6 +208,8 @@ def task(
             timeout=timeout,
             rate_limit=rate_limit,
             on_failure=on_failure,
+            updates=by_update,
+            queries=by_query,
         )
 
     return typing.cast(_TaskDecorator, decorate)

@@ -22,7 +22,8 @@ UmtError
 ├── LeaseLostTooOftenError   a run kept losing its lease without progress (its recorded error)
 ├── StepFailedError          a step exhausted its retries; carries the recorded error
 ├── FactTimeoutError         (also TimeoutError) a wait_for_fact passed its timeout
-│   └── CallbackTimeoutError  a wait_for_callback passed its token's expiry
+│   ├── CallbackTimeoutError  a wait_for_callback passed its token's expiry
+│   └── UpdateTimeoutError    a wait_for_update passed its timeout
 ├── StepTimeoutError         (also TimeoutError) a step attempt ran past its timeout
 ├── DeadlineExceededError    (also TimeoutError) the run was not finished at its deadline
 │   └── StartDeadlineExceededError  the run was not started before its start deadline
@@ -35,6 +36,7 @@ UmtError
 ├── RunCanceledError         engine.result(): the run ended canceled
 │   └── ChildCanceledError   a child run's result, in its parent: the child ended canceled
 ├── ChildrenFailedError      a map or gather in a parent: some children failed or were canceled
+├── UpdateFailedError        engine.update(): the handler raised, or the run ended before it
 └── ResultTimeoutError       (also TimeoutError) engine.result() waited longer than asked
 ```
 
@@ -87,6 +89,8 @@ __all__ = [
     "TransactionConflictError",
     "UmtError",
     "UnknownTaskError",
+    "UpdateFailedError",
+    "UpdateTimeoutError",
     "UsageError",
 ]
 
@@ -341,6 +345,15 @@ class CallbackTimeoutError(FactTimeoutError):
         self.callback_name = callback_name
 
 
+class UpdateTimeoutError(FactTimeoutError):
+    """No update the run waited for (`ctx.step.wait_for_update`) was applied before its
+    timeout (raised there, and again on replay)."""
+
+    def __init__(self, message: str | None = None, *, update_names: tuple[str, ...] = ()) -> None:
+        super().__init__(message, fact_name="umt.update")
+        self.update_names = update_names
+
+
 class StepTimeoutError(UmtError, TimeoutError):
     """A step attempt ran past its timeout: an async body was cancelled, a plain one (a
     thread, which cannot be killed) was left to finish on its own and its result ignored. The
@@ -500,6 +513,29 @@ class ChildrenFailedError(UmtError):
         self.errors: dict[int, ChildFailedError | ChildCanceledError] = (
             errors if errors is not None else {}
         )
+
+
+class UpdateFailedError(UmtError):
+    """An update was stored but gave no result: its handler raised (`reason="failed"`, the
+    error is recorded in the run's history), or the run ended before it applied the update
+    (`reason="finished"`)."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        run_id: UUID | None = None,
+        update_name: str = "",
+        reason: str = "",
+        error_type: str = "",
+        error_message: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.update_name = update_name
+        self.reason = reason
+        self.error_type = error_type
+        self.error_message = error_message
 
 
 class ResultTimeoutError(UmtError, TimeoutError):

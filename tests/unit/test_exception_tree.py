@@ -51,6 +51,8 @@ from umt_sdk.exceptions import (
     TransactionConflictError,
     UmtError,
     UnknownTaskError,
+    UpdateFailedError,
+    UpdateTimeoutError,
     UsageError,
 )
 from umt_sdk.testing import FakeClock
@@ -79,6 +81,7 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     StepFailedError: (UmtError, ()),
     FactTimeoutError: (UmtError, (TimeoutError,)),
     CallbackTimeoutError: (FactTimeoutError, (TimeoutError,)),
+    UpdateTimeoutError: (FactTimeoutError, (TimeoutError,)),
     StepTimeoutError: (UmtError, (TimeoutError,)),
     DeadlineExceededError: (UmtError, (TimeoutError,)),
     StartDeadlineExceededError: (DeadlineExceededError, (TimeoutError,)),
@@ -91,6 +94,7 @@ TREE: dict[type[UmtError], tuple[type[UmtError] | None, tuple[type[Exception], .
     CompensationFailedError: (UmtError, ()),
     ChildCanceledError: (RunCanceledError, ()),
     ChildrenFailedError: (UmtError, ()),
+    UpdateFailedError: (UmtError, ()),
     ResultTimeoutError: (UmtError, (TimeoutError,)),
 }
 BUILTINS = (ValueError, TypeError, LookupError, TimeoutError)

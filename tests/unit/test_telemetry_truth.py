@@ -38,6 +38,7 @@ from umt_sdk import (
     TaskContext,
     connect,
     task,
+    update,
 )
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.testing import FakeClock, freeze_heartbeats
@@ -700,6 +701,35 @@ async def test_a_callback_mints_once_and_its_completion_is_a_span() -> None:
     everything = [str(v) for s in spans for v in attrs_of(s).values()]
     everything += [str(v) for s in spans for e in s.events for v in (e.attributes or {}).values()]
     assert not any(TOKENS[0] in v for v in everything), "the token is never an attribute"
+
+
+# -- updates ------------------------------------------------------------------------------------
+
+
+@update("tel.approve")
+async def tel_approve(ctx: TaskContext[Key], by: str) -> str:
+    return f"approved by {by}"
+
+
+@task("tel.update", version=1, updates=[tel_approve])
+async def updated(ctx: TaskContext[Key]) -> str:
+    applied = await ctx.step.wait_for_update("tel.approve")
+    return str(applied.result)
+
+
+async def test_an_update_is_a_span_naming_the_update() -> None:
+    otel = Otel()
+    engine = await otel.engine(updated, clock=FakeClock(auto_advance=True))
+    handle = await engine.enqueue(updated, Key("u"))
+    async with engine.worker():
+        await until(engine, handle.run_id, lambda i: i.status == "waiting")
+        assert await handle.update("tel.approve", "ops", timeout=10) == "approved by ops"
+        assert await handle.result(timeout=10) == "approved by ops"
+    await engine.close()
+    (sent,) = otel.spans("umt.update tel.approve")
+    assert sent.kind == SpanKind.PRODUCER
+    assert attrs_of(sent)["umt.run.id"] == str(handle.run_id)
+    assert attrs_of(sent)["umt.update.name"] == "tel.approve"
 
 
 # -- the table -------------------------------------------------------------------------------------

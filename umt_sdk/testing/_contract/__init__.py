@@ -13,6 +13,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_replay`: replay by step name, non-determinism, plain tasks and steps
 - `_facts`: durable sleeps and facts
 - `_callbacks`: callback tokens (one per step, completed once, bad tokens refused)
+- `_updates`: updates (recorded results, order, refusals, update_with_start) and queries
 - `_children`: child runs, their results, and the cancels a parent's end cascades
 - `_fanout`: `map` and `gather`: order, partial failure, `max_concurrency`, one wake-up
 - `_user_code`: handlers and steps as users write them
@@ -80,6 +81,7 @@ from umt_sdk.testing._contract import (
     _streams,
     _timeline,
     _transactions,
+    _updates,
     _user_code,
 )
 
@@ -92,6 +94,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_replay.TASKS,
     *_facts.TASKS,
     *_callbacks.TASKS,
+    *_updates.TASKS,
     *_children.TASKS,
     *_fanout.TASKS,
     *_user_code.TASKS,
@@ -130,6 +133,7 @@ class BackendContract(
     _replay.ReplayContract,
     _facts.FactsContract,
     _callbacks.CallbacksContract,
+    _updates.UpdatesContract,
     _children.ChildrenContract,
     _fanout.FanOutContract,
     _user_code.UserCodeContract,
