@@ -690,6 +690,22 @@ async def check_outcomes(
             # ...: ... stopping its execution"), or a write of it got no answer ("run ...: the
             # backend is unavailable (...); stopping this execution").
             about = [line for line in said if f"run {run_id}" in line]
+            if not any("stopping" in line for line in about):
+                whole = cluster.spawner.workdir / f"{fault.host}-said.log"
+                whole.write_text("\n".join(said))
+                ended = await fetch(
+                    url,
+                    q(
+                        "SELECT fencing_token, worker_id, claimed_at, ended_at, outcome"
+                        " FROM {schema}.executions WHERE run_id = %(run)s ORDER BY 1",
+                        schema,
+                    ),
+                    {"run": run_id},
+                )
+                about.append(
+                    f"(fault {fault.began} .. {fault.ended}; executions {ended};"
+                    f" all the host's lines in {whole})"
+                )
             assert any("stopping" in line for line in about), (
                 f"{fault.host} held run {run_id} and never said it stopped; its lines about it: "
                 f"{about}; the run's steps: {[' '.join(b) for b in begins if b[1] == run_id]}; "
