@@ -38,6 +38,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
+- `_patches`: `ctx.patched` decided once per run and replayed, `deprecate_patch`, a reused id
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from umt_sdk.testing._contract import (
     _ledger,
     _lifecycle,
     _listing,
+    _patches,
     _payloads,
     _pruning,
     _rate_limits,
@@ -112,6 +114,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_deadlines.TASKS,
     *_insight.TASKS,
     *_sagas.TASKS,
+    *_patches.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -149,6 +152,7 @@ class BackendContract(
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
     _sagas.SagasContract,
+    _patches.PatchesContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
