@@ -109,6 +109,10 @@ class PatchDecisions:
             )
         return decision
 
+    def decisions(self) -> dict[str, bool]:
+        """Every patch asked so far, by id, and its decision."""
+        return {patch_id: decided for patch_id, (_, _, decided) in self._decided.items()}
+
     def decide(self, patch_id: str, site: CallSite, call: str, decision: bool) -> bool:
         self._decided[patch_id] = (site, call, decision)
         return decision
