@@ -38,8 +38,10 @@ async def park(engine: Engine, orders: list[Order]) -> list[RunHistory]:
     handles = [await engine.enqueue(checkout, order) for order in orders]
     async with engine.worker():
         for handle in handles:
-            while (await engine.get(handle.run_id)).status != "waiting":
+            info = await engine.get(handle.run_id)
+            while info.status != "waiting":  # parked on its payment
                 await asyncio.sleep(0.01)
+                info = await engine.get(handle.run_id)
     return [await engine.export_history(handle.run_id) for handle in handles]
 
 
