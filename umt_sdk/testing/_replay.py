@@ -618,11 +618,17 @@ def _changed(recorded: Any, now: Any, path: str) -> str | None:
         for index, (a, b) in enumerate(zip(recorded, now, strict=True)):
             found = _changed(a, b, f"{path}[{index}]")
             if found is not None:
+                if sorted(map(_canonical, recorded)) == sorted(map(_canonical, now)):
+                    return None  # a set's items in another order: decoding never reorders
                 return found
         return None
     if recorded != now or isinstance(recorded, bool) != isinstance(now, bool):
         return f"{here} {_shown_json(recorded)} becomes {_shown_json(now)}"
     return None
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _shown_json(value: Any, limit: int = 80) -> str:
