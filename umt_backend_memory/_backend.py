@@ -22,6 +22,7 @@ from attrs import define, evolve, field
 
 from umt_backend_memory._store import MemoryStore
 from umt_sdk.backend import (
+    ATTENTION_WAIT_PREFIX,
     HELD_WAIT,
     TERMINAL_STATUSES,
     Beat,
@@ -73,6 +74,7 @@ from umt_sdk.exceptions import (
     BackendError,
     FencingError,
     RunNotFoundError,
+    TransactionConflictError,
     UsageError,
 )
 
@@ -307,11 +309,15 @@ class MemoryBackend:
         if self._controls is not None:
             self._unsubscribe = self._controls.subscribe(self._on_clock_advance)
         self._listeners: list[Callable[[UUID, str], None]] = []
+        self.store = MemoryStore()
+        """The engine's own database, in memory: what transactional steps write through
+        their `tx` (a serializable `MemoryTransaction` on it)."""
         self.reset()
 
     def reset(self) -> None:
-        """Forget every run, fact and ledger entry."""
+        """Forget every run, fact and ledger entry, and the rows of `store`."""
         with self._lock:
+            self.store.clear()
             self._runs: dict[UUID, _Run] = {}
             self._by_key: dict[tuple[str, str], UUID] = {}
             self._facts: dict[tuple[UUID | None, str], Fact] = {}
@@ -1128,6 +1134,45 @@ class MemoryBackend:
                 execution.current_step = execution.step_started_at = None
         self._crash("record_step", lease.run_id, "after")
 
+    async def run_step_transaction(
+        self, lease: Lease, body: Callable[[Any], Awaitable[StepRecord]]
+    ) -> None:
+        """`TransactionStore`: `body` gets a serializable `MemoryTransaction` on `store`; its
+        writes and the step's record apply together, under the lock, only if the run is still
+        held under the lease and no row it read was written since (else
+        `TransactionConflictError`)."""
+        self._crash("step_transaction", lease.run_id, "before")
+        with self._lock:
+            self._check(lease)  # fence first: a stale attempt's body never runs
+        tx = self.store.transaction(serializable=True)
+        try:
+            step = await body(tx)  # writes are buffered: nothing lands unless applied below
+        except Exception as exc:
+            with self._lock:
+                try:
+                    self._check(lease)
+                except FencingError as fenced:
+                    raise fenced from exc
+            raise
+        _storable_step(step)
+        with self._lock:
+            run = self._check(lease)
+            if tx.conflicts():
+                raise TransactionConflictError(
+                    f"step {step.name!r}: a row its transaction read was written by another "
+                    "transaction since; nothing of it was stored",
+                    sqlstate="40001",
+                )
+            now = self.clock.now()
+            tx.apply()
+            self._store_step(run, lease, step)
+            run.lease_expires_at = now + lease.duration
+            run.updated_at = now
+            execution = self._current_execution(run)
+            if execution is not None and execution.current_step == step.name:
+                execution.current_step = execution.step_started_at = None
+        self._crash("step_transaction", lease.run_id, "after")
+
     async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
         _storable_step(ending.step)
         _storable_json(ending.output_json, "task output")
@@ -1831,6 +1876,10 @@ def _matches(run: _Run, query: RunQuery) -> bool:
         and (query.concurrency_key is None or run.concurrency_key == query.concurrency_key)
         and (query.idempotency_key is None or run.idempotency_key == query.idempotency_key)
         and (query.worker_id is None or any(e.worker_id == query.worker_id for e in run.executions))
+        and (
+            not query.needs_attention
+            or (run.status == "waiting" and (run.wait_for or "").startswith(ATTENTION_WAIT_PREFIX))
+        )
         and all(run.tags.get(key) == value for key, value in query.tags.items())
         and (query.created_after is None or run.created_at >= query.created_after)
         and (query.created_before is None or run.created_at < query.created_before)

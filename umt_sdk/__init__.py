@@ -8,6 +8,7 @@ wait. Backends (memory, Postgres, third-party) are pluggy plugins chosen by URL 
 import contextlib
 import inspect
 
+from umt_sdk._attention import Settlement
 from umt_sdk._codec import AesGcmCodec, CodecChain, PayloadCodec, ZlibCodec
 from umt_sdk._concurrency import Concurrency, ConcurrencyStrategy
 from umt_sdk._context import (
@@ -131,6 +132,7 @@ __all__ = [
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",
+    "Settlement",
     "Singleton",
     "SingletonMode",
     "StartDeadlineExceededError",

@@ -14,6 +14,7 @@ from uuid import UUID
 
 from umt_sdk import _check as check
 from umt_sdk._abort import Aborts, AbortState, Release
+from umt_sdk._attention import check_uncertain_on
 from umt_sdk._cron import tick_of_key
 from umt_sdk._definition import TaskDefinition
 from umt_sdk._names import (
@@ -35,6 +36,7 @@ from umt_sdk.exceptions import (
     ChildCanceledError,
     ChildFailedError,
     DeadlineExceededError,
+    UsageError,
 )
 
 __all__ = [
@@ -107,6 +109,7 @@ class StepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -122,6 +125,7 @@ class StepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def run(
@@ -136,6 +140,7 @@ class StepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(*args, **kwargs)` as the step `name` (a plain `fn` runs in a thread).
@@ -157,9 +162,15 @@ class StepApi:
         compensations of its completed steps run in reverse order, each as the durable step
         `umt.compensate:<name>`, called with the step's output (or with nothing if it takes
         no parameter). See docs/sagas.md.
-        The keywords `retry`, `output_type`, `timeout`, `rate_limit`, `rate_limit_key` and
-        `compensate` are taken by umt; pass a lambda if `fn` has a parameter of one of those
-        names.
+        `uncertain_on`: an exception class (or a tuple of them, such as `(TimeoutError,)`)
+        after which the step's outcome is unknown (the call may have happened): an attempt
+        that fails so is neither retried nor failed; the run parks in `needs_attention` until
+        an operator settles it (`engine.settle`, `umt runs settle`): done with the step's
+        output (the step is not run again), or not done (it runs again). See
+        docs/writing-tasks.md.
+        The keywords `retry`, `output_type`, `timeout`, `rate_limit`, `rate_limit_key`,
+        `compensate` and `uncertain_on` are taken by umt; pass a lambda if `fn` has a
+        parameter of one of those names.
         """
         check_run_arguments(name, fn, retry, output_type, timeout, compensate)
         check_step_rate_limit(name, rate_limit, rate_limit_key)
@@ -174,6 +185,69 @@ class StepApi:
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
             compensate=compensate,
+            uncertain_on=_uncertain_on(name, uncertain_on),
+        )
+        return self._steps.run(call)
+
+    @overload
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[R]],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[R]: ...
+    @overload
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., R],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[R]: ...
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[Any]:
+        """Run `fn(tx, *args, **kwargs)` as the transactional step `name`: its writes through
+        `tx` commit in the one transaction that records the step, so they land exactly once,
+        with no op key (see docs/writing-tasks.md, "Transactional steps").
+
+        `tx` is the transaction on the engine's own database: a `psycopg.AsyncConnection`
+        inside it on Postgres (READ COMMITTED), a `MemoryTransaction` on the memory backend
+        (`engine.backend.store`). The run is fenced before `fn` runs and again atomically
+        with the commit: a stale execution gets `FencingError` and nothing of it lands. If
+        `fn` raises, nothing lands and the step is retried by its policy; a serialization
+        failure or a deadlock runs the transaction again at once (a few times). A replay
+        returns the recorded output without calling `fn`. `retry`, `output_type` and
+        `timeout` as for `run`. On a backend that cannot commit a step's writes with its
+        record, the run fails with `UsageError` and nothing is stored.
+        """
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name,
+            fn,
+            args,
+            kwargs,
+            retry=retry,
+            output_type=output_type,
+            timeout=timeout,
+            transactional=True,
         )
         return self._steps.run(call)
 
@@ -375,6 +449,13 @@ ParentClose = Literal["cancel", "abandon"]
 requested) or `abandon` (it goes on)."""
 
 
+def _uncertain_on(name: str, value: object) -> tuple[type[BaseException], ...] | None:
+    """`ctx.step.run(..., uncertain_on=...)`: None keeps a decorated step's own."""
+    if value is None:
+        return None
+    return check_uncertain_on(value, where=f"step {name!r}", error=UsageError)
+
+
 def _check_child_arguments(
     name: str, task: object, priority: object, parent_close: object
 ) -> tuple[TaskDefinition[Any, Any], bool]:
@@ -460,6 +541,7 @@ class SyncStepApi:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        uncertain_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
         **kwargs: Any,
     ) -> R:
         """Run `fn(*args, **kwargs)` as the step `name` and return its result (see
@@ -477,6 +559,35 @@ class SyncStepApi:
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
             compensate=compensate,
+            uncertain_on=_uncertain_on(name, uncertain_on),
+        )
+        value: R = self._steps.from_thread(self._steps.run(call))
+        return value
+
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[R]] | Callable[..., R],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> R:
+        """Run `fn(tx, *args, **kwargs)` as the transactional step `name` and return its
+        result (see `StepApi.transaction`). `fn` runs on the worker's event loop, where `tx`
+        lives: make it async on Postgres (an async connection)."""
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name,
+            fn,
+            args,
+            kwargs,
+            retry=retry,
+            output_type=output_type,
+            timeout=timeout,
+            transactional=True,
         )
         value: R = self._steps.from_thread(self._steps.run(call))
         return value

@@ -18,6 +18,7 @@ from opentelemetry.trace import TracerProvider
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
+from umt_sdk._attention import ATTENTION_FACT_PREFIX, Settlement, settle_run
 from umt_sdk._callbacks import CALLBACK_FACT_PREFIX, find_minted, parse_token
 from umt_sdk._check import shown
 from umt_sdk._codec import PayloadCodec, check_codec
@@ -138,6 +139,12 @@ def _refuse_child_fact(name: str) -> None:
         raise UsageError(
             f"fact name {name!r}: names starting with {CALLBACK_FACT_PREFIX!r} are reserved by "
             "umt (a callback is completed with engine.complete_callback(token, payload))",
+            argument="name",
+        )
+    if name.startswith(ATTENTION_FACT_PREFIX):
+        raise UsageError(
+            f"fact name {name!r}: names starting with {ATTENTION_FACT_PREFIX!r} are reserved by "
+            "umt (a step that needs attention is settled with engine.settle(...))",
             argument="name",
         )
     if name.startswith(CHILD_KEY_PREFIX):
@@ -833,6 +840,37 @@ class Engine:
                 reason="completed",
             )
 
+    async def settle(
+        self,
+        run_id: UUID,
+        *,
+        step: str,
+        done: bool,
+        output: Any = None,
+        by: str | None = None,
+    ) -> Settlement:
+        """Settle the step of a run in `needs_attention` (its attempt failed in a way its
+        `uncertain_on` declares: the outcome is unknown), once, and wake the run.
+
+        Args:
+            run_id: the run, in `needs_attention` (`RunInfo.needs_attention` names the step).
+            step: the step it waits on, as named in its timeline (`name#2` for a repeat).
+            done: True: the step's work was done and `output` is its result: the run goes on
+                and the step does not run again. False: it was not done: the step runs again
+                (its next attempt).
+            output: with `done=True`, the step's result (its output type's value, or the JSON
+                form of one); it must decode into the step's output type.
+            by: who settles it, kept in the run's history (default: the OS user).
+
+        Returns the settlement as stored. Refused with `UsageError`, nothing stored, when the
+        run is not in `needs_attention`, waits on another step, was already settled, or the
+        output does not decode into the step's output type.
+        """
+        run_id = _check_run_id(run_id, "settle")
+        return await settle_run(
+            self.backend, self.telemetry, run_id, step=step, done=done, output=output, by=by
+        )
+
     async def broadcast(self, name: str, payload: Any = None) -> bool:
         """Store a fact every run can wait for by `name` (first write wins), and wake them."""
         check_name("fact", name, argument="name")
@@ -1088,6 +1126,7 @@ class Engine:
         finished_before: datetime | None = None,
         concurrency_key: str | None = None,
         worker_id: str | None = None,
+        needs_attention: bool = False,
     ) -> RunPage:
         """Runs, newest first (by run id, which grows with time), matching every filter given;
         page with `before=page.next_cursor`.
@@ -1103,6 +1142,8 @@ class Engine:
                 keys are per task, so give `task_name` too.
             worker_id: only runs that an execution of this worker claimed (the ids on the
                 run's timeline; `engine.workers()` lists them).
+            needs_attention: only runs in `needs_attention`, waiting for an operator to
+                settle a step (`RunInfo.needs_attention` names it; `settle`).
             created_after: only runs created at or after this time (timezone-aware);
                 `created_before`: strictly before it.
             finished_after: only finished runs, finished at or after this time;
@@ -1148,6 +1189,8 @@ class Engine:
         for argument, value in times.items():
             if value is not None:
                 check.aware_datetime(value, argument, where="list()")
+        if not isinstance(needs_attention, bool):
+            check.refuse("needs_attention", "True or False", needs_attention, where="list()")
         records = await self.backend.list_runs(
             RunQuery(
                 task_name=task_name,
@@ -1164,6 +1207,7 @@ class Engine:
                 finished_before=finished_before,
                 concurrency_key=concurrency_key,
                 worker_id=worker_id,
+                needs_attention=needs_attention,
             )
         )
         page = [build_run_info(r) for r in records[:limit]]

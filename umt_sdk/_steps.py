@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import random
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 from uuid import UUID
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from umt_sdk import _probe, _serde
 from umt_sdk._abort import Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._attention import attention_envelope, attention_fact, attention_of, settlement_of
 from umt_sdk._callbacks import (
     callback_envelope,
     find_minted,
@@ -57,6 +59,7 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
     TokenRequest,
+    TransactionStore,
 )
 from umt_sdk._streams import StepScope, step_scope
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
@@ -74,17 +77,21 @@ from umt_sdk.exceptions import (
     PayloadError,
     StepFailedError,
     StepTimeoutError,
+    TransactionConflictError,
     UsageError,
 )
 
 __all__ = [
     "PAUSED_TOKEN_RECHECK",
     "SHORT_TOKEN_WAIT",
+    "TRANSACTION_CONFLICT_RETRIES",
     "StepCall",
     "StepHost",
     "Steps",
+    "UnstorableOutput",
     "error_info",
     "group_fact",
+    "transaction_store",
 ]
 
 SHORT_TOKEN_WAIT = timedelta(seconds=1)
@@ -119,6 +126,12 @@ class StepCall:
     """With `rate_limit`: its bucket (None: the limit's one bucket)."""
     compensate: Callable[..., Any] | None = None
     """What undoes the step once it completed, when the run compensates; None: nothing."""
+    transactional: bool = False
+    """`fn` runs as `fn(tx, *args, **kwargs)` inside the transaction that records the step
+    (`TransactionStore`): its writes and the step's record commit together (`_transactions`)."""
+    uncertain_on: tuple[type[BaseException], ...] = ()
+    """The failures after which the step's outcome is unknown: the run parks in
+    `needs_attention` instead of retrying or failing (`_attention`)."""
 
     @classmethod
     def inline(
@@ -134,12 +147,16 @@ class StepCall:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        transactional: bool = False,
+        uncertain_on: tuple[type[BaseException], ...] | None = None,
     ) -> StepCall:
         """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
         the name checked, and a decorated `fn` replaced by its plain function, its output type
         and (unless `retry` / `timeout` override them) its retry policy and timeout
         (`_names.inline_target`)."""
         check_name("step", name)
+        if uncertain_on is None:  # a decorated step's own (`@step(uncertain_on=...)`)
+            uncertain_on = getattr(fn, "__umt_uncertain_on__", ())
         fn, declared, retry, timeout = inline_target(fn, retry, timeout)
         return cls(
             name=name,
@@ -152,7 +169,38 @@ class StepCall:
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
             compensate=compensate,
+            transactional=transactional,
+            uncertain_on=uncertain_on,
         )
+
+
+TRANSACTION_CONFLICT_RETRIES = 5
+"""How many times a transactional step's transaction is run again at once after a conflict
+(a serialization failure, a deadlock) before the step's retry policy sees the error."""
+
+
+class UnstorableOutput(Exception):
+    """A transactional step returned a value no backend can store (its `PayloadError` in
+    `error`): the transaction rolls back, and the step fails, not retried (as a plain step's
+    output does)."""
+
+    def __init__(self, error: PayloadError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def transaction_store(backend: Backend, step_name: str) -> TransactionStore:
+    """The backend as a `TransactionStore`, or the `UsageError` a transactional step on a
+    backend that cannot honour it raises (before anything of the step is stored)."""
+    if not isinstance(backend, TransactionStore):
+        raise UsageError(
+            f"step {step_name!r} is transactional, but the backend {type(backend).__name__} "
+            "cannot commit a step's writes with its record (it does not implement "
+            "TransactionStore); use the Postgres or the memory backend, or make it a plain "
+            "step with with_attempt_token for its side effect",
+            argument="transactional",
+        )
+    return backend
 
 
 def _check_wait_arguments(name: str, *, timeout: object, check: object, poll: object) -> None:
@@ -317,8 +365,14 @@ class Steps:
             if last.status == "failed":
                 self._telemetry.replayed(last)
                 raise _step_failed(full, last.error)
+            if attention_of(last) is not None:  # its outcome is unknown: settled yet?
+                done, value = await self._settled(call, full, last, look_first=True)
+                if done:
+                    return value
         attempt = (last.attempt + 1) if last is not None else 1
         self._host.check_before_step()
+        if call.transactional:
+            transaction_store(self._host.backend, full)  # refused before anything is stored
         self._host.go_live()
         if call.compensate is not None:
             registration = self.saga.registration(
@@ -482,6 +536,28 @@ class Steps:
                 step_trace.ended("canceled")
                 self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
+            if isinstance(exc, UnstorableOutput):  # a transactional step's output: as below
+                exc = exc.error
+                step_trace.failed(exc, "failed")
+                info = error_info(exc)
+                await self._record(
+                    self._step_record(
+                        full,
+                        "step",
+                        status="failed",
+                        attempt=attempt,
+                        error=info,
+                        started_at=started,
+                        finished_at=self._host.now(),
+                    )
+                )
+                raise _step_failed(full, info) from exc
+            if (
+                call.uncertain_on
+                and isinstance(exc, call.uncertain_on)
+                and not self._host.aborts.canceling
+            ):
+                return await self._uncertain(call, full, attempt, started, exc, step_trace)
             # A failure of the step's code (while canceling: recorded, never retried).
             policy = call.retry or self._host.default_retry
             info = error_info(exc)
@@ -522,6 +598,9 @@ class Steps:
             )
             await self._record(record)
             raise _step_failed(full, info) from exc
+        if call.transactional:  # recorded with its writes, in their transaction
+            _probe.report("step.recorded", full, attempt=attempt)
+            return value
         try:
             # The value every replay decodes is the one this execution returns too.
             output_json, value = _serde.encode_output(
@@ -558,11 +637,125 @@ class Steps:
         _probe.report("step.recorded", full, attempt=attempt)
         return value
 
+    # -- outcomes an operator settles (`_attention`) ------------------------------------------
+
+    async def _uncertain(
+        self,
+        call: StepCall,
+        full: str,
+        attempt: int,
+        started: datetime,
+        exc: BaseException,
+        step_trace: StepTrace,
+    ) -> Any:
+        """The attempt failed in a way that leaves its outcome unknown: record it so (the
+        durable point: from here a replay never runs this attempt's body again), then park the
+        run in `needs_attention` until it is settled."""
+        host = self._host
+        record = self._step_record(
+            full,
+            "step",
+            status="waiting",
+            attempt=attempt,
+            error=error_info(exc),
+            started_at=started,
+            finished_at=host.now(),
+            output_json=attention_envelope(call.output_type),
+        )
+        try:
+            await self._record(record)
+            _probe.reach(host.aborts, "park", full, attempt=attempt, step_kind="step")
+            self._telemetry.needs_attention(full, attempt, exc)
+            done, value = await self._settled(call, full, record, look_first=False)
+        except Suspend:
+            step_trace.failed(exc, "needs_attention")
+            raise
+        except CanceledError:
+            step_trace.failed(exc, "canceled")
+            self.canceled_step = (full, started)
+            raise
+        except BaseException:
+            step_trace.failed(exc, self._stop_outcome())
+            raise
+        # Settled before the run could park (a fork carries its old run's facts).
+        if done:
+            return value
+        return await self._execute_step(call, full, attempt + 1, step_trace)
+
+    async def _settled(
+        self, call: StepCall, full: str, parked: StepRecord, *, look_first: bool
+    ) -> tuple[bool, Any]:
+        """The settlement of the uncertain attempt `parked`, applied: (True, the step's
+        value) when it was done, (False, None) when it was not (the step runs again). Parks
+        the run (raises `Suspend`) until there is one. `look_first`: read the stored fact
+        before trying to park (a replay after the run was woken)."""
+        host = self._host
+        name = attention_fact(full, parked.attempt)
+        recorded = self.history.last(name, "fact")
+        payload = recorded.output_json if recorded is not None else None
+        while payload is None:
+            if look_first:
+                facts = await host.guard(
+                    host.backend.get_facts(run_id=host.claimed.run_id, name=name)
+                )
+                own = [f for f in facts if f.run_id == host.claimed.run_id]
+                if own:
+                    payload = own[0].payload_json
+                    break
+            look_first = True
+            if await host.park(outcome="waiting", step=None, available_at=None, wait_for=name):
+                raise Suspend
+        settlement = settlement_of(payload)
+        if settlement is None:  # only `settle` stores this fact; a guard
+            raise UsageError(f"step {full!r}: the fact {name!r} holds no settlement")
+        host.check_before_step()
+        host.go_live()
+        now = host.now()
+        if recorded is None:  # the settlement, with who settled it, in the run's history
+            await self._record(
+                self._step_record(
+                    name,
+                    "fact",
+                    status="completed",
+                    started_at=parked.finished_at,
+                    finished_at=now,
+                    output_json=payload,
+                )
+            )
+        self._telemetry.event(
+            "umt.step.settled",
+            **{
+                "umt.step.name": full,
+                "umt.step.attempt": parked.attempt,
+                "umt.settled.as": "done" if settlement.done else "not-done",
+                "umt.settled.by": settlement.by,
+            },
+        )
+        if not settlement.done:
+            await self._record(evolve(parked, status="retrying", output_json=None))
+            return False, None
+        output_json = settlement.output_json or "null"
+        what = f"output of step {full!r} (settled by {settlement.by})"
+        try:
+            value = _serde.decode(output_json, call.output_type, what=what)
+        except PayloadError as exc:
+            info = error_info(exc)
+            await self._record(
+                evolve(parked, status="failed", output_json=None, error=info, finished_at=now)
+            )
+            raise _step_failed(full, info) from exc
+        await self._record(evolve(parked, status="completed", output_json=output_json, error=None))
+        if call.compensate is not None:
+            self.saga.register(full, call.compensate, value)
+        return True, value
+
     async def _body(self, call: StepCall, full: str, attempt: int) -> Any:
         """Run the step's body, its stream writes keyed by this attempt (`_streams`)."""
         fn = call.fn
         scope = step_scope.set(StepScope(full, attempt))
         try:
+            if call.transactional:
+                return await self._transaction(call, full, attempt)
             if inspect.iscoroutinefunction(fn):
                 return await fn(*call.args, **call.kwargs)
             # Plain bodies run in a thread (the handler's own thread already, for plain
@@ -573,6 +766,61 @@ class Steps:
             return value
         finally:
             step_scope.reset(scope)
+
+    async def _transaction(self, call: StepCall, full: str, attempt: int) -> Any:
+        """Run a transactional step's body and record it in one transaction of the backend's
+        (`TransactionStore.run_step_transaction`): fenced before the body and at the commit.
+        A conflict with a concurrent transaction runs it again at once, a few times, before
+        the step's retry policy sees it. Returns the output as every replay decodes it."""
+        host = self._host
+        store = transaction_store(host.backend, full)
+        started = self.current_step_started_at or host.now()
+        outcome: list[tuple[StepRecord, Any]] = []
+
+        async def body(tx: Any) -> StepRecord:
+            outcome.clear()
+            value = call.fn(tx, *call.args, **call.kwargs)
+            if inspect.isawaitable(value):
+                value = await value
+            try:
+                output_json, decoded = _serde.encode_output(
+                    value, call.output_type, what=f"output of step {full!r}"
+                )
+            except PayloadError as exc:
+                raise UnstorableOutput(exc) from exc
+            _probe.reach(host.aborts, "step.returned", full, attempt=attempt, output=output_json)
+            record = self._step_record(
+                full,
+                "step",
+                status="completed",
+                attempt=attempt,
+                output_json=output_json,
+                started_at=started,
+                finished_at=host.now(),
+            )
+            outcome.append((record, decoded))
+            return record
+
+        conflicts = 0
+        while True:
+            try:
+                await host.guard(store.run_step_transaction(host.lease, body))
+                break
+            except TransactionConflictError:
+                conflicts += 1
+                if conflicts > TRANSACTION_CONFLICT_RETRIES:
+                    raise
+                self._telemetry.event(
+                    "umt.step.transaction_conflict",
+                    **{"umt.step.name": full, "umt.step.conflicts": conflicts},
+                )
+                # Real time, not the backend's clock: the other transaction must get ahead.
+                await asyncio.sleep(random.uniform(0, 0.005 * 2**conflicts))
+                host.check_before_step()
+        record, decoded = outcome[0]
+        self.history.remember(record)
+        self.saga.remember(record)
+        return decoded
 
     async def _bounded(self, call: StepCall, full: str, attempt: int, started: datetime) -> Any:
         """The step's body, cut off at its timeout (`StepTimeoutError`) or at the run's

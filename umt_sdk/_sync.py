@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from uuid import UUID
 
+from umt_sdk._attention import Settlement
 from umt_sdk._engine import Engine, connect
 from umt_sdk._export import RunHistory
 from umt_sdk._flow_keys import Debounce, Singleton
@@ -168,6 +169,18 @@ class SyncEngine:
 
     def complete_callback(self, token: str, payload: Any = None) -> None:
         self._call(self._engine.complete_callback(token, payload))
+
+    def settle(
+        self,
+        run_id: UUID,
+        *,
+        step: str,
+        done: bool,
+        output: Any = None,
+        by: str | None = None,
+    ) -> Settlement:
+        """Settle the step of a run in `needs_attention` (see `Engine.settle`)."""
+        return self._call(self._engine.settle(run_id, step=step, done=done, output=output, by=by))
 
     def broadcast(self, name: str, payload: Any = None) -> bool:
         return self._call(self._engine.broadcast(name, payload))

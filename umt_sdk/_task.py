@@ -7,12 +7,23 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from datetime import timedelta
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, get_args, overload
+from typing import (
+    Any,
+    Concatenate,
+    Generic,
+    Literal,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    get_args,
+    overload,
+)
 
 from attrs import field, frozen
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
+from umt_sdk._attention import check_uncertain_on
 from umt_sdk._check import shown
 from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
@@ -214,16 +225,21 @@ class _StepBase(Generic[P, R]):
         fn: Callable[P, Any],
         retry: RetryPolicy | None,
         timeout: timedelta | None = None,
+        transactional: bool = False,
+        uncertain_on: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.name = name
         self.fn = fn
         self.retry = retry
         self.timeout = timeout
+        self.transactional = transactional
+        self.uncertain_on = uncertain_on
         self.output_type = unwrap_awaitable(hints(fn).get("return", Any))
         check_storable(self.output_type, f"step {name!r}: the return type of {fn.__qualname__}")
         functools.update_wrapper(typing.cast(Any, self), fn)
         # What `ctx.step.run(name, this, ...)` runs instead (see `_names.inline_target`).
         self.__umt_step__ = (fn, self.output_type, retry, timeout)
+        self.__umt_uncertain_on__ = uncertain_on
 
     def __repr__(self) -> str:
         return f"<step {self.name!r} ({self.fn.__qualname__})>"
@@ -237,6 +253,8 @@ class _StepBase(Generic[P, R]):
             retry=self.retry,
             output_type=self.output_type,
             timeout=self.timeout,
+            transactional=self.transactional,
+            uncertain_on=self.uncertain_on,
         )
 
 
@@ -296,9 +314,38 @@ class _StepDecorator(Protocol):
     def __call__(self, fn: Callable[P, R]) -> SyncStep[P, R]: ...
 
 
+class _TransactionalStepDecorator(Protocol):
+    def __call__(
+        self, fn: Callable[Concatenate[Any, P], Coroutine[Any, Any, R]]
+    ) -> AsyncStep[P, R]: ...
+
+
+@overload
 def step(
-    name: str, *, retry: RetryPolicy | None = None, timeout: timedelta | None = None
-) -> _StepDecorator:
+    name: str,
+    *,
+    retry: RetryPolicy | None = None,
+    timeout: timedelta | None = None,
+    transactional: Literal[False] = False,
+    uncertain_on: type[BaseException] | tuple[type[BaseException], ...] = (),
+) -> _StepDecorator: ...
+@overload
+def step(
+    name: str,
+    *,
+    retry: RetryPolicy | None = None,
+    timeout: timedelta | None = None,
+    transactional: Literal[True],
+    uncertain_on: type[BaseException] | tuple[type[BaseException], ...] = (),
+) -> _TransactionalStepDecorator: ...
+def step(
+    name: str,
+    *,
+    retry: RetryPolicy | None = None,
+    timeout: timedelta | None = None,
+    transactional: bool = False,
+    uncertain_on: type[BaseException] | tuple[type[BaseException], ...] = (),
+) -> _StepDecorator | _TransactionalStepDecorator:
     """Declare a named step. Inside a task it runs once per run; replays return its record.
 
     Args:
@@ -309,11 +356,37 @@ def step(
             one (a thread cannot be killed) is left to finish on its own and its result
             ignored, and the attempt fails with `StepTimeoutError`, retried per the step's
             policy. None (the default): no limit.
+        transactional: the step's writes on the engine's own database commit in the
+            transaction that records it (`ctx.step.transaction`): the function is async and
+            takes that transaction (`tx`) first, and callers pass the rest:
+            `@step("debit", transactional=True) async def debit(tx, account, amount)` is
+            called `await debit(account, amount)`.
+        uncertain_on: an exception class (or a tuple of them, such as `(TimeoutError,)`)
+            after which the step's outcome is unknown: an attempt that fails so parks the run
+            in `needs_attention` until an operator settles it (`engine.settle`), instead of
+            being retried or failed.
     """
     check_name("step", name)
+    uncertain = (
+        check_uncertain_on(uncertain_on, where=f"step {name!r}", error=TaskDefinitionError)
+        if uncertain_on != ()
+        else ()
+    )
     check_retry(retry, where=f"step {name!r}", error=TaskDefinitionError)
     if timeout is not None:
         _check_timeout(timeout, where=f"step {name!r}")
+    if not isinstance(transactional, bool):
+        raise TaskDefinitionError(
+            f"@step({name!r}): transactional must be True or False, got {shown(transactional)}",
+            argument="transactional",
+        )
+    if transactional and uncertain:
+        raise TaskDefinitionError(
+            f"@step({name!r}): uncertain_on= cannot go with transactional=True: a transactional "
+            "step's writes commit with its record or not at all, so its outcome is never "
+            "unknown; drop uncertain_on=",
+            argument="uncertain_on",
+        )
 
     def decorate(fn: Callable[..., Any]) -> _StepBase[Any, Any]:
         if isinstance(fn, _StepBase | TaskDefinition) or not callable(fn):
@@ -321,10 +394,22 @@ def step(
                 f"@step({name!r}) must decorate a plain or async function (fn), got {shown(fn)}",
                 argument="fn",
             )
+        if transactional:
+            if not inspect.iscoroutinefunction(fn):
+                raise TaskDefinitionError(
+                    f"@step({name!r}, transactional=True) must decorate an async function "
+                    f"taking the transaction first (async def {getattr(fn, '__name__', 'fn')}(tx, "
+                    "...)), got "
+                    f"{shown(fn)}",
+                    argument="fn",
+                )
+            return AsyncStep(name, fn, retry, timeout, transactional=True)
         if inspect.iscoroutinefunction(fn):
-            return AsyncStep(name, fn, retry, timeout)
-        return SyncStep(name, fn, retry, timeout)
+            return AsyncStep(name, fn, retry, timeout, uncertain_on=uncertain)
+        return SyncStep(name, fn, retry, timeout, uncertain_on=uncertain)
 
+    if transactional:
+        return typing.cast(_TransactionalStepDecorator, decorate)
     return typing.cast(_StepDecorator, decorate)
 
 

@@ -83,6 +83,12 @@ class Telemetry:
             unit="{execution}",
             description="Executions this process stopped because it found their lease lost",
         )
+        self.runs_needing_attention = meter.create_counter(
+            "umt.runs.needs_attention",
+            unit="{run}",
+            description="Runs parked in needs_attention: a step's outcome is unknown and an "
+            "operator must settle it",
+        )
         self.fencing_rejections = meter.create_counter(
             "umt.fencing.rejections", unit="{write}", description="Writes refused by fencing"
         )
@@ -274,6 +280,21 @@ class ExecutionTelemetry:
         )
         self._retry_error = error
         Telemetry.fail(self.span, error)
+
+    def needs_attention(self, step_name: str, attempt: int, error: BaseException) -> None:
+        """A step failed in a way that leaves its outcome unknown: the run parks in
+        `needs_attention` (an event naming the step and the error, and the counter)."""
+        info = error_info(error)
+        self._telemetry.runs_needing_attention.add(1, self.task_attributes)
+        self.event(
+            "umt.step.needs_attention",
+            **{
+                "umt.step.name": step_name,
+                "umt.step.attempt": attempt,
+                "exception.type": info.type,
+                "exception.message": info.message,
+            },
+        )
 
     def rate_limit_wait(
         self,

@@ -10,6 +10,7 @@ from uuid import UUID
 
 from attrs import evolve, field, frozen
 
+from umt_sdk._attention import parse_attention_fact
 from umt_sdk._spi import (
     TERMINAL_STATUSES,
     ErrorInfo,
@@ -132,8 +133,20 @@ class RunInfo:
     @property
     def display_status(self) -> str:
         """The status as people read it: `running (lease expired)` for a running run whose
-        lease lapsed, else `status`."""
+        lease lapsed, `needs_attention` for a run parked until an operator settles one of its
+        steps, else `status`."""
+        if self.needs_attention is not None:
+            return "needs_attention"
         return "running (lease expired)" if self.lease_expired else self.status
+
+    @property
+    def needs_attention(self) -> str | None:
+        """The step an operator must settle (`engine.settle`), for a run parked in
+        `needs_attention` (stored as `waiting` on that step's settlement); else None."""
+        if self.status != "waiting":
+            return None
+        parked = parse_attention_fact(self.waiting_for)
+        return None if parked is None else parked[0]
 
     @property
     def input(self) -> Any:

@@ -17,6 +17,7 @@ from umt_sdk._hookspecs import BackendHookspecs, hookimpl
 from umt_sdk._rate_limits import TokenTake, park_slot, take_tokens, token_interval
 from umt_sdk._serde import encode_payload, unstorable_json_reason, unstorable_reason
 from umt_sdk._spi import (
+    ATTENTION_WAIT_PREFIX,
     HELD_WAIT,
     TERMINAL_STATUSES,
     Backend,
@@ -71,11 +72,13 @@ from umt_sdk._spi import (
     TaskPair,
     TokenGrant,
     TokenRequest,
+    TransactionStore,
     WorkerRecord,
     WorkerState,
 )
 
 __all__ = [
+    "ATTENTION_WAIT_PREFIX",
     "Backend",
     "BackendHookspecs",
     "BatchEnqueueStore",
@@ -134,6 +137,7 @@ __all__ = [
     "TokenGrant",
     "TokenRequest",
     "TokenTake",
+    "TransactionStore",
     "WorkerRecord",
     "WorkerState",
     "check_codec",

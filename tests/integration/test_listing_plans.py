@@ -1,11 +1,12 @@
 """Listing stays fast with many runs: each page reads an index in run-id order from the cursor
 and stops after the page, whatever the number of runs behind it.
 
-200,000 runs (a tenth tagged, a third keyed, some children), analyzed; each filter shape of
-`list_runs` / `list_runs_tagged` is run under EXPLAIN (ANALYZE, BUFFERS) with a page of 51 and
-the values the backend would bind (the backend never prepares listing statements, so each one is
-planned with its values). No sequential scan, and the rows and buffers read are those of about
-one page (of the matching runs, for a filter that matches one run in ten), not of the table.
+200,000 runs (a tenth tagged, a third keyed, some children, one in a thousand needing
+attention), analyzed; each filter shape of `list_runs` / `list_runs_tagged` is run under EXPLAIN
+(ANALYZE, BUFFERS) with a page of 51 and the values the backend would bind (the backend never
+prepares listing statements, so each one is planned with its values). No sequential scan, and
+the rows and buffers read are those of about one page (of the matching runs, for a filter that
+matches one run in ten), not of the table.
 """
 
 from __future__ import annotations
@@ -39,15 +40,18 @@ def many(pg_url: str) -> Iterator[str]:
         conn.execute(
             sql.SQL(
                 "INSERT INTO {s}.runs (id, task_name, task_version, status, input_hash, input, "
-                "idempotency_key, created_at, finished_at, parent_run_id, tags) "
+                "idempotency_key, created_at, finished_at, parent_run_id, tags, wait_for) "
                 "SELECT uuidv7(-(g * interval '1 second')), 'task' || g %% 10, 1, "
-                "CASE WHEN g %% 50 = 0 THEN 'failed' ELSE 'completed' END, 'h', '{{}}', "
+                "CASE WHEN g %% 50 = 0 THEN 'failed' WHEN g %% 1000 = 7 THEN 'waiting' "
+                "     ELSE 'completed' END, 'h', '{{}}', "
                 "CASE WHEN g %% 3 = 0 THEN 'key-' || g END, "
-                "now() - g * interval '1 second', now() - g * interval '1 second', "
+                "now() - g * interval '1 second', "
+                "CASE WHEN g %% 1000 <> 7 THEN now() - g * interval '1 second' END, "
                 "CASE WHEN g %% 97 = 0 THEN '00000000-0000-7000-8000-000000000001'::uuid END, "
                 "CASE WHEN g %% 10 = 0 THEN jsonb_build_object('tenant', 't' || g %% 7, "
                 "                                              'region', 'r' || g %% 3) "
-                "     ELSE '{{}}' END "
+                "     ELSE '{{}}' END, "
+                "CASE WHEN g %% 1000 = 7 THEN 'umt.attention:1:charge' END "
                 "FROM generate_series(1, %s) AS g"
             ).format(s=s),
             (RUNS,),
@@ -83,6 +87,7 @@ def _params(**given: Any) -> dict[str, Any]:
         )
     )
     params["limit"] = PAGE
+    params["needs_attention"] = False
     params.update(given)
     tags = params.pop("tags", None)
     if tags:
@@ -115,6 +120,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tag and task": {"tags": {"tenant": "t3"}, "task_name": "task0"},
     "created in the last day": {"created_after": NOW - timedelta(days=1)},
     "finished in the last hour": {"finished_after": NOW - timedelta(hours=1)},
+    "needing attention": {"needs_attention": True},
 }
 
 

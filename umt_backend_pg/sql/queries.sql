@@ -1057,7 +1057,8 @@ FROM {schema}.executions WHERE run_id = %(run_id)s ORDER BY fencing_token;
 -- or a key), stopping after %(limit)s matches. A filter by tag uses list_runs_tagged instead.
 -- A filter by worker checks each run's executions by their primary key (no index of its own:
 -- the claim writes no extra entry for it), so it reads runs back from the cursor until the
--- worker's runs fill the page: quick for a worker that ran recently.
+-- worker's runs fill the page: quick for a worker that ran recently. The runs needing attention
+-- (%(needs_attention)s) are read through their own partial index, runs_needing_attention.
 SELECT id, task_name, task_version, status, priority, created_at, updated_at, available_at,
        input::text AS input, idempotency_key, output::text AS output, error, claims, failures,
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
@@ -1078,6 +1079,8 @@ WHERE (%(task_name)s::text IS NULL OR task_name = %(task_name)s)
   AND (%(created_before)s::timestamptz IS NULL OR created_at < %(created_before)s)
   AND (%(finished_after)s::timestamptz IS NULL OR finished_at >= %(finished_after)s)
   AND (%(finished_before)s::timestamptz IS NULL OR finished_at < %(finished_before)s)
+  AND (NOT %(needs_attention)s::boolean
+       OR (status = 'waiting' AND wait_for LIKE 'umt.attention:%%'))
   AND (%(before)s::uuid IS NULL OR id < %(before)s)
 ORDER BY id DESC
 LIMIT %(limit)s;
@@ -1114,6 +1117,8 @@ CROSS JOIN LATERAL (
       AND (%(created_before)s::timestamptz IS NULL OR r.created_at < %(created_before)s)
       AND (%(finished_after)s::timestamptz IS NULL OR r.finished_at >= %(finished_after)s)
       AND (%(finished_before)s::timestamptz IS NULL OR r.finished_at < %(finished_before)s)
+      AND (NOT %(needs_attention)s::boolean
+           OR (r.status = 'waiting' AND r.wait_for LIKE 'umt.attention:%%'))
     LIMIT 1
 ) AS r
 WHERE t.key = %(tag_key)s AND t.value = %(tag_value)s

@@ -82,6 +82,9 @@ CREATE UNIQUE INDEX runs_idempotency ON {schema}.runs (task_name, idempotency_ke
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
     WHERE status = 'waiting' AND wait_for IS NOT NULL;
+-- Runs in needs_attention, for their listing (migrations/0022_needs_attention.sql).
+CREATE INDEX runs_needing_attention ON {schema}.runs (id)
+    WHERE status = 'waiting' AND wait_for LIKE 'umt.attention:%';
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
 CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
     WHERE status IN ('completed', 'failed', 'canceled', 'compensated');

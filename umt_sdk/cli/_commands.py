@@ -524,7 +524,12 @@ def _time_option(name: str, help: str) -> Callable[[Callable[..., Any]], Callabl
 
 @runs.command("list")
 @task_option
-@status_option
+@click.option(
+    "--status",
+    type=click.Choice([*_STATUSES, "needs_attention"]),
+    help="Only runs with this status (needs_attention: waiting for an operator to settle a "
+    "step, `umt runs settle`).",
+)
 @click.option(
     "--tag",
     "tags",
@@ -585,7 +590,8 @@ def runs_list(
             page = await engine.list(
                 task_name=name,
                 version=version,
-                status=status,
+                status=None if status == "needs_attention" else status,
+                needs_attention=status == "needs_attention",
                 tags=tags,
                 idempotency_key=idempotency_key,
                 parent=parent,

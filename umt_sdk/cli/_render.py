@@ -10,6 +10,7 @@ from uuid import UUID
 
 from attrs import frozen
 
+from umt_sdk._attention import parse_attention_fact, settlement_of
 from umt_sdk._spi import ErrorInfo, ExecutionRecord
 from umt_sdk._streams import StreamItem
 from umt_sdk._views import RunInfo, StepView
@@ -58,6 +59,8 @@ def _error_text(error: ErrorInfo | None) -> str:
 
 
 def _note(info: RunInfo) -> str:
+    if info.needs_attention is not None:
+        return f"step {info.needs_attention!r} needs settling (umt runs settle)"
     if info.status == "waiting":
         return f"waiting for fact {info.waiting_for!r}" if info.waiting_for else "sleeping"
     if info.deadline_passed:
@@ -127,7 +130,20 @@ def _step_status(view: StepView) -> str:
     return f"{view.status} {_MARK}" if view.status == "interrupted" else view.status
 
 
+def _settled_note(view: StepView) -> str | None:
+    """`settled done by dana` for the record of a settlement (`umt runs settle`)."""
+    if view.kind != "fact" or parse_attention_fact(view.name) is None or not view.output_json:
+        return None
+    settlement = settlement_of(view.output_json)
+    if settlement is None:
+        return None
+    return f"settled {'done' if settlement.done else 'not done'} by {settlement.by}"
+
+
 def _step_note(view: StepView) -> str:
+    settled = _settled_note(view)
+    if settled is not None:
+        return settled
     if view.status == "interrupted":
         where = "at or before this step" if view.inferred else "cut off"
         return f"{where}: lease lost (noticed {_when(view.finished_at, precise=True)})"
@@ -328,6 +344,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "lease_expires_at": _iso(info.lease_expires_at),
         "idempotency_key": info.idempotency_key,
         "waiting_for": info.waiting_for,
+        "needs_attention": info.needs_attention,
         "cancel_requested": info.cancel_requested,
         "cancel_reason": info.cancel_reason,
         "error": _error_json(info.error),
@@ -359,6 +376,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
                 "wake_at": _iso(v.wake_at),
                 "error": _error_json(v.error),
                 "inferred": v.inferred,
+                **({"settled": _settled_note(v)} if _settled_note(v) is not None else {}),
             }
             for v in info.timeline
         ]

@@ -37,7 +37,9 @@ __all__ = [
     "pretty_json",
 ]
 
-STATUSES: tuple[str, ...] = get_args(RunStatus)
+STATUSES: tuple[str, ...] = (*get_args(RunStatus), "needs_attention")
+"""The run list's status filter: the stored statuses, and `needs_attention` (waiting runs whose
+step an operator must settle: `engine.list(needs_attention=True)`)."""
 UNFINISHED: tuple[RunStatus, ...] = ("pending", "running", "waiting")
 PAGE_SIZE = 50
 CELL_LIMIT = 120
@@ -129,7 +131,9 @@ class RunFilters:
         arguments: dict[str, Any] = {}
         errors: dict[str, str] = {}
         if self.status:
-            if self.status in STATUSES:
+            if self.status == "needs_attention":
+                arguments["needs_attention"] = True
+            elif self.status in STATUSES:
                 arguments["status"] = self.status
             else:
                 errors["status"] = f"one of {', '.join(STATUSES)}"

@@ -29,6 +29,7 @@ from attrs import field, frozen
 from opentelemetry import metrics, trace
 
 from umt_sdk import _probe, _serde
+from umt_sdk._attention import parse_attention_fact
 from umt_sdk._check import shown
 from umt_sdk._execution import Execution
 from umt_sdk._export import RunHistory, step_records
@@ -156,6 +157,8 @@ class _Comparison:
         order: list[str] = []
         for step in history.steps:
             if umt_record(step.name):  # a saga's registrations and plan: no call makes them
+                continue
+            if parse_attention_fact(step.name) is not None:  # a settlement: `settle` made it
                 continue
             if step.name not in last:
                 order.append(step.name)

@@ -38,6 +38,8 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
+- `_transactions`: transactional steps (writes and record commit together, once; fenced)
+- `_attention`: outcomes an operator settles (`uncertain_on`, `needs_attention`, `settle`)
 - `_patches`: `ctx.patched` decided once per run and replayed, `deprecate_patch`, a reused id
 """
 
@@ -49,6 +51,7 @@ from umt_sdk import TaskDefinition
 from umt_sdk.testing._contract import (
     _aborts,
     _arguments,
+    _attention,
     _base,
     _batches,
     _callbacks,
@@ -78,6 +81,7 @@ from umt_sdk.testing._contract import (
     _spi_meanings,
     _streams,
     _timeline,
+    _transactions,
     _user_code,
 )
 
@@ -114,6 +118,8 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_deadlines.TASKS,
     *_insight.TASKS,
     *_sagas.TASKS,
+    *_transactions.TASKS,
+    *_attention.TASKS,
     *_patches.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
@@ -152,6 +158,8 @@ class BackendContract(
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
     _sagas.SagasContract,
+    _transactions.TransactionsContract,
+    _attention.AttentionContract,
     _patches.PatchesContract,
     _base.ContractBase,
 ):
