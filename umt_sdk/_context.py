@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
@@ -24,6 +25,7 @@ from umt_sdk._names import (
     check_type_argument,
     check_wait_arguments,
 )
+from umt_sdk._patches import CallSite, PatchCheck
 from umt_sdk._rate_limits import RateLimit, check_step_rate_limit
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._spi import ClaimedRun
@@ -753,6 +755,12 @@ class SyncStepApi:
         return value
 
 
+def _call_site() -> CallSite:
+    """Where the handler called `ctx.patched` / `ctx.deprecate_patch` (two frames up)."""
+    frame = sys._getframe(2)
+    return (frame.f_code.co_filename, frame.f_lineno)
+
+
 class _BaseContext(Generic[I]):
     __slots__ = ("_execution", "_input")
 
@@ -886,6 +894,24 @@ class TaskContext(_BaseContext[I]):
         points, so it is the same on every execution."""
         return self._query_state
 
+    def patched(self, patch_id: str) -> PatchCheck:
+        """Await it: True where this run takes the new code at this point, False where it
+        was already past the point on code without the patch (docs/versioning.md).
+
+        `if await ctx.patched("new-fraud-check"): ...new code... else: ...old code...`. The
+        first run to reach the point on this code records the patch's marker, so every replay
+        decides the same. One id marks one point: the same id asked elsewhere in the task
+        fails the run with `UsageError`, and nothing is stored.
+        """
+        steps, site = self._execution.steps, _call_site()
+        return PatchCheck(patch_id, lambda: steps.patch(patch_id, site, call="patched"))
+
+    async def deprecate_patch(self, patch_id: str) -> None:
+        """The release after `patched(patch_id)`, once no live run takes the old branch (see
+        `umt check --unpatched`): the code keeps only the new branch, and the marker is still
+        recorded for new runs, so workers of the previous release take the new branch too."""
+        await self._execution.steps.patch(patch_id, _call_site(), call="deprecate_patch")
+
 
 class SyncTaskContext(_BaseContext[I]):
     """The context of a plain (sync) task; its `step` API blocks the handler's thread."""
@@ -901,3 +927,15 @@ class SyncTaskContext(_BaseContext[I]):
     def set_query_state(self, state: Any) -> None:
         """Keep `state` for the task's queries (see `TaskContext.set_query_state`)."""
         self.stream.write(QUERY_STATE_STREAM, state)
+
+    def patched(self, patch_id: str) -> bool:
+        """True where this run takes the new code at this point, False where it was already
+        past the point on code without the patch (see `TaskContext.patched`)."""
+        steps = self._execution.steps
+        decision: bool = steps.from_thread(steps.patch(patch_id, _call_site(), call="patched"))
+        return decision
+
+    def deprecate_patch(self, patch_id: str) -> None:
+        """The release after `patched(patch_id)` (see `TaskContext.deprecate_patch`)."""
+        steps = self._execution.steps
+        steps.from_thread(steps.patch(patch_id, _call_site(), call="deprecate_patch"))

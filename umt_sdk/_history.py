@@ -39,6 +39,17 @@ class History:
         handler asked for so far (a replay asks for the same, in the same order)."""
         return sum(self._occurrences.values())
 
+    def asked(self, full: str) -> bool:
+        """Whether this execution of the handler has asked for the recorded name `full`
+        (`name`, or `name#n`) yet."""
+        name, _, count = full.partition("#")
+        return self._occurrences.get(name, 0) >= (int(count) if count.isdigit() else 1)
+
+    def unasked(self) -> list[str]:
+        """The recorded names this execution of the handler has not asked for yet, in the
+        order first recorded (umt's own records included: the caller tells them apart)."""
+        return [full for full in self._records if not self.asked(full)]
+
     def next_occurrence(self, name: str) -> str:
         """The name the next `occurrence(name)` will return, without taking it."""
         count = self._occurrences.get(name, 0) + 1

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Literal
+from typing import Any, Literal
 
 from attrs import frozen
 
@@ -61,6 +61,9 @@ class Point:
     step_kind: StepKind | None = None
     replayed: bool = False
     output: str | None = None
+    output_type: Any = None
+    """`call` of a step: the type its output decodes to (the replayer checks records against
+    it)."""
 
 
 Observer = Callable[[Point], bool]

@@ -39,6 +39,7 @@ from umt_sdk._history import History
 from umt_sdk._ids import new_run_id
 from umt_sdk._lifecycle import CHILD_KEY_PREFIX, MAP_KEY_PREFIX
 from umt_sdk._names import check_name, inline_target
+from umt_sdk._patches import CallSite, PatchDecisions, marker_envelope, marker_name, went_past
 from umt_sdk._rate_limits import RateLimit, ensure_defined, rate_limit_fields, rate_limit_store
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._sagas import Saga
@@ -291,6 +292,7 @@ class Steps:
         self._on_step_start = on_step_start
         # How many updates this execution has received so far (`umt_sdk._updates`).
         self.updates_received = 0
+        self.patches = PatchDecisions()
 
     def step_for_beat(self) -> tuple[str, datetime] | None:
         """The step a heartbeat names: the one running, else the one a cancel cut off."""
@@ -350,7 +352,9 @@ class Steps:
         full = self.history.occurrence(call.name)
         last = self.history.last(full, "step")
         replayed = last is not None and last.status in ("completed", "failed")
-        _probe.report("call", full, step_kind="step", replayed=replayed)
+        _probe.report(
+            "call", full, step_kind="step", replayed=replayed, output_type=call.output_type
+        )
         if last is not None:
             if last.status == "completed":
                 self._telemetry.replayed(last)
@@ -392,6 +396,42 @@ class Steps:
             finally:
                 # Only now: a refused write of its record still names the step.
                 self.current_step = self.current_step_started_at = None
+
+    async def patch(self, patch_id: str, site: CallSite, *, call: str) -> bool:
+        """`ctx.patched` (`call="patched"`) and `ctx.deprecate_patch`: the run's decision at
+        this point, recording the patch's marker when the run reaches it first (`_patches`)."""
+        check_name("patch", patch_id, argument="patch_id")
+        known = self.patches.known(patch_id, site, call)
+        if known is not None:
+            return known
+        full = marker_name(patch_id)
+        last = self.history.last(full, "step")
+        if last is not None and last.status == "completed":
+            self.history.occurrence(full)
+            _probe.report("call", full, step_kind="step", replayed=True)
+            self._telemetry.replayed(last)
+            return self.patches.decide(patch_id, site, call, True)
+        if went_past(self.history):
+            return self.patches.decide(patch_id, site, call, False)
+        self.history.occurrence(full)
+        _probe.report("call", full, step_kind="step", replayed=False)
+        self._host.check_before_step()
+        self._host.go_live()
+        now = self._host.now()
+        await self._record(
+            self._step_record(
+                full,
+                "step",
+                status="completed",
+                started_at=now,
+                finished_at=now,
+                output_json=marker_envelope(patch_id, deprecated=call == "deprecate_patch"),
+            )
+        )
+        self._telemetry.event(
+            "umt.patch.recorded", **{"umt.patch.id": patch_id, "umt.patch.call": call}
+        )
+        return self.patches.decide(patch_id, site, call, True)
 
     async def _take_token(self, call: StepCall, full: str, attempt: int) -> None:
         """One token of the step's rate limit for this attempt (once: a run taken over asks

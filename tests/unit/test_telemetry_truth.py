@@ -732,6 +732,31 @@ async def test_an_update_is_a_span_naming_the_update() -> None:
     assert attrs_of(sent)["umt.update.name"] == "tel.approve"
 
 
+# -- patches ------------------------------------------------------------------------------------
+
+
+@task("tel.patched", version=1)
+async def patched_task(ctx: TaskContext[Key]) -> bool:
+    decided = await ctx.patched("tel-patch")
+    await ctx.step.sleep("nap", timedelta(seconds=1))  # a second execution replays the marker
+    return decided
+
+
+async def test_a_patch_marker_is_an_event_when_recorded_only() -> None:
+    otel = Otel()
+    engine = await otel.engine(patched_task, clock=FakeClock(auto_advance=True))
+    handle = await engine.enqueue(patched_task, Key("p"))
+    async with engine.worker():
+        assert await handle.result(timeout=10) is True
+    await engine.close()
+    runs = otel.spans("umt.run tel.patched")
+    assert len(runs) == 2
+    recorded = [e for s in runs for e in events(s, "umt.patch.recorded")]
+    assert recorded == [{"umt.patch.id": "tel-patch", "umt.patch.call": "patched"}]
+    (replayed,) = events(runs[1], "umt.step.replayed")
+    assert replayed["umt.step.name"] == "umt.patch:tel-patch"
+
+
 # -- the table -------------------------------------------------------------------------------------
 
 _EMITTERS = [

@@ -10,6 +10,7 @@ and run their coroutines with `run` (umt's errors become one line and the right 
 from umt_sdk._hookspecs import CliBackend
 from umt_sdk.cli import (
     _attention,  # noqa: F401  (registers `umt runs settle`)
+    _check,  # noqa: F401  (registers `umt check`)
     _commands,  # noqa: F401  (registers the commands on `cli`)
     _dashboard,  # noqa: F401  (registers `umt dashboard`; its extra is imported when it runs)
     _lifecycle,  # noqa: F401  (registers `umt tasks ...`, `umt runs rerun|fork`)

@@ -181,6 +181,10 @@ class CliConfig:
         self.secrets = _secrets(database_url)
         """The passwords in the given URL: scrubbed from anything the command prints."""
 
+    def for_url(self, url: str) -> CliConfig:
+        """The same options (global `--schema`, `--codec`, ...) for another database."""
+        return CliConfig(url, self.options, self._plugins, codec=self._codec_ref)
+
     def url(self) -> str:
         """The database URL: the option or env, else a backend's default (or a clear error)."""
         if self._url:

@@ -1,5 +1,6 @@
 """Test kits: `FakeClock`, crash and freeze helpers, `explore_crashes` (a task crashed at every
-point it passes), the `Replayer` (today's code against recorded histories), the backend
+point it passes), the `Replayer` (today's code against recorded histories), the deploy check
+(`check_deploy`, `live_histories`, `read_histories`: what `umt check` runs), the backend
 contract suite, and for testing your own tasks `run_inline` and the `assert_enqueued` family
 (with the pytest plugin's fixtures: `umt_engine`, `umt_clock`, `umt_worker`; see
 docs/testing.md).
@@ -12,6 +13,12 @@ Postgres ones).
 from typing import TYPE_CHECKING
 
 from umt_sdk.testing._clock import FakeClock
+from umt_sdk.testing._deploy_check import (
+    DeployCheck,
+    check_deploy,
+    live_histories,
+    read_histories,
+)
 from umt_sdk.testing._enqueued import all_enqueued, assert_enqueued, refute_enqueued
 from umt_sdk.testing._explorer import CrashPoint, CrashReport, Exploration, explore_crashes
 from umt_sdk.testing._helpers import (
@@ -20,7 +27,7 @@ from umt_sdk.testing._helpers import (
     simulate_crash,
     thaw_heartbeats,
 )
-from umt_sdk.testing._replay import Replayer, ReplayResult
+from umt_sdk.testing._replay import Replayer, ReplayResult, StepDrift
 from umt_sdk.testing._run_inline import run_inline
 
 __all__ = [
@@ -28,14 +35,19 @@ __all__ = [
     "BackendHarness",
     "CrashPoint",
     "CrashReport",
+    "DeployCheck",
     "Exploration",
     "FakeClock",
     "ReplayResult",
     "Replayer",
+    "StepDrift",
     "all_enqueued",
     "assert_enqueued",
+    "check_deploy",
     "explore_crashes",
     "freeze_heartbeats",
+    "live_histories",
+    "read_histories",
     "refute_enqueued",
     "run_inline",
     "simulate_crash",

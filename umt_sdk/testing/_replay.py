@@ -25,15 +25,16 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 from uuid import UUID
 
-from attrs import frozen
+from attrs import field, frozen
 from opentelemetry import metrics, trace
 
-from umt_sdk import _probe
+from umt_sdk import _probe, _serde
 from umt_sdk._attention import parse_attention_fact
 from umt_sdk._check import shown
 from umt_sdk._execution import Execution
 from umt_sdk._export import RunHistory, step_records
 from umt_sdk._history import History
+from umt_sdk._patches import is_marker
 from umt_sdk._sagas import umt_record
 from umt_sdk._spi import (
     Backend,
@@ -60,7 +61,7 @@ from umt_sdk._task import Registry
 from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import NonDeterminismError, UmtError, UsageError
 
-__all__ = ["ReplayResult", "Replayer"]
+__all__ = ["ReplayResult", "Replayer", "StepDrift"]
 
 _REPLAY_WORKER = "umt-replay"
 _CONTEXT_ROWS = 5
@@ -71,6 +72,24 @@ _ADVICE = (
 )
 
 ReplayOutcome = Literal["finished", "goes_on_live", "mismatch", "not_registered"]
+
+
+@frozen(kw_only=True)
+class StepDrift:
+    """A completed step's recorded output that no longer decodes into the step's return type,
+    or decodes into another value: a resumed run would see something else than it recorded."""
+
+    step: str
+    """The step, as recorded (`name#2` for a second use)."""
+    recorded: Any
+    """The recorded output (parsed JSON)."""
+    output_type: str
+    """The step's return type today, as the code declares it."""
+    problem: str
+    """What goes wrong: the decoding error, or what changes (`'amount': 30.5 becomes 30`)."""
+
+    def describe(self) -> str:
+        return f"step {self.step!r}: the recorded {_shown_json(self.recorded)} {self.problem}"
 
 
 @frozen(kw_only=True)
@@ -93,18 +112,28 @@ class ReplayResult:
     """For `goes_on_live`: the call the run would make live next, such as `"step 'notify'"`."""
     error: UmtError | None = None
     """`NonDeterminismError` (with the diff) or `UnknownTaskError`; None when it replayed."""
+    drift: tuple[StepDrift, ...] = ()
+    """The replayed steps whose recorded output no longer decodes into today's return type,
+    or decodes into another value (type drift); each makes the result not `ok`."""
+    patches: Mapping[str, bool] = field(factory=dict)
+    """What `ctx.patched` / `ctx.deprecate_patch` decided during the replay, by patch id
+    (False: the run takes the old branch there); a patch the replay did not reach is left
+    out (the run reaches it live, on the new code)."""
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.error is None and not self.drift
 
     def summary(self) -> str:
         """One line: `ok run ... task@1: ...`, or `FAILED run ...` and the error's text."""
         head = f"run {self.run_id} ({self.task}@{self.version})"
+        drift = "".join(f"\n  type drift in {d.describe()}" for d in self.drift)
         if isinstance(self.error, NonDeterminismError):
-            return f"FAILED {self.error}"  # the diff, which names the run and the task
+            return f"FAILED {self.error}{drift}"  # the diff, which names the run and the task
         if self.error is not None:
-            return f"FAILED {head}: {self.error}"
+            return f"FAILED {head}: {self.error}{drift}"
+        if drift:
+            return f"FAILED {head}: a recorded step no longer decodes as it did{drift}"
         steps = f"{self.steps_matched} of {self.steps_recorded} recorded step(s) replayed"
         if self.outcome == "goes_on_live":
             return f"ok {head}: {steps}; goes on live with {self.next_call}"
@@ -137,6 +166,10 @@ class _Comparison:
             if seen is None or step.attempt >= seen[0]:
                 last[step.name] = (step.attempt, step.kind, step.status)
         self.recorded = [(name, last[name][1]) for name in order]
+        self.outputs = {
+            step.name: step.output for step in history.steps if step.status == "completed"
+        }
+        self.drift: list[StepDrift] = []
         self.matched = 0
         self.calls: list[tuple[str, str]] = []
         self.mismatch: NonDeterminismError | None = None
@@ -144,10 +177,26 @@ class _Comparison:
         self.stopped = False
         self.finished = False
 
-    def on_call(self, name: str, kind: str, replayed: bool) -> None:
+    def skip_markers(self, name: str = "") -> None:
+        """Pass over the patch markers recorded here that the code no longer asks for (a
+        patch deprecated, then removed): they stand for no code."""
+        while (
+            self.matched < len(self.recorded)
+            and is_marker(self.recorded[self.matched][0])
+            and self.recorded[self.matched][0] != name
+        ):
+            self.calls.append(self.recorded[self.matched])
+            self.matched += 1
+
+    def on_call(self, name: str, kind: str, replayed: bool, output_type: Any = None) -> None:
         """The handler asks for step `name` of `kind`: go on, or stop the replay here."""
         if self.stopped:  # a `finally:` of the handler asks for more while it unwinds
             raise _StopReplay
+        self.skip_markers(name)
+        if replayed and output_type is not None and name in self.outputs:
+            found = _drift(name, self.outputs[name], output_type)
+            if found is not None:
+                self.drift.append(found)
         position = self.matched
         if position < len(self.recorded):
             if self.recorded[position] != (name, kind):
@@ -163,7 +212,7 @@ class _Comparison:
     def on_point(self, point: _probe.Point) -> bool:
         if point.kind == "call":
             assert point.step_kind is not None
-            self.on_call(point.name, point.step_kind, point.replayed)
+            self.on_call(point.name, point.step_kind, point.replayed, point.output_type)
         elif point.kind == "end":
             self.finished = True
         else:  # a body, a park or an op would start: never during a replay
@@ -417,10 +466,14 @@ class Replayer:
             )
         comparison = _Comparison(history)
 
+        execution: Execution | None = None
+
         def result(
             outcome: ReplayOutcome, *, error: UmtError | None = None, next_call: str | None = None
         ) -> ReplayResult:
             return ReplayResult(
+                drift=tuple(comparison.drift),
+                patches=execution.steps.patches.decisions() if execution is not None else {},
                 run_id=history.run_id,
                 task=history.task,
                 version=history.version,
@@ -483,6 +536,7 @@ class Replayer:
         if raised is not None:
             now = f"(the handler raised {raised.type}: {_shorten(raised.message)})"
         try:
+            comparison.skip_markers()
             if comparison.matched < len(comparison.recorded):
                 comparison.differs(now)
             if raised is not None and (history.error is None or history.error.type != raised.type):
@@ -510,6 +564,79 @@ def _histories(histories: object) -> list[RunHistory]:
                 argument="histories",
             )
     return items
+
+
+def _type_name(type_: Any) -> str:
+    if isinstance(type_, type) and not getattr(type_, "__args__", None):
+        return type_.__qualname__
+    return repr(type_).replace("typing.", "")
+
+
+def _drift(name: str, recorded: Any, output_type: Any) -> StepDrift | None:
+    """How step `name`'s recorded output fares when decoded into `output_type` today: None
+    when it decodes and encodes back to what was recorded (new fields with defaults may be
+    added), else the drift."""
+    if output_type is Any:
+        return None
+    shown_type = _type_name(output_type)
+    try:
+        value = _serde.from_raw(recorded, output_type, what=f"output of step {name!r}")
+        again = json.loads(_serde.dumps(_serde.to_raw(value, output_type)))
+    except Exception as exc:  # a PayloadError, or the type's own code refusing
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return StepDrift(
+            step=name,
+            recorded=recorded,
+            output_type=shown_type,
+            problem=f"no longer decodes into {shown_type}: {reason}",
+        )
+    changed = _changed(recorded, again, "")
+    if changed is None:
+        return None
+    return StepDrift(
+        step=name,
+        recorded=recorded,
+        output_type=shown_type,
+        problem=f"decodes into {shown_type} as another value: {changed}",
+    )
+
+
+def _changed(recorded: Any, now: Any, path: str) -> str | None:
+    """Where `now` (the recorded value decoded and encoded again) loses or changes what was
+    recorded; keys only `now` has are new fields with defaults, and fine."""
+    here = path or "the value"
+    if isinstance(recorded, dict):
+        if not isinstance(now, dict):
+            return f"{here} {_shown_json(recorded)} becomes {_shown_json(now)}"
+        for key, value in recorded.items():
+            if key not in now:
+                return f"{path}.{key} is dropped" if path else f"field {key!r} is dropped"
+            found = _changed(value, now[key], f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+        return None
+    if isinstance(recorded, list):
+        if not isinstance(now, list) or len(now) != len(recorded):
+            return f"{here} {_shown_json(recorded)} becomes {_shown_json(now)}"
+        for index, (a, b) in enumerate(zip(recorded, now, strict=True)):
+            found = _changed(a, b, f"{path}[{index}]")
+            if found is not None:
+                if sorted(map(_canonical, recorded)) == sorted(map(_canonical, now)):
+                    return None  # a set's items in another order: decoding never reorders
+                return found
+        return None
+    if recorded != now or isinstance(recorded, bool) != isinstance(now, bool):
+        return f"{here} {_shown_json(recorded)} becomes {_shown_json(now)}"
+    return None
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _shown_json(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _shorten(text: str, limit: int = 120) -> str:

@@ -41,6 +41,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
 - `_transactions`: transactional steps (writes and record commit together, once; fenced)
 - `_attention`: outcomes an operator settles (`uncertain_on`, `needs_attention`, `settle`)
+- `_patches`: `ctx.patched` decided once per run and replayed, `deprecate_patch`, a reused id
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from umt_sdk.testing._contract import (
     _ledger,
     _lifecycle,
     _listing,
+    _patches,
     _payloads,
     _pruning,
     _rate_limits,
@@ -121,6 +123,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_sagas.TASKS,
     *_transactions.TASKS,
     *_attention.TASKS,
+    *_patches.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -161,6 +164,7 @@ class BackendContract(
     _sagas.SagasContract,
     _transactions.TransactionsContract,
     _attention.AttentionContract,
+    _patches.PatchesContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
