@@ -52,6 +52,8 @@ class TaskDefinition(Generic[I, O]):
     on_failure: OnFailure = "fail"
     """What a run does when it fails for good: `"fail"`, or `"compensate"` (run the
     compensations of its completed steps in reverse order, then end `compensated`)."""
+    on_event: str | None = None
+    """The event whose every publish starts a run of this task (`engine.publish`); None: none."""
 
     @property
     def pair(self) -> TaskPair:

@@ -37,6 +37,8 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_flow_keys`: singletons (skip, replace, serialized per key), debounce, per-key FIFO
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
+- `_events`: event triggers (one run per subscriber and event, repeats, transactions, late
+  subscribers and the window)
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
 """
 
@@ -57,6 +59,7 @@ from umt_sdk.testing._contract import (
     _codecs,
     _concurrency,
     _deadlines,
+    _events,
     _facts,
     _fanout,
     _flow_keys,
@@ -112,6 +115,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_deadlines.TASKS,
     *_insight.TASKS,
     *_sagas.TASKS,
+    *_events.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -149,6 +153,7 @@ class BackendContract(
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
     _sagas.SagasContract,
+    _events.EventsContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
