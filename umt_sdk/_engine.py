@@ -1544,13 +1544,18 @@ class Engine:
         names = frozenset(
             d.name for d in self.registry if d.on_event is not None and d.name in served
         )
-        if not names or not isinstance(self.backend, EventStore):
-            return None
+        if not isinstance(self.backend, EventStore) or not (names or self.retention.active):
+            return None  # with no subscriber, only a worker with a retention deletes events
+        window = self.event_window
+        if self.retention.idempotency is not None:
+            # An event must not outlive the keys of its runs: once a pruned run's key is
+            # forgotten, the event would start that subscriber again.
+            window = min(window, self.retention.idempotency)
         return EventStarter(
             backend=self.backend,
             registry=self.registry,
             task_names=names,
-            window=self.event_window,
+            window=window,
             new_run_id=new_run_id,
         )
 

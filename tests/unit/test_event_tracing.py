@@ -7,12 +7,13 @@ import asyncio
 from datetime import timedelta
 
 import attrs
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from umt_sdk import Engine, Registry, TaskContext, connect, task
+from umt_sdk import Engine, Registry, TaskContext, UsageError, connect, connect_sync, task
 from umt_sdk.testing import FakeClock
 
 
@@ -93,3 +94,14 @@ async def test_a_publish_without_a_subscriber_stores_the_event_for_later() -> No
     (run,) = list(await later.list(task_name="traced.receipt"))
     assert run.idempotency_key == f"umt.event:{published.event_id}"
     await engine.close()
+
+
+def test_plain_code_publishes_through_the_sync_facade() -> None:
+    with connect_sync("memory://", registry=Registry([receipt])) as facade:
+        event_id = facade.publish("traced.placed", Placed("o3"), key="o3")
+        assert facade.publish("traced.placed", Placed("o3"), key="o3") == event_id
+        (run,) = facade.list(task_name="traced.receipt")
+        assert run.idempotency_key == f"umt.event:{event_id}"
+        with pytest.raises(UsageError) as info:
+            facade.publish("traced placed", Placed("o4"))
+        assert info.value.argument == "name"

@@ -7,7 +7,7 @@ refused (late subscriber)."""
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import attrs
@@ -23,12 +23,16 @@ from umt_sdk import (
     UsageError,
     task,
 )
+from umt_sdk._codec_backend import CodecBackend, wrap_backend
+from umt_sdk.backend import EventStore
 from umt_sdk.testing._contract._base import current_tally, eventually
+from umt_sdk.testing._contract._codecs import KEY_1, SECRET, _codec
 from umt_sdk.testing._helpers import BackendHarness
 
 __all__ = ["EventsContract"]
 
 PLACED = "contract.order.placed"
+_LONG_AGO = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 @attrs.frozen
@@ -198,3 +202,35 @@ class EventsContract:
         assert "address" in refusal.reason
         assert await _runs_of(later, "contract.events.ship") == []
         assert len(await _runs_of(later, "contract.events.late")) == 1, "the old event expired"
+
+    async def test_an_event_is_sealed_at_rest_under_a_codec(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        backend = wrap_backend(engine.backend, _codec({"k1": KEY_1}, "k1"))
+        sealed = Engine(backend, engine.registry, telemetry=engine.telemetry)
+        published = await sealed.publish(PLACED, Order(f"o-{SECRET}"), key="o6")
+        assert len(published.runs) == 2
+        again = await sealed.publish(PLACED, Order(f"o-{SECRET}"), key="o6")
+        assert again.created is False, "the payload hash is the plaintext's"
+        late = await sealed.publish("contract.late", Order(f"late-{SECRET}"), key="o6")
+        assert isinstance(backend, CodecBackend)
+        raw = backend.inner
+        assert isinstance(raw, EventStore)
+        stored = await raw.events_to_start(
+            name="contract.late", task_name="contract.events.late", since=_LONG_AGO, limit=10
+        )
+        assert [e.event_id for e in stored] == [late.event_id]
+        assert SECRET not in stored[0].payload_json, "the payload is sealed at rest"
+        for handle in published.runs:
+            run = await raw.get_run(handle.run_id)
+            assert run is not None
+            assert SECRET not in run.input_json
+        later = Engine(backend, Registry([late_subscriber]), telemetry=engine.telemetry)
+        async with later.worker(concurrency=1, lease=harness.lease):
+
+            async def started() -> bool:
+                return len(await _runs_of(later, "contract.events.late")) == 1
+
+            await eventually(started)
+            (run,) = await _runs_of(later, "contract.events.late")
+            assert await later.result(run.run_id, timeout=15) == f"late-{SECRET}"
