@@ -23,11 +23,11 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from attrs import frozen
+from attrs import define, field
 
 from umt_sdk import _check as check
 from umt_sdk import _serde
@@ -56,6 +56,11 @@ EVENT_KEY_PREFIX = "umt.event:"
 
 DEFAULT_EVENT_WINDOW = timedelta(hours=24)
 """How long an event waits for subscribers registered after its publish."""
+
+LATE_COMMIT = timedelta(minutes=10)
+"""How late after its publish time an event may commit and still be found by the passes after
+a worker's first (which reads the whole window): a publish whose transaction stays open
+longer is found by the next worker that starts."""
 
 MAX_EVENT_NAME_LENGTH = 200
 _EVENT_NAME = re.compile(r"^[A-Za-z0-9._:\-]+$")
@@ -152,41 +157,50 @@ def new_event(
     )
 
 
-@frozen(kw_only=True)
+@define(eq=False, kw_only=True)
 class EventStarter:
     """Starts the events of the window that the subscribers a worker serves have no run for,
     and deletes the events older than the window. Every worker runs it; the runs' keys make
     one run per (event, task) whoever starts it, and a worker killed midway leaves the rest to
-    the next pass."""
+    the next pass.
+
+    A worker's first pass for a subscriber reads the whole window; the next ones read only
+    the events published since the last complete pass began, less `LATE_COMMIT`: an event is
+    stamped when its transaction begins and seen when it commits."""
 
     backend: Backend
     registry: Iterable[TaskDefinition[Any, Any]]
     task_names: frozenset[str]
     window: timedelta
     new_run_id: Any
+    covered: dict[str, datetime] = field(factory=dict)
+    """Per task name: when this starter's last complete pass for it began."""
 
     async def run_pass(self) -> dict[str, int]:
         store = event_store(self.backend, "event subscribers")
         now = store_now(self.backend)
         since = now - self.window
         started = refused = 0
-        by_event: dict[str, list[TaskDefinition[Any, Any]]] = {}
-        for definition in self.registry:
-            if definition.on_event is not None and definition.name in self.task_names:
-                by_event.setdefault(definition.on_event, [])
-        for name in sorted(by_event):
+        names = {
+            d.on_event
+            for d in self.registry
+            if d.on_event is not None and d.name in self.task_names
+        }
+        for name in sorted(names):
             for definition in subscribers(self.registry, name):
                 if definition.name not in self.task_names:
                     continue
                 if definition.rate_limit is not None:
                     await ensure_defined(self.backend, definition.rate_limit, "event subscribers")
+                covered = self.covered.get(definition.name)
+                start_at = since if covered is None else max(since, covered - LATE_COMMIT)
                 while True:
                     events = await store.events_to_start(
-                        name=name, task_name=definition.name, since=since, limit=_BATCH
+                        name=name, task_name=definition.name, since=start_at, limit=_BATCH
                     )
                     news: list[NewRun] = []
                     for event in events:
-                        new = self._run_for(store, definition, event)
+                        new = self._run_for(definition, event)
                         if isinstance(new, str):
                             await store.refuse_event(
                                 event_id=event.event_id,
@@ -209,6 +223,7 @@ class EventStarter:
                     started += sum(1 for r in results if r.created)
                     if len(events) < _BATCH:
                         break
+                self.covered[definition.name] = now
         expired = 0
         while True:
             count = await store.expire_events(before=since, limit=_BATCH)
@@ -217,10 +232,7 @@ class EventStarter:
                 break
         return {"started": started, "refused": refused, "expired": expired}
 
-    def _run_for(
-        self, store: EventStore, definition: TaskDefinition[Any, Any], event: StoredEvent
-    ) -> NewRun | str:
-        del store
+    def _run_for(self, definition: TaskDefinition[Any, Any], event: StoredEvent) -> NewRun | str:
         try:
             return event_run(
                 definition,
