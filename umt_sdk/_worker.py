@@ -153,6 +153,7 @@ class Worker:
         check.duration(poll_interval, "poll_interval", positive=True, where="worker")
         check.duration(shutdown_grace, "shutdown_grace", where="worker")
         check.duration(prune_interval, "prune_interval", positive=True, where="worker")
+        check.duration(event_interval, "event_interval", positive=True, where="worker")
         self.backend = backend
         self.telemetry = telemetry or Telemetry()
         self.registry = registry
@@ -575,7 +576,7 @@ class Worker:
                 unsubscribe()
 
     async def _event_loop(self, events: EventStarter) -> None:
-        """The event loop: at start, then every `event_interval` (at once when a test's clock
+        """The events' pass: at start, then every `event_interval` (at once when a test's clock
         moves), start the events of the window the served subscribers have no run for, and
         delete older events. Every worker runs it; the runs' keys make one run per pair."""
         outage = _Outage("starting the runs of published events")
