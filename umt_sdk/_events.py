@@ -117,8 +117,8 @@ def event_run(
     trace_context: dict[str, str],
     run_id: UUID,
 ) -> NewRun:
-    """The run an event starts for `definition`; `PayloadError` if its input type refuses
-    the payload."""
+    """The run an event starts for `definition`: `PayloadError` if its input type refuses
+    the payload, `UsageError` if its concurrency or rate-limit key function does."""
     input_json, input_hash = _serde.encode_input(
         json.loads(payload_json),
         definition.input_type,
@@ -242,7 +242,7 @@ class EventStarter:
                 trace_context=dict(event.trace_context),
                 run_id=self.new_run_id(),
             )
-        except PayloadError as exc:
+        except (PayloadError, UsageError) as exc:  # its type, or its key functions, refuse it
             return str(exc)
 
     async def _store(self, news: Sequence[NewRun]) -> Sequence[EnqueueResult]:
