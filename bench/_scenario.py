@@ -19,13 +19,16 @@ rate of 1-step runs, umt worker processes serve them, and the run goes through p
     repeated-kill   warmup, clean, worker-kill (every 20 s one of the two worker processes is
                     SIGKILLed and a new one started at once), recovery
 
-then the producer stops and the workers drain what is left (phase `drain`). Every window (10 s;
+then the producer stops and the workers drain what is left (phase `drain`). The warmup lasts
+its seconds and at least until a run was picked up (a loaded machine may start the workers'
+first claim late), at most a minute longer. Every window (10 s;
 1 s with --quick; windows restart at each phase boundary) records the pickup latency (enqueue
 call to handler start) as a bounded-memory histogram (p50/p95/p99/max), enqueue and completion
 rates, queue depth, dead tuples, table and index sizes of the engine's tables, index entries
 read per claim-index scan, the oldest transaction's xmin age and a wait-event sample (once a
 second). At the end of each phase the claim query is run under EXPLAIN (ANALYZE, BUFFERS) and
-rolled back. Runs lost (acknowledged enqueues not completed after the drain) must be 0.
+rolled back (if the server was down for the phase's last seconds, as soon as it is back).
+Runs lost (acknowledged enqueues not completed after the drain) must be 0.
 
 The three chaos scenarios run the step with a fenced side effect (a row written through
 `with_attempt_token`, see bench/_scenario_child.py): effects made twice and effects missing
@@ -75,6 +78,10 @@ HOT_TABLES = ("runs", "steps", "executions", "ready_0", "ready_1", "ready_2")
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+WARMUP_WAIT_S = 60.0
+"""How much longer than its seconds the warmup waits for the first pickup."""
 
 
 @dataclass
@@ -461,6 +468,18 @@ class Monitor:
 # -- the run ----------------------------------------------------------------------------------
 
 
+def _explain_when_up(dsn: str, limit: int, lease_s: float, timeout: float = 60.0) -> str:
+    """`_explain_claim` once the server accepts connections again (after a crash)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _explain_claim(dsn, limit, lease_s)
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _explain_claim(dsn: str, limit: int, lease_s: float) -> str:
     """EXPLAIN (ANALYZE, BUFFERS) of the worker's claim, rolled back (claims nothing).
 
@@ -769,7 +788,10 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                     with contextlib.suppress(psycopg.OperationalError):  # the server is down:
                         explains[phase] = _explain_claim(dsn, cfg.concurrency, cfg.lease_s)
                         explained = True  # else try again on the next turn
-                if now >= end:
+                warming = (
+                    phase == "warmup" and fold.started_total == 0 and now < end + WARMUP_WAIT_S
+                )
+                if now >= end and not warming:
                     window.t_end = now
                     break
                 if now >= window.t_start + cfg.window_s:
@@ -782,6 +804,10 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                     next_sample = now
                 time.sleep(0.05)
             _log_window(window, t0)
+            if cfg.explain and not explained and phase not in ("warmup", "drain"):
+                # The server was down for the phase's last seconds (a crash): explain the claim
+                # as soon as it is back.
+                explains[phase] = _explain_when_up(dsn, cfg.concurrency, cfg.lease_s)
             for new in starting:  # a replacement still starting when the phase ends
                 new.ready.wait(180)
                 new.raise_error()

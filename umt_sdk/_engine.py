@@ -1043,7 +1043,9 @@ class Engine:
                 type first (`PayloadError` naming the field that does not fit).
 
         A run that has not finished is refused (`UsageError`): cancel it first. The new run has
-        no idempotency key (a key names one run) and no parent.
+        no idempotency key (a key names one run) and no parent. It keeps the run's concurrency
+        key; a run started with `singleton=` or `sequence=` keeps that key as a sequence: the
+        new run waits for the key's active run to end (it never skips or replaces).
         """
         run_id = _check_run_id(run_id, "rerun")
         lifecycle_store(self.backend, "rerun")
@@ -1063,7 +1065,8 @@ class Engine:
         `from_step` (retries included), and the facts the old run was sent; it starts again
         the child runs those steps started that did not complete (their records are dropped),
         and reads the result of those that did. It is linked to the old run
-        (`RunInfo.forked_from`, `forked_at_step`); it has no idempotency key and no parent.
+        (`RunInfo.forked_from`, `forked_at_step`); it has no idempotency key and no parent,
+        and keeps the run's concurrency key as `rerun` does.
 
         Args:
             from_step: the name of a step the run recorded (as the timeline shows it: the
@@ -1121,6 +1124,14 @@ class Engine:
             if definition is not None
             else {}
         )
+        if not keyed and record.concurrency_key is not None and definition is not None:
+            # A singleton's or a sequence's key (limit 1, given at the enqueue): the new run
+            # joins that key's line and waits its turn; it neither skips nor replaces.
+            keyed = {
+                "concurrency_key": record.concurrency_key,
+                "concurrency_limit": 1,
+                "count_waiting": True,
+            }
         limited: dict[str, Any] = {}
         if definition is not None and definition.rate_limit is not None:
             limited = rate_limit_fields(

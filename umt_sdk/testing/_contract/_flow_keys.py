@@ -345,3 +345,28 @@ class FlowKeysContract:
             assert await first.result(timeout=15) == "q:0"
         assert tally.business["starts"].index("q:0") < tally.business["starts"].index("q:1")
         assert (await engine.get(second.run_id)).concurrency_key == "q"
+
+    async def test_a_rerun_and_a_fork_of_a_sequenced_run_keep_its_key_and_wait_their_turn(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        done = await engine.enqueue(sequenced_task, Job(key="r:0"), sequence="r")
+        async with engine.worker(concurrency=4):
+            assert await done.result(timeout=15) == "r:0"
+            tally.gate("r:1")  # the key's next run stays inside until the gate opens
+            busy = await engine.enqueue(sequenced_task, Job(key="r:1"), sequence="r")
+            await asyncio.wait_for(tally.gate("r:1:in").wait(), timeout=15)
+            again = await engine.rerun(done.run_id)
+            forked = await engine.fork(done.run_id, "body")
+            # A run enqueued after them ends: the claim has passed over the two of key "r".
+            free = await engine.enqueue(sequenced_task, Job(key="y:0"), sequence="y")
+            assert await free.result(timeout=15) == "y:0"
+            for handle in (again, forked):
+                info = await engine.get(handle.run_id)
+                assert (info.concurrency_key, info.status) == ("r", "pending"), info
+            tally.gate("r:1").set()
+            assert await busy.result(timeout=15) == "r:1"
+            assert await again.result(timeout=15) == "r:0"
+            assert await forked.result(timeout=15) == "r:0"
+        assert tally.business["most"]["r"] == 1, "one run of the key inside at a time"
+        starts = tally.business["starts"]
+        assert starts.index("r:1") < len(starts) - 2, "the rerun and the fork started after r:1"
