@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -86,9 +87,8 @@ def filled(pg_url: str, pg_schema: str) -> str:
     return pg_schema
 
 
-@pytest.mark.parametrize("name", sorted(BY_ID))
-def test_a_statement_by_id_reads_runs_by_its_key(name: str, pg_url: str, filled: str) -> None:
-    text = generic(render(queries()[name], filled))
+def generic_plan(pg_url: str, name: str, schema: str) -> Any:
+    text = generic(render(queries()[name], schema))
     with psycopg.connect(pg_url) as conn:
         try:
             (plan,) = conn.execute(
@@ -96,8 +96,53 @@ def test_a_statement_by_id_reads_runs_by_its_key(name: str, pg_url: str, filled:
             ).fetchone() or (None,)
         finally:
             conn.rollback()
-    if isinstance(plan, str):
-        plan = json.loads(plan)
-    used = indexes_on_runs(plan, set())
+    return json.loads(plan) if isinstance(plan, str) else plan
+
+
+@pytest.mark.parametrize("name", sorted(BY_ID))
+def test_a_statement_by_id_reads_runs_by_its_key(name: str, pg_url: str, filled: str) -> None:
+    used = indexes_on_runs(generic_plan(pg_url, name, filled), set())
     assert used, f"{name}: no read of runs in the plan"
     assert used <= BY_ID[name], f"{name} reads runs through {sorted(used - BY_ID[name])}"
+
+
+HISTORY = 200_000
+
+
+def test_a_retention_batch_reads_runs_only_through_indexes(pg_url: str, filled: str) -> None:
+    """A batch reads the oldest finished runs of a task (`runs_finished`) and probes, for each,
+    its unfinished children (`runs_children`) and its parent (`runs_pkey`). Written as NOT
+    EXISTS, the parent check was planned as an anti join against a sequential scan of every
+    run, once per batch: 338,000 buffers a batch over ten million finished runs. The plan is
+    the one a batch of 500 gets (its limit known: a generic plan guesses the batch's size)."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {s}.runs (id, task_name, task_version, status, input_hash, input, "
+                "finished_at) SELECT gen_random_uuid(), 'old.' || g %% 20, 1, 'completed', 'h', "
+                "'{{}}'::jsonb, now() - interval '60 days' - g * interval '1 ms' "
+                "FROM generate_series(1, %s) AS g"
+            ).format(s=sql.Identifier(filled)),
+            (HISTORY,),
+        )
+        conn.execute(sql.SQL("ANALYZE {}.runs").format(sql.Identifier(filled)))
+    params = {
+        "older_than": timedelta(days=1),
+        "task_names": None,
+        "exclude_task_names": [],
+        "limit": 500,
+        "lock_name": f"{filled}.prune",
+    }
+    with psycopg.connect(pg_url) as conn:
+        try:
+            row = conn.execute(
+                "EXPLAIN (FORMAT JSON) " + render(queries()["prune_runs"], filled), params
+            ).fetchone()
+        finally:
+            conn.rollback()
+    assert row is not None
+    plan = json.loads(row[0]) if isinstance(row[0], str) else row[0]
+    used = indexes_on_runs(plan, set())
+    assert "runs_finished" in used, used
+    allowed = {"runs_finished", "runs_children", "runs_pkey"}
+    assert used <= allowed, f"prune_runs reads runs through {sorted(used - allowed)}"
