@@ -74,6 +74,7 @@ from umt_sdk.exceptions import (
     BackendError,
     FencingError,
     RunNotFoundError,
+    TransactionConflictError,
     UsageError,
 )
 
@@ -308,11 +309,15 @@ class MemoryBackend(MemoryEvents):
         if self._controls is not None:
             self._unsubscribe = self._controls.subscribe(self._on_clock_advance)
         self._listeners: list[Callable[[UUID, str], None]] = []
+        self.store = MemoryStore()
+        """The engine's own database, in memory: what transactional steps write through
+        their `tx` (a serializable `MemoryTransaction` on it)."""
         self.reset()
 
     def reset(self) -> None:
-        """Forget every run, fact and ledger entry."""
+        """Forget every run, fact and ledger entry, and the rows of `store`."""
         with self._lock:
+            self.store.clear()
             self._runs: dict[UUID, _Run] = {}
             self._by_key: dict[tuple[str, str], UUID] = {}
             self._facts: dict[tuple[UUID | None, str], Fact] = {}
@@ -1133,6 +1138,45 @@ class MemoryBackend(MemoryEvents):
             if execution is not None and execution.current_step == step.name:
                 execution.current_step = execution.step_started_at = None
         self._crash("record_step", lease.run_id, "after")
+
+    async def run_step_transaction(
+        self, lease: Lease, body: Callable[[Any], Awaitable[StepRecord]]
+    ) -> None:
+        """`TransactionStore`: `body` gets a serializable `MemoryTransaction` on `store`; its
+        writes and the step's record apply together, under the lock, only if the run is still
+        held under the lease and no row it read was written since (else
+        `TransactionConflictError`)."""
+        self._crash("step_transaction", lease.run_id, "before")
+        with self._lock:
+            self._check(lease)  # fence first: a stale attempt's body never runs
+        tx = self.store.transaction(serializable=True)
+        try:
+            step = await body(tx)  # writes are buffered: nothing lands unless applied below
+        except Exception as exc:
+            with self._lock:
+                try:
+                    self._check(lease)
+                except FencingError as fenced:
+                    raise fenced from exc
+            raise
+        _storable_step(step)
+        with self._lock:
+            run = self._check(lease)
+            if tx.conflicts():
+                raise TransactionConflictError(
+                    f"step {step.name!r}: a row its transaction read was written by another "
+                    "transaction since; nothing of it was stored",
+                    sqlstate="40001",
+                )
+            now = self.clock.now()
+            tx.apply()
+            self._store_step(run, lease, step)
+            run.lease_expires_at = now + lease.duration
+            run.updated_at = now
+            execution = self._current_execution(run)
+            if execution is not None and execution.current_step == step.name:
+                execution.current_step = execution.step_started_at = None
+        self._crash("step_transaction", lease.run_id, "after")
 
     async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
         _storable_step(ending.step)

@@ -66,6 +66,7 @@ from umt_backend_pg._rows import (
     _stream_entry,
 )
 from umt_backend_pg._sql import queries, render, validate_schema
+from umt_backend_pg._transactions import StepTransactions
 from umt_backend_pg._wakeups import Wakeups
 from umt_sdk.backend import (
     TERMINAL_STATUSES,
@@ -218,7 +219,10 @@ class PostgresBackend(PostgresEvents):
         schema: str,
         listen: bool,
         listen_url: str | None = None,
+        open_transaction_pool: Callable[[], Awaitable[AsyncConnectionPool[Any]]] | None = None,
     ) -> None:
+        """`open_transaction_pool`: opens the pool of transactional steps, at the first one
+        (`_transactions`); None: they share `pool`."""
         self.url = url
         self.schema = schema
         self._pool = pool
@@ -246,6 +250,12 @@ class PostgresBackend(PostgresEvents):
         )
         self._clocks = ClaimClocks()
         self._database = EngineDatabase(pool, schema=schema, queries=self._q)
+        self._transactions = StepTransactions(
+            open_transaction_pool or _shared(pool),
+            schema=schema,
+            still_held=self._database.holds_run,
+            owns_pool=open_transaction_pool is not None,
+        )
 
     @classmethod
     async def open(
@@ -310,8 +320,30 @@ class PostgresBackend(PostgresEvents):
         )
         with wrap_exceptions():
             await pool.open(wait=True, timeout=30)
+
+        async def open_transaction_pool() -> AsyncConnectionPool[Any]:
+            # The same connections as the engine's pool, apart: a transactional step's long
+            # transaction never holds one that a heartbeat or a claim waits for.
+            tx_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+                url,
+                min_size=0,
+                max_size=max_size,
+                kwargs=kwargs,
+                reset=_refuse_unfinished_pipeline,
+                configure=None if idle_ms is None else _session_settings(schema, idle_ms),
+                open=False,
+                name=f"umt-{schema}-steps",
+            )
+            await tx_pool.open(wait=False)
+            return tx_pool
+
         backend = cls(
-            url=url, pool=pool, schema=schema, listen=listen, listen_url=listen_url or url
+            url=url,
+            pool=pool,
+            schema=schema,
+            listen=listen,
+            listen_url=listen_url or url,
+            open_transaction_pool=open_transaction_pool,
         )
         if listen:
             backend._wakeups.start()
@@ -722,6 +754,14 @@ class PostgresBackend(PostgresEvents):
         transaction per step, and an idle one pays no extra wait."""
         if not await self._checkpoints.record(lease, step):
             raise self._fenced(lease, f"recording step {step.name!r}")
+
+    async def run_step_transaction(
+        self, lease: Lease, body: Callable[[Any], Awaitable[StepRecord]]
+    ) -> None:
+        """`TransactionStore`: `body` gets a psycopg connection inside a READ COMMITTED
+        transaction on the engine's database, whose last statement records the step, fenced
+        (`_transactions`). One transaction: the fence, the body's statements, the record."""
+        await self._transactions.run(lease, body)
 
     async def end_execution(self, lease: Lease, ending: Ending) -> EndResult:
         step = ending.step
@@ -1366,10 +1406,20 @@ class PostgresBackend(PostgresEvents):
     async def close(self) -> None:
         await self._wakeups.close()
         await self._checkpoints.close()
+        await self._transactions.close()
         await self._notifier.close()
         await self._endings.close()
         await self._streams.close()
         await self._pool.close()
+
+
+def _shared(
+    pool: AsyncConnectionPool[Any],
+) -> Callable[[], Awaitable[AsyncConnectionPool[Any]]]:
+    async def shared() -> AsyncConnectionPool[Any]:
+        return pool
+
+    return shared
 
 
 def _json_texts(values: Sequence[Mapping[str, str]]) -> list[str]:

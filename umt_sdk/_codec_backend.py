@@ -28,7 +28,7 @@ import functools
 import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -51,6 +51,7 @@ from umt_sdk._spi import (
     ScheduleStore,
     StreamStore,
     TaskPair,
+    TransactionStore,
 )
 from umt_sdk.exceptions import CodecError
 
@@ -196,6 +197,28 @@ def _sealed_generator(name: str) -> Callable[..., Any]:
     return method
 
 
+def _sealed_step_transaction(name: str) -> Callable[..., Any]:
+    """`TransactionStore.run_step_transaction`: the record is the body's result, not an
+    argument, so the body is wrapped to seal what it returns before the backend stores it."""
+
+    async def method(
+        self: _Sealing, lease: Any, body: Callable[[Any], Awaitable[Any]], **kwargs: Any
+    ) -> Any:
+        async def sealed_body(tx: Any) -> Any:
+            return self._seal(await body(tx))
+
+        return await getattr(self.inner, name)(lease, sealed_body, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+_CALLBACK_METHODS: dict[str, Callable[[str], Callable[..., Any]]] = {
+    "run_step_transaction": _sealed_step_transaction
+}
+"""SPI methods whose payloads come back from a callback: sealed by their own twin."""
+
+
 # The SPI's protocols: their methods are looked up on the backend object itself, so a backend
 # that forwards them (a `__getattr__` proxy, as examples/08's does) is sealed all the same.
 _PROTOCOLS: tuple[type, ...] = (
@@ -210,6 +233,7 @@ _PROTOCOLS: tuple[type, ...] = (
     RateLimitStore,
     BatchEnqueueStore,
     EventStore,
+    TransactionStore,
 )
 _PROTOCOL_METHODS = frozenset(
     name for protocol in _PROTOCOLS for name in vars(protocol) if not name.startswith("_")
@@ -233,7 +257,9 @@ def _proxy_class(base: type[_S], inner: object) -> type[_S]:
     proxy = _PROXIES.get(key)
     if proxy is None:
         namespace: dict[str, Any] = {
-            name: _sealed_generator(name) if generator else _sealed_coroutine(name)
+            name: _sealed_generator(name)
+            if generator
+            else _CALLBACK_METHODS.get(name, _sealed_coroutine)(name)
             for name, generator in methods
         }
         proxy = _PROXIES[key] = type(f"{base.__name__}[{type(inner).__name__}]", (base,), namespace)

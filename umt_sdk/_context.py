@@ -175,6 +175,68 @@ class StepApi:
         )
         return self._steps.run(call)
 
+    @overload
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[R]],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[R]: ...
+    @overload
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., R],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[R]: ...
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[Any]:
+        """Run `fn(tx, *args, **kwargs)` as the transactional step `name`: its writes through
+        `tx` commit in the one transaction that records the step, so they land exactly once,
+        with no op key (see docs/writing-tasks.md, "Transactional steps").
+
+        `tx` is the transaction on the engine's own database: a `psycopg.AsyncConnection`
+        inside it on Postgres (READ COMMITTED), a `MemoryTransaction` on the memory backend
+        (`engine.backend.store`). The run is fenced before `fn` runs and again atomically
+        with the commit: a stale execution gets `FencingError` and nothing of it lands. If
+        `fn` raises, nothing lands and the step is retried by its policy; a serialization
+        failure or a deadlock runs the transaction again at once (a few times). A replay
+        returns the recorded output without calling `fn`. `retry`, `output_type` and
+        `timeout` as for `run`. On a backend that cannot commit a step's writes with its
+        record, the run fails with `UsageError` and nothing is stored.
+        """
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name,
+            fn,
+            args,
+            kwargs,
+            retry=retry,
+            output_type=output_type,
+            timeout=timeout,
+            transactional=True,
+        )
+        return self._steps.run(call)
+
     async def sleep(self, name: str, duration: timedelta) -> None:
         """Sleep durably: the run is parked and its slot released until `duration` has passed."""
         check_sleep_arguments(name, duration)
@@ -475,6 +537,34 @@ class SyncStepApi:
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
             compensate=compensate,
+        )
+        value: R = self._steps.from_thread(self._steps.run(call))
+        return value
+
+    def transaction(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[R]] | Callable[..., R],
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        output_type: Any = None,
+        timeout: timedelta | None = None,
+        **kwargs: Any,
+    ) -> R:
+        """Run `fn(tx, *args, **kwargs)` as the transactional step `name` and return its
+        result (see `StepApi.transaction`). `fn` runs on the worker's event loop, where `tx`
+        lives: make it async on Postgres (an async connection)."""
+        check_run_arguments(name, fn, retry, output_type, timeout)
+        call = StepCall.inline(
+            name,
+            fn,
+            args,
+            kwargs,
+            retry=retry,
+            output_type=output_type,
+            timeout=timeout,
+            transactional=True,
         )
         value: R = self._steps.from_thread(self._steps.run(call))
         return value

@@ -124,6 +124,7 @@ __all__ = [
     "TaskPair",
     "TokenGrant",
     "TokenRequest",
+    "TransactionStore",
     "WorkerRecord",
     "WorkerState",
 ]
@@ -1488,4 +1489,32 @@ class BatchEnqueueStore(Protocol):
         never two runs with the same idempotency key in one call; a key that already names a
         run (a stored one, or one a racing enqueue stores first) gives that run's result, as
         `enqueue` does. Runs are claimable in the order given among equals (FIFO)."""
+        ...
+
+
+@runtime_checkable
+class TransactionStore(Protocol):
+    """What a backend implements for transactional steps (`ctx.step.transaction`,
+    `@step(..., transactional=True)`): a step whose writes on the engine's own store commit in
+    the one transaction that records the step. Optional: on a backend without it a
+    transactional step fails its run with `UsageError`, and nothing of it is stored."""
+
+    async def run_step_transaction(
+        self, lease: Lease, body: Callable[[Any], Awaitable[StepRecord]]
+    ) -> None:
+        """In one transaction on the engine's own store: fence, `body(tx)`, store its record.
+
+        Fence first: when the run is not held under `lease`'s token, raise `FencingError`
+        without calling `body`. Then call `body(tx)` with the transaction's handle (what the
+        backend documents: a psycopg connection inside the transaction on Postgres, a
+        `MemoryTransaction` on the memory backend), and store the `StepRecord` it returns as
+        `record_step` stores one (under the lease's token, the lease extended), in the same
+        transaction, fenced again atomically with its commit: the record and every write of
+        `body` land together, and only while the run is still held under the lease's token
+        (else `FencingError`, and nothing lands). No lock on the run is held while `body`
+        runs. When `body` raises, nothing lands and its error is raised (`FencingError` from
+        it when the attempt turns out stale meanwhile). A conflict with a concurrent
+        transaction (a serialization failure, a deadlock) raises `TransactionConflictError`,
+        nothing stored: the SDK decides whether to try again.
+        """
         ...

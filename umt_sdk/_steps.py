@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import random
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
@@ -56,6 +57,7 @@ from umt_sdk._spi import (
     StepKind,
     StepRecord,
     TokenRequest,
+    TransactionStore,
 )
 from umt_sdk._streams import StepScope, step_scope
 from umt_sdk._telemetry import ExecutionTelemetry, StepTrace, Telemetry
@@ -73,17 +75,21 @@ from umt_sdk.exceptions import (
     PayloadError,
     StepFailedError,
     StepTimeoutError,
+    TransactionConflictError,
     UsageError,
 )
 
 __all__ = [
     "PAUSED_TOKEN_RECHECK",
     "SHORT_TOKEN_WAIT",
+    "TRANSACTION_CONFLICT_RETRIES",
     "StepCall",
     "StepHost",
     "Steps",
+    "UnstorableOutput",
     "error_info",
     "group_fact",
+    "transaction_store",
 ]
 
 SHORT_TOKEN_WAIT = timedelta(seconds=1)
@@ -118,6 +124,9 @@ class StepCall:
     """With `rate_limit`: its bucket (None: the limit's one bucket)."""
     compensate: Callable[..., Any] | None = None
     """What undoes the step once it completed, when the run compensates; None: nothing."""
+    transactional: bool = False
+    """`fn` runs as `fn(tx, *args, **kwargs)` inside the transaction that records the step
+    (`TransactionStore`): its writes and the step's record commit together (`_transactions`)."""
 
     @classmethod
     def inline(
@@ -133,6 +142,7 @@ class StepCall:
         rate_limit: str | RateLimit[Any] | None = None,
         rate_limit_key: str | None = None,
         compensate: Callable[..., Any] | None = None,
+        transactional: bool = False,
     ) -> StepCall:
         """`ctx.step.run(name, fn, *args, retry=..., output_type=..., timeout=..., **kwargs)`:
         the name checked, and a decorated `fn` replaced by its plain function, its output type
@@ -151,7 +161,37 @@ class StepCall:
             rate_limit=rate_limit,
             rate_limit_key=rate_limit_key,
             compensate=compensate,
+            transactional=transactional,
         )
+
+
+TRANSACTION_CONFLICT_RETRIES = 5
+"""How many times a transactional step's transaction is run again at once after a conflict
+(a serialization failure, a deadlock) before the step's retry policy sees the error."""
+
+
+class UnstorableOutput(Exception):
+    """A transactional step returned a value no backend can store (its `PayloadError` in
+    `error`): the transaction rolls back, and the step fails, not retried (as a plain step's
+    output does)."""
+
+    def __init__(self, error: PayloadError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def transaction_store(backend: Backend, step_name: str) -> TransactionStore:
+    """The backend as a `TransactionStore`, or the `UsageError` a transactional step on a
+    backend that cannot honour it raises (before anything of the step is stored)."""
+    if not isinstance(backend, TransactionStore):
+        raise UsageError(
+            f"step {step_name!r} is transactional, but the backend {type(backend).__name__} "
+            "cannot commit a step's writes with its record (it does not implement "
+            "TransactionStore); use the Postgres or the memory backend, or make it a plain "
+            "step with with_attempt_token for its side effect",
+            argument="transactional",
+        )
+    return backend
 
 
 def _check_wait_arguments(name: str, *, timeout: object, check: object, poll: object) -> None:
@@ -315,6 +355,8 @@ class Steps:
                 raise _step_failed(full, last.error)
         attempt = (last.attempt + 1) if last is not None else 1
         self._host.check_before_step()
+        if call.transactional:
+            transaction_store(self._host.backend, full)  # refused before anything is stored
         self._host.go_live()
         if call.compensate is not None:
             registration = self.saga.registration(
@@ -442,6 +484,22 @@ class Steps:
                 step_trace.ended("canceled")
                 self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
+            if isinstance(exc, UnstorableOutput):  # a transactional step's output: as below
+                exc = exc.error
+                step_trace.failed(exc, "failed")
+                info = error_info(exc)
+                await self._record(
+                    self._step_record(
+                        full,
+                        "step",
+                        status="failed",
+                        attempt=attempt,
+                        error=info,
+                        started_at=started,
+                        finished_at=self._host.now(),
+                    )
+                )
+                raise _step_failed(full, info) from exc
             # A failure of the step's code (while canceling: recorded, never retried).
             policy = call.retry or self._host.default_retry
             info = error_info(exc)
@@ -482,6 +540,9 @@ class Steps:
             )
             await self._record(record)
             raise _step_failed(full, info) from exc
+        if call.transactional:  # recorded with its writes, in their transaction
+            _probe.report("step.recorded", full, attempt=attempt)
+            return value
         try:
             # The value every replay decodes is the one this execution returns too.
             output_json, value = _serde.encode_output(
@@ -523,6 +584,8 @@ class Steps:
         fn = call.fn
         scope = step_scope.set(StepScope(full, attempt))
         try:
+            if call.transactional:
+                return await self._transaction(call, full, attempt)
             if inspect.iscoroutinefunction(fn):
                 return await fn(*call.args, **call.kwargs)
             # Plain bodies run in a thread (the handler's own thread already, for plain
@@ -533,6 +596,61 @@ class Steps:
             return value
         finally:
             step_scope.reset(scope)
+
+    async def _transaction(self, call: StepCall, full: str, attempt: int) -> Any:
+        """Run a transactional step's body and record it in one transaction of the backend's
+        (`TransactionStore.run_step_transaction`): fenced before the body and at the commit.
+        A conflict with a concurrent transaction runs it again at once, a few times, before
+        the step's retry policy sees it. Returns the output as every replay decodes it."""
+        host = self._host
+        store = transaction_store(host.backend, full)
+        started = self.current_step_started_at or host.now()
+        outcome: list[tuple[StepRecord, Any]] = []
+
+        async def body(tx: Any) -> StepRecord:
+            outcome.clear()
+            value = call.fn(tx, *call.args, **call.kwargs)
+            if inspect.isawaitable(value):
+                value = await value
+            try:
+                output_json, decoded = _serde.encode_output(
+                    value, call.output_type, what=f"output of step {full!r}"
+                )
+            except PayloadError as exc:
+                raise UnstorableOutput(exc) from exc
+            _probe.reach(host.aborts, "step.returned", full, attempt=attempt, output=output_json)
+            record = self._step_record(
+                full,
+                "step",
+                status="completed",
+                attempt=attempt,
+                output_json=output_json,
+                started_at=started,
+                finished_at=host.now(),
+            )
+            outcome.append((record, decoded))
+            return record
+
+        conflicts = 0
+        while True:
+            try:
+                await host.guard(store.run_step_transaction(host.lease, body))
+                break
+            except TransactionConflictError:
+                conflicts += 1
+                if conflicts > TRANSACTION_CONFLICT_RETRIES:
+                    raise
+                self._telemetry.event(
+                    "umt.step.transaction_conflict",
+                    **{"umt.step.name": full, "umt.step.conflicts": conflicts},
+                )
+                # Real time, not the backend's clock: the other transaction must get ahead.
+                await asyncio.sleep(random.uniform(0, 0.005 * 2**conflicts))
+                host.check_before_step()
+        record, decoded = outcome[0]
+        self.history.remember(record)
+        self.saga.remember(record)
+        return decoded
 
     async def _bounded(self, call: StepCall, full: str, attempt: int, started: datetime) -> Any:
         """The step's body, cut off at its timeout (`StepTimeoutError`) or at the run's

@@ -7,7 +7,17 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from datetime import timedelta
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, get_args, overload
+from typing import (
+    Any,
+    Concatenate,
+    Generic,
+    Literal,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    get_args,
+    overload,
+)
 
 from attrs import field, frozen
 
@@ -228,11 +238,13 @@ class _StepBase(Generic[P, R]):
         fn: Callable[P, Any],
         retry: RetryPolicy | None,
         timeout: timedelta | None = None,
+        transactional: bool = False,
     ) -> None:
         self.name = name
         self.fn = fn
         self.retry = retry
         self.timeout = timeout
+        self.transactional = transactional
         self.output_type = unwrap_awaitable(hints(fn).get("return", Any))
         check_storable(self.output_type, f"step {name!r}: the return type of {fn.__qualname__}")
         functools.update_wrapper(typing.cast(Any, self), fn)
@@ -251,6 +263,7 @@ class _StepBase(Generic[P, R]):
             retry=self.retry,
             output_type=self.output_type,
             timeout=self.timeout,
+            transactional=self.transactional,
         )
 
 
@@ -310,9 +323,35 @@ class _StepDecorator(Protocol):
     def __call__(self, fn: Callable[P, R]) -> SyncStep[P, R]: ...
 
 
+class _TransactionalStepDecorator(Protocol):
+    def __call__(
+        self, fn: Callable[Concatenate[Any, P], Coroutine[Any, Any, R]]
+    ) -> AsyncStep[P, R]: ...
+
+
+@overload
 def step(
-    name: str, *, retry: RetryPolicy | None = None, timeout: timedelta | None = None
-) -> _StepDecorator:
+    name: str,
+    *,
+    retry: RetryPolicy | None = None,
+    timeout: timedelta | None = None,
+    transactional: Literal[False] = False,
+) -> _StepDecorator: ...
+@overload
+def step(
+    name: str,
+    *,
+    retry: RetryPolicy | None = None,
+    timeout: timedelta | None = None,
+    transactional: Literal[True],
+) -> _TransactionalStepDecorator: ...
+def step(
+    name: str,
+    *,
+    retry: RetryPolicy | None = None,
+    timeout: timedelta | None = None,
+    transactional: bool = False,
+) -> _StepDecorator | _TransactionalStepDecorator:
     """Declare a named step. Inside a task it runs once per run; replays return its record.
 
     Args:
@@ -323,11 +362,21 @@ def step(
             one (a thread cannot be killed) is left to finish on its own and its result
             ignored, and the attempt fails with `StepTimeoutError`, retried per the step's
             policy. None (the default): no limit.
+        transactional: the step's writes on the engine's own database commit in the
+            transaction that records it (`ctx.step.transaction`): the function is async and
+            takes that transaction (`tx`) first, and callers pass the rest:
+            `@step("debit", transactional=True) async def debit(tx, account, amount)` is
+            called `await debit(account, amount)`.
     """
     check_name("step", name)
     check_retry(retry, where=f"step {name!r}", error=TaskDefinitionError)
     if timeout is not None:
         _check_timeout(timeout, where=f"step {name!r}")
+    if not isinstance(transactional, bool):
+        raise TaskDefinitionError(
+            f"@step({name!r}): transactional must be True or False, got {shown(transactional)}",
+            argument="transactional",
+        )
 
     def decorate(fn: Callable[..., Any]) -> _StepBase[Any, Any]:
         if isinstance(fn, _StepBase | TaskDefinition) or not callable(fn):
@@ -335,10 +384,22 @@ def step(
                 f"@step({name!r}) must decorate a plain or async function (fn), got {shown(fn)}",
                 argument="fn",
             )
+        if transactional:
+            if not inspect.iscoroutinefunction(fn):
+                raise TaskDefinitionError(
+                    f"@step({name!r}, transactional=True) must decorate an async function "
+                    f"taking the transaction first (async def {getattr(fn, '__name__', 'fn')}(tx, "
+                    "...)), got "
+                    f"{shown(fn)}",
+                    argument="fn",
+                )
+            return AsyncStep(name, fn, retry, timeout, transactional=True)
         if inspect.iscoroutinefunction(fn):
             return AsyncStep(name, fn, retry, timeout)
         return SyncStep(name, fn, retry, timeout)
 
+    if transactional:
+        return typing.cast(_TransactionalStepDecorator, decorate)
     return typing.cast(_StepDecorator, decorate)
 
 

@@ -78,6 +78,7 @@ from umt_sdk._spi import (
     TaskPair,
     TokenGrant,
     TokenRequest,
+    TransactionStore,
     WorkerRecord,
     WorkerState,
 )
@@ -146,6 +147,7 @@ __all__ = [
     "TokenGrant",
     "TokenRequest",
     "TokenTake",
+    "TransactionStore",
     "WorkerRecord",
     "WorkerState",
     "check_codec",

@@ -11,7 +11,8 @@ UmtError
 ├── CodecError               a stored payload cannot be decoded (tampered, unknown key, no codec)
 ├── BackendError             the backend failed; the operation may be retried
 │   ├── BackendNotFoundError no installed backend plugin serves the URL
-│   └── BackendUnavailableError  the database could not be reached (restart, lost connection)
+│   ├── BackendUnavailableError  the database could not be reached (restart, lost connection)
+│   └── TransactionConflictError  a transactional step's transaction lost to a concurrent one
 ├── FencingError             this attempt no longer holds the run (lease lost): never retry
 ├── IdempotencyConflictError same idempotency key, different input or task version
 ├── RunNotFoundError         (also LookupError) no run with that id
@@ -83,6 +84,7 @@ __all__ = [
     "StepFailedError",
     "StepTimeoutError",
     "TaskDefinitionError",
+    "TransactionConflictError",
     "UmtError",
     "UnknownTaskError",
     "UsageError",
@@ -163,6 +165,17 @@ class BackendUnavailableError(BackendError):
     """The backend could not be reached (connection lost, server restarting); it may be back
     later. A running execution whose own write fails this way stops, and the run resumes from
     its records once its lease expires: an outage is not charged to the run as a failure."""
+
+
+class TransactionConflictError(BackendError):
+    """The transaction of a transactional step was refused because of a concurrent one (a
+    serialization failure, SQLSTATE 40001, or a deadlock, 40P01): nothing of it was stored.
+    umt runs the step's transaction again a few times at once before the step's retry policy
+    sees this error."""
+
+    def __init__(self, message: str | None = None, *, sqlstate: str = "") -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
 
 
 class FencingError(UmtError):

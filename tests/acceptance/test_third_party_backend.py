@@ -55,7 +55,11 @@ class DictHarness:
         self.url = f"dict://contract-{uuid.uuid4().hex[:8]}"
 
     async def connect(self, registry: Registry) -> Engine:
-        return await connect(self.url, registry=registry, clock=self.clock, plugins=[plugin])
+        engine = await connect(self.url, registry=registry, clock=self.clock, plugins=[plugin])
+        # dict:// forwards transactional steps to the memory backend, whose own store they
+        # write: the business table lives there.
+        self.store = engine.backend.store  # type: ignore[attr-defined]
+        return engine
 
     async def advance(self, delta: timedelta) -> None:
         self.clock.advance(delta)

@@ -548,7 +548,9 @@ async def stranded_resumed(url: str, schema: str, fault: Fault) -> str:
 
 async def stranded(url: str, schema: str, fault: Fault) -> list[tuple[str, int]]:
     """(run id, fencing token) of the executions the host held when the fault began that a
-    later execution of another claim took over."""
+    later execution of another claim took over: those the takeover marked `interrupted`. An
+    execution the host ended itself (a park, a completion) in the moment between the fault's
+    start and the cut taking hold is not one, though its run goes on in a later execution."""
     rows = await fetch(
         url,
         q(
@@ -556,7 +558,7 @@ async def stranded(url: str, schema: str, fault: Fault) -> list[tuple[str, int]]
             " JOIN {schema}.executions o ON o.run_id = e.run_id"
             "  AND o.fencing_token > e.fencing_token"
             " WHERE e.worker_id LIKE %(host)s AND e.claimed_at <= %(began)s"
-            "  AND (e.ended_at IS NULL OR e.ended_at > %(began)s)",
+            "  AND e.outcome = 'interrupted' AND e.ended_at > %(began)s",
             schema,
         ),
         {"began": fault.began, "host": f"{fault.host}.%"},
@@ -690,7 +692,8 @@ async def check_outcomes(
             about = [line for line in said if f"run {run_id}" in line]
             assert any("stopping" in line for line in about), (
                 f"{fault.host} held run {run_id} and never said it stopped; its lines about it: "
-                f"{about}; its last lines: {said[-40:]}"
+                f"{about}; the run's steps: {[' '.join(b) for b in begins if b[1] == run_id]}; "
+                f"the host's last lines: {said[-40:]}"
             )
 
     await check_housekeeping(url, schema, faults, started, ended_load)

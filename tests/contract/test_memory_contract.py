@@ -20,7 +20,10 @@ class MemoryHarness:
         self.store = MemoryStore()
 
     async def connect(self, registry: Registry) -> Engine:
-        return await connect("memory://", registry=registry, clock=self.clock)
+        engine = await connect("memory://", registry=registry, clock=self.clock)
+        # The business table lives in the engine's own store: transactional steps write there.
+        self.store = engine.backend.store  # type: ignore[attr-defined]  # a MemoryBackend
+        return engine
 
     async def advance(self, delta: timedelta) -> None:
         self.clock.advance(delta)

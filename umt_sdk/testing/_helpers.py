@@ -62,5 +62,7 @@ class BackendHarness(Protocol):
         ...
 
     async def business_rows(self) -> dict[str, str]:
-        """Every row of the business table."""
+        """Every row of the business table. On a backend that implements `TransactionStore`,
+        the table is in the engine's own store: a transactional step's `tx` is given to
+        `business_insert` too, and its rows are read here."""
         ...

@@ -40,6 +40,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_events`: event triggers (one run per subscriber and event, repeats, transactions, late
   subscribers and the window)
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
+- `_transactions`: transactional steps (writes and record commit together, once; fenced)
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from umt_sdk.testing._contract import (
     _spi_meanings,
     _streams,
     _timeline,
+    _transactions,
     _user_code,
 )
 
@@ -116,6 +118,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_insight.TASKS,
     *_sagas.TASKS,
     *_events.TASKS,
+    *_transactions.TASKS,
 )
 """Every task the suite's engine registers: one registry for all topics, since a worker of
 one test serves every pair (tasks that clash by name, or that a test adds itself, are left
@@ -154,6 +157,7 @@ class BackendContract(
     _insight.InsightContract,
     _sagas.SagasContract,
     _events.EventsContract,
+    _transactions.TransactionsContract,
     _base.ContractBase,
 ):
     """The rules every backend keeps. Provide a `harness` fixture in the subclass."""
