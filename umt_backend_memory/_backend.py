@@ -20,6 +20,7 @@ from uuid import UUID
 
 from attrs import define, evolve, field
 
+from umt_backend_memory._events import MemoryEvents
 from umt_backend_memory._store import MemoryStore
 from umt_sdk.backend import (
     ATTENTION_WAIT_PREFIX,
@@ -284,7 +285,7 @@ class _LedgerRow:
     result_json: str | None = None
 
 
-class MemoryBackend:
+class MemoryBackend(MemoryEvents):
     """A complete, in-process backend. Fast, deterministic with a `FakeClock`, not durable.
 
     Test helpers: `crash_hook` (make any write vanish before or after it applies, like a
@@ -353,6 +354,7 @@ class MemoryBackend:
             self._rate_limits: dict[str, _Limit] = {}
             self._buckets: dict[tuple[str, str], datetime] = {}
             self._parked_until: dict[tuple[str, str], datetime] = {}
+            self._reset_events()
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -781,6 +783,10 @@ class MemoryBackend:
             _storable_new(new)
         with self._lock:  # one write: no claim sees part of the batch
             return [self._enqueue_locked(new, None) for new in runs]
+
+    def _storable_runs(self, runs: Sequence[NewRun]) -> None:
+        for new in runs:
+            _storable_new(new)
 
     def _enqueue_locked(self, new: NewRun, source: _Run | None) -> EnqueueResult:
         """Store `new` (under the lock), or find the run its idempotency key names."""

@@ -45,6 +45,7 @@ from psycopg_pool import AsyncConnectionPool
 from umt_backend_pg import _args
 from umt_backend_pg._checkpoints import Checkpoints
 from umt_backend_pg._errors import fenced, wrap_exceptions
+from umt_backend_pg._events import PostgresEvents
 from umt_backend_pg._ledger import EngineDatabase, PostgresLedger
 from umt_backend_pg._migrate import migrate
 from umt_backend_pg._notifier import Notifier
@@ -205,7 +206,7 @@ def _network_defaults(url: str) -> dict[str, Any]:
     return {k: v for k, v in _NETWORK_DEFAULTS.items() if k not in given}
 
 
-class PostgresBackend:
+class PostgresBackend(PostgresEvents):
     """Runs, steps, facts and the ledger in one Postgres schema. Open with `open()`."""
 
     clock: Clock | None = None

@@ -21,7 +21,8 @@ from umt_sdk._context import (
     SyncTaskContext,
     TaskContext,
 )
-from umt_sdk._engine import Engine, RunHandle, connect
+from umt_sdk._engine import Engine, PublishedEvent, RunHandle, connect
+from umt_sdk._event_spi import EventRefusal
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
 from umt_sdk._flow_keys import Debounce, Singleton, SingletonMode
@@ -104,6 +105,7 @@ __all__ = [
     "Debounce",
     "Engine",
     "ErrorInfo",
+    "EventRefusal",
     "ExecutionRecord",
     "FactTimeoutError",
     "FencingError",
@@ -118,6 +120,7 @@ __all__ = [
     "PayloadCodec",
     "PayloadError",
     "PruneReport",
+    "PublishedEvent",
     "QueryDefinition",
     "RateLimit",
     "RateLimitInfo",

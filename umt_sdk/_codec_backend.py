@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import attrs
 
 from umt_sdk._codec import PayloadCodec, open_json, open_text, seal_json, seal_text, sealed_by
+from umt_sdk._event_spi import EventStore
 from umt_sdk._spi import (
     Backend,
     BatchEnqueueStore,
@@ -231,6 +232,7 @@ _PROTOCOLS: tuple[type, ...] = (
     InsightStore,
     RateLimitStore,
     BatchEnqueueStore,
+    EventStore,
     TransactionStore,
 )
 _PROTOCOL_METHODS = frozenset(

@@ -56,6 +56,8 @@ class TaskDefinition(Generic[I, O]):
     """The update handlers by name (`@update`, `umt_sdk._handlers.UpdateDefinition`)."""
     queries: Mapping[str, Any] = field(factory=dict)
     """The query handlers by name (`@query`, `umt_sdk._handlers.QueryDefinition`)."""
+    on_event: str | None = None
+    """The event whose every publish starts a run of this task (`engine.publish`); None: none."""
 
     @property
     def pair(self) -> TaskPair:

@@ -25,6 +25,18 @@ from umt_sdk._codec import PayloadCodec, check_codec
 from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
+from umt_sdk._event_spi import EventRefusal, EventStore
+from umt_sdk._events import (
+    DEFAULT_EVENT_WINDOW,
+    EVENT_KEY_PREFIX,
+    EventStarter,
+    check_event_name,
+    check_window,
+    event_run,
+    event_store,
+    new_event,
+    subscribers,
+)
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields
 from umt_sdk._handlers import known
@@ -109,6 +121,8 @@ _RESERVED_KEYS = {
     "the step name make the key); start a child with ctx.step.start_child",
     MAP_KEY_PREFIX: "name the children that ctx.step.map starts (the parent run, the step name "
     "and the input's index make the key); fan out with ctx.step.map",
+    EVENT_KEY_PREFIX: "name the runs an event starts (the event makes the key); start them "
+    "with engine.publish",
 }
 """The idempotency-key prefixes umt makes for runs it starts itself, and why: a caller's key
 with one of them could take a child's place (the parent would adopt the caller's run)."""
@@ -212,6 +226,18 @@ class RunHandle(Generic[O]):
         return await self._engine.query(self.run_id, name)
 
 
+@frozen(kw_only=True)
+class PublishedEvent:
+    """What `engine.publish` did: the event's id, whether this call stored it, and the runs
+    it started (one per subscriber the publishing engine knows; empty for a repeat)."""
+
+    event_id: UUID
+    name: str
+    key: str
+    created: bool
+    runs: tuple[RunHandle[Any], ...] = ()
+
+
 class Engine:
     """The client of one backend. Build it with `await connect(url, registry=...)`."""
 
@@ -223,8 +249,11 @@ class Engine:
         telemetry: Telemetry | None = None,
         retention: timedelta | None = None,
         idempotency_retention: timedelta | None = None,
+        event_window: timedelta = DEFAULT_EVENT_WINDOW,
     ) -> None:
         self.backend = backend
+        self.event_window = check_window(event_window, "event_window")
+        """How long a published event waits for subscribers registered after it."""
         self.registry = registry
         self.telemetry = telemetry or Telemetry()
         self.retention = RetentionPolicy.build(
@@ -728,6 +757,109 @@ class Engine:
                     )
                 )
         return handles
+
+    async def publish(
+        self, name: str, payload: Any = None, *, key: str | None = None, conn: Any = None
+    ) -> PublishedEvent:
+        """Publish the event `name`: every task subscribed to it (`@task(on_event=name)`)
+        gets one run, with `payload` decoded into its input type as its input.
+
+        The event is stored, with its publish time, once per (name, `key`): a second publish
+        with the same key stores and starts nothing (`created=False`); with another payload
+        it raises `IdempotencyConflictError`. None (the default): a new key, every publish is
+        a new event. The runs of the subscribers this engine's registry knows are stored in
+        the same write as the event (with `conn`, in your transaction: they exist if and only
+        if it commits); workers start the subscribers registered later for the events of the
+        last `connect(event_window=...)` (24 h by default). Each (event, task) starts once.
+
+        A `name` outside `[A-Za-z0-9._:-]` and a `key` that is not text raise `UsageError`
+        naming it; a payload JSON has no form for raises `PayloadError` naming its path, and a
+        payload a known subscriber's input type refuses raises `PayloadError` naming the task:
+        nothing is stored.
+        """
+        check_event_name(name, "name", where="publish()")
+        if key is not None:
+            check.text(key, "key", empty=False, max_length=512, where="publish()")
+            _serde.check_text(key, what="key")
+        store = event_store(self.backend, "publish()")
+        payload_json = _serde.encode_payload(payload, what="payload")
+        definitions = subscribers(self.registry, name)
+        for definition in definitions:
+            if definition.rate_limit is not None:
+                await ensure_defined(self.backend, definition.rate_limit, "publish()")
+        event_id = new_run_id()
+        attributes = {
+            "messaging.operation.type": "send",
+            "messaging.destination.name": name,
+            "umt.event.name": name,
+            "umt.event.subscribers": len(definitions),
+        }
+        with self.telemetry.producer_span(f"umt.publish {name}", attributes) as span:
+            trace_context = self.telemetry.inject()
+            news = [
+                event_run(
+                    definition,
+                    event_id=event_id,
+                    event_name=name,
+                    payload_json=payload_json,
+                    trace_context=trace_context,
+                    run_id=new_run_id(),
+                )
+                for definition in definitions
+            ]
+            event = new_event(
+                event_id=event_id,
+                name=name,
+                key=str(event_id) if key is None else key,
+                payload_json=payload_json,
+                trace_context=trace_context,
+            )
+            outcome = await store.publish_event(event, news, conn=conn)
+            if span.is_recording():
+                span.set_attribute("umt.event.id", str(outcome.event_id))
+                span.set_attribute("messaging.message.id", str(outcome.event_id))
+                span.set_attribute(
+                    "umt.event.created" if conn is None else "umt.event.created_if_committed",
+                    outcome.created,
+                )
+            if not outcome.created and outcome.payload_hash != event.payload_hash:
+                raise IdempotencyConflictError(
+                    f"event {name!r} with key {event.key!r} was published with a different "
+                    "payload; use a new key for a different event",
+                    idempotency_key=event.key,
+                )
+        handles: list[RunHandle[Any]] = []
+        for definition, new, result in zip(definitions, news, outcome.runs, strict=False):
+            if result.created and conn is None:
+                self.telemetry.runs_enqueued.add(
+                    1, Telemetry.task_attributes(definition.name, definition.version)
+                )
+            handles.append(
+                RunHandle(
+                    run_id=result.run_id,
+                    task_name=new.task_name,
+                    task_version=new.task_version
+                    if result.task_version is None
+                    else result.task_version,
+                    created=result.created,
+                    engine=self,
+                    output_type=definition.output_type,
+                )
+            )
+        return PublishedEvent(
+            event_id=outcome.event_id,
+            name=name,
+            key=event.key,
+            created=outcome.created,
+            runs=tuple(handles),
+        )
+
+    async def event_refusals(self, *, limit: int = 200) -> builtins.list[EventRefusal]:
+        """The events a subscriber registered after their publish did not start because its
+        input type refused the payload, with the reason, newest first."""
+        check.integer(limit, "limit", at_least=1, at_most=10_000)
+        store = event_store(self.backend, "event_refusals()")
+        return builtins.list(await store.event_refusals(limit=limit))
 
     @staticmethod
     def _check_key_input(result: EnqueueResult, new: NewRun) -> None:
@@ -1579,10 +1711,11 @@ class Engine:
         an int in 1..10000, a `lease` under 100 ms, a number where a timedelta goes) raises
         `UsageError` naming it.
         """
+        worker_pairs = self.registry.select(versions)
         worker = Worker(
             backend=self.backend,
             registry=self.registry,
-            pairs=self.registry.select(versions),
+            pairs=worker_pairs,
             concurrency=concurrency,
             lease=lease,
             worker_id=worker_id,
@@ -1592,9 +1725,31 @@ class Engine:
             schedules=self.schedules if check.flag(schedules, "schedules") else None,
             pruner=self._pruner(),
             prune_interval=prune_interval,
+            events=self._event_starter(worker_pairs),
         )
         self._workers.append(worker)
         return worker
+
+    def _event_starter(self, pairs: Sequence[TaskPair]) -> EventStarter | None:
+        """What starts the served subscribers' events published before they were known."""
+        served = {pair.name for pair in pairs}
+        names = frozenset(
+            d.name for d in self.registry if d.on_event is not None and d.name in served
+        )
+        if not isinstance(self.backend, EventStore) or not (names or self.retention.active):
+            return None  # with no subscriber, only a worker with a retention deletes events
+        window = self.event_window
+        if self.retention.idempotency is not None:
+            # An event must not outlive the keys of its runs: once a pruned run's key is
+            # forgotten, the event would start that subscriber again.
+            window = min(window, self.retention.idempotency)
+        return EventStarter(
+            backend=self.backend,
+            registry=self.registry,
+            task_names=names,
+            window=window,
+            new_run_id=new_run_id,
+        )
 
     def _pruner(self) -> Pruner | None:
         if not self.retention.active or not isinstance(self.backend, RetentionStore):
@@ -1630,6 +1785,7 @@ async def connect(
     codec: PayloadCodec | None = None,
     retention: timedelta | None = None,
     idempotency_retention: timedelta | None = None,
+    event_window: timedelta = DEFAULT_EVENT_WINDOW,
     **options: Any,
 ) -> Engine:
     """Open an engine on the backend that serves `url` (`memory://`, `postgresql://...`).
@@ -1649,6 +1805,8 @@ async def connect(
     older than that (a task's `@task(retention=...)` wins for its runs), in small batches.
     `idempotency_retention` (None: for ever): how long the tombstone of a pruned run keeps its
     idempotency key taken. See docs/retention.md.
+    `event_window` (default 24 h): how long a published event waits for subscribers
+    registered after it; the workers delete older events (docs/writing-tasks.md).
     """
     if not isinstance(url, str) or not url:
         raise UsageError(
@@ -1681,6 +1839,7 @@ async def connect(
         check_codec(codec)
     retention = check_retention(retention, "retention")
     idempotency_retention = check_retention(idempotency_retention, "idempotency_retention")
+    event_window = check_window(event_window, "event_window")
     host = PluginHost(plugins)
     backend = await host.open_backend(url, clock=clock, options=options)
     if codec is not None:
@@ -1693,6 +1852,7 @@ async def connect(
             telemetry=telemetry,
             retention=retention,
             idempotency_retention=idempotency_retention,
+            event_window=event_window,
         )
     except BaseException:
         await backend.close()

@@ -164,6 +164,11 @@ class SyncEngine:
         )
         return [handle.run_id for handle in handles]
 
+    def publish(self, name: str, payload: Any = None, *, key: str | None = None) -> UUID:
+        """Publish an event (see `Engine.publish`) and return its id (a repeat's: the stored
+        event's)."""
+        return self._call(self._engine.publish(name, payload, key=key)).event_id
+
     def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
         return self._call(self._engine.signal(run_id, name, payload))
 

@@ -29,6 +29,7 @@ from umt_sdk._concurrency import Concurrency, check_concurrency
 from umt_sdk._context import Runner, SyncTaskContext, TaskContext, current_execution
 from umt_sdk._cron import CronSpec
 from umt_sdk._definition import DEFAULT_MAX_LOST_LEASES, OnFailure, TaskDefinition
+from umt_sdk._events import check_event_name
 from umt_sdk._handlers import QueryDefinition, UpdateDefinition, check_handlers
 from umt_sdk._names import check_name, check_retry, check_storable, hints, unwrap_awaitable
 from umt_sdk._rate_limits import RateLimit, check_rate_limit
@@ -82,6 +83,7 @@ def task(
     on_failure: OnFailure = "fail",
     updates: Iterable[UpdateDefinition[Any, Any]] | None = None,
     queries: Iterable[QueryDefinition[Any, Any]] | None = None,
+    on_event: str | None = None,
 ) -> _TaskDecorator:
     """Declare a durable task.
 
@@ -122,8 +124,13 @@ def task(
             docs/writing-tasks.md.
         queries: query handlers (`@query(name)`) over the run's query state
             (`ctx.set_query_state`); callers read them with `engine.query`.
+        on_event: an event name (`"order.placed"`): every `engine.publish` of it starts one
+            run of this task, with the event's payload as its input. See
+            docs/writing-tasks.md#event-triggers.
     """
     check_name("task", name)
+    if on_event is not None:
+        check_event_name(on_event, "on_event", where=f"task {name!r}", error=TaskDefinitionError)
     if on_failure not in ("fail", "compensate"):
         raise TaskDefinitionError(
             f"task {name!r}: on_failure must be 'fail' or 'compensate', got {shown(on_failure)}",
@@ -159,6 +166,12 @@ def task(
             argument="retention",
         )
     concurrency = check_concurrency(concurrency, task_name=name)
+    if on_event is not None and concurrency is not None and concurrency.strategy != "queue":
+        raise TaskDefinitionError(
+            f"task {name!r}: on_event needs concurrency strategy 'queue' (a publish may run in "
+            f"your transaction, which cannot cancel other runs), got {concurrency.strategy!r}",
+            argument="on_event",
+        )
     rate_limit = check_rate_limit(rate_limit, task_name=name)
 
     if timeout is not None:
@@ -210,6 +223,7 @@ def task(
             on_failure=on_failure,
             updates=by_update,
             queries=by_query,
+            on_event=on_event,
         )
 
     return typing.cast(_TaskDecorator, decorate)

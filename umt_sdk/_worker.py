@@ -30,6 +30,7 @@ from umt_sdk._telemetry import Telemetry
 from umt_sdk.exceptions import BackendError, BackendUnavailableError
 
 if TYPE_CHECKING:
+    from umt_sdk._events import EventStarter
     from umt_sdk._retention import Pruner
     from umt_sdk._schedules import Schedules
 
@@ -121,6 +122,8 @@ class Worker:
         schedules: Schedules[Any] | None = None,
         pruner: Pruner | None = None,
         prune_interval: timedelta = timedelta(minutes=1),
+        events: EventStarter | None = None,
+        event_interval: timedelta = timedelta(seconds=30),
     ) -> None:
         check.integer(
             concurrency,
@@ -150,6 +153,7 @@ class Worker:
         check.duration(poll_interval, "poll_interval", positive=True, where="worker")
         check.duration(shutdown_grace, "shutdown_grace", where="worker")
         check.duration(prune_interval, "prune_interval", positive=True, where="worker")
+        check.duration(event_interval, "event_interval", positive=True, where="worker")
         self.backend = backend
         self.telemetry = telemetry or Telemetry()
         self.registry = registry
@@ -183,6 +187,9 @@ class Worker:
         self.pruner = pruner
         """What deletes old finished runs in the background (None: no retention)."""
         self.prune_interval = prune_interval
+        self.events = events
+        """What starts the served subscribers' events they have no run for (None: none)."""
+        self.event_interval = event_interval
         self._started_at = datetime.now(UTC)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -220,6 +227,12 @@ class Worker:
             self._tasks.append(
                 asyncio.create_task(
                     self._prune_loop(self.pruner), name=f"umt-prune-{self.worker_id}"
+                )
+            )
+        if self.events is not None:
+            self._tasks.append(
+                asyncio.create_task(
+                    self._event_loop(self.events), name=f"umt-events-{self.worker_id}"
                 )
             )
         if isinstance(self.backend, InsightStore):
@@ -547,6 +560,47 @@ class Worker:
                             "retention deleted %d finished runs and %d tombstones",
                             done["pruned"],
                             done["forgotten"],
+                        )
+                    outage.succeeded()
+                except Exception as exc:
+                    if self._stopping:
+                        return
+                    delay = max(delay, outage.backoff())
+                    outage.failed(exc, delay)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await moved.wait()
+                moved.clear()
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+
+    async def _event_loop(self, events: EventStarter) -> None:
+        """The events' pass: at start, then every `event_interval` (at once when a test's clock
+        moves), start the events of the window the served subscribers have no run for, and
+        delete older events. Every worker runs it; the runs' keys make one run per pair."""
+        outage = _Outage("starting the runs of published events")
+        moved = asyncio.Event()
+        clock = self.backend.clock
+        loop = asyncio.get_running_loop()
+        unsubscribe = None
+
+        def wake() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(moved.set)
+
+        if isinstance(clock, ControllableClock):
+            unsubscribe = clock.subscribe(wake)
+        try:
+            while not self._stopping:
+                delay = self.event_interval.total_seconds()
+                try:
+                    done = await events.run_pass()
+                    if done["started"] or done["refused"]:
+                        _log.info(
+                            "started %d runs of earlier events (%d refused by their input type)",
+                            done["started"],
+                            done["refused"],
                         )
                     outage.succeeded()
                 except Exception as exc:

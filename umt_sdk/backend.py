@@ -13,6 +13,13 @@ from umt_sdk._clock import SystemClock
 from umt_sdk._codec import check_codec, open_json, seal_json, sealed_by
 from umt_sdk._codec_backend import CodecBackend
 from umt_sdk._engine import new_run_id
+from umt_sdk._event_spi import (
+    EventRefusal,
+    EventStore,
+    NewEvent,
+    PublishOutcome,
+    StoredEvent,
+)
 from umt_sdk._hookspecs import BackendHookspecs, hookimpl
 from umt_sdk._rate_limits import TokenTake, park_slot, take_tokens, token_interval
 from umt_sdk._serde import encode_payload, unstorable_json_reason, unstorable_reason
@@ -95,6 +102,8 @@ __all__ = [
     "Ending",
     "EnqueueResult",
     "ErrorInfo",
+    "EventRefusal",
+    "EventStore",
     "ExecutionOutcome",
     "ExecutionRecord",
     "Fact",
@@ -107,6 +116,7 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "LifecycleStore",
+    "NewEvent",
     "NewRun",
     "OverlapPolicy",
     "PairActivity",
@@ -114,6 +124,7 @@ __all__ = [
     "PruneBatch",
     "PruneQuery",
     "PrunedRun",
+    "PublishOutcome",
     "RateLimitInfo",
     "RateLimitStore",
     "RetentionStore",
@@ -128,6 +139,7 @@ __all__ = [
     "StepKind",
     "StepRecord",
     "StepStatus",
+    "StoredEvent",
     "StreamAppend",
     "StreamEntry",
     "StreamStore",

@@ -645,3 +645,29 @@ CREATE TABLE {schema}.workers (
     stopped_at      timestamptz
 );
 CREATE INDEX workers_seen ON {schema}.workers (last_seen_at);
+
+-- Published events and the subscribers that refused them (see migrations/0023_events.sql).
+CREATE TABLE {schema}.events (
+    id              uuid PRIMARY KEY,
+    name            text NOT NULL,
+    key             text NOT NULL,
+    payload         jsonb NOT NULL,
+    payload_hash    text NOT NULL,
+    trace_context   jsonb NOT NULL DEFAULT '{{}}',
+    published_at    timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (name, key)
+);
+-- The events of a name in the window, oldest first: what a subscriber's pass reads.
+CREATE INDEX events_by_name ON {schema}.events (name, published_at, id);
+-- The events past the window: what expiry deletes.
+CREATE INDEX events_published ON {schema}.events (published_at);
+
+CREATE TABLE {schema}.event_refusals (
+    event_id        uuid NOT NULL REFERENCES {schema}.events (id) ON DELETE CASCADE,
+    task_name       text NOT NULL,
+    task_version    integer NOT NULL,
+    reason          text NOT NULL,
+    refused_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (event_id, task_name)
+);
+CREATE INDEX event_refusals_newest ON {schema}.event_refusals (refused_at);

@@ -38,6 +38,8 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_flow_keys`: singletons (skip, replace, serialized per key), debounce, per-key FIFO
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
+- `_events`: event triggers (one run per subscriber and event, repeats, transactions, late
+  subscribers and the window)
 - `_sagas`: compensation (reverse order, each a durable step, `compensated`, what cannot run)
 - `_transactions`: transactional steps (writes and record commit together, once; fenced)
 - `_attention`: outcomes an operator settles (`uncertain_on`, `needs_attention`, `settle`)
@@ -62,6 +64,7 @@ from umt_sdk.testing._contract import (
     _codecs,
     _concurrency,
     _deadlines,
+    _events,
     _facts,
     _fanout,
     _flow_keys,
@@ -121,6 +124,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_deadlines.TASKS,
     *_insight.TASKS,
     *_sagas.TASKS,
+    *_events.TASKS,
     *_transactions.TASKS,
     *_attention.TASKS,
     *_patches.TASKS,
@@ -162,6 +166,7 @@ class BackendContract(
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
     _sagas.SagasContract,
+    _events.EventsContract,
     _transactions.TransactionsContract,
     _attention.AttentionContract,
     _patches.PatchesContract,
