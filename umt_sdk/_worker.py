@@ -465,7 +465,11 @@ class Worker:
             stopped=stopped,
         )
         try:
-            await asyncio.wait_for(store.record_worker(state), timeout=5)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+            # that arrives as the call completes (an in-memory store completes at once), and a
+            # stop() then waited out the loop's next sleep.
+            async with asyncio.timeout(5):
+                await store.record_worker(state)
         except Exception as exc:
             _log.debug("worker report failed: %s", exc)
 
@@ -479,7 +483,8 @@ class Worker:
             if reports % forget_every == 0:
                 try:
                     seen_before = store_now(self.backend) - WORKER_FORGOTTEN_AFTER
-                    await asyncio.wait_for(store.forget_workers(seen_before=seen_before), 5)
+                    async with asyncio.timeout(5):
+                        await store.forget_workers(seen_before=seen_before)
                 except Exception as exc:
                     _log.debug("forgetting old workers failed: %s", exc)
             reports += 1

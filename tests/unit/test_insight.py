@@ -102,3 +102,23 @@ async def test_a_starting_worker_forgets_workers_not_heard_from_for_a_week() -> 
         assert {w.worker_id for w in await engine.workers()} == {"recent", "new"}
     finally:
         await engine.close()
+
+
+async def test_a_worker_stopped_during_its_first_report_ends_every_loop() -> None:
+    """stop() cancels the worker's loops; the report loop's first report and forget pass
+    complete at once on the memory store, and a cancellation arriving then was swallowed (on
+    Python 3.11 `asyncio.wait_for` returns the result of a call that completed as it was
+    cancelled): the loop went on to sleep, and stop() returned with it still running after
+    waiting five seconds for it."""
+    engine = await connect("memory://")
+    try:
+        worker = engine.worker(worker_id="brief")
+        await worker.start()
+        loops = list(worker._tasks)
+        await asyncio.sleep(0)  # the report loop is inside its first report
+        await worker.stop()
+        assert [t.get_name() for t in loops if not t.done()] == []
+        # Each ended by its cancellation, none by running out its sleep first.
+        assert [t.get_name() for t in loops if not t.cancelled()] == []
+    finally:
+        await engine.close()
