@@ -281,6 +281,7 @@ def _list_params(query: dict[str, str], page: int) -> dict[str, Any] | None:
     # Every placeholder of the query, unset unless a filter sets it.
     params: dict[str, Any] = dict.fromkeys(re.findall(r"%\((\w+)\)s", queries()["list_runs"]))
     params["limit"] = page + 1
+    params["needs_attention"] = False  # a flag, not a value: unset is False, as the engine binds
     if "status" in query:
         params["status"] = query["status"]
     if "task" in query:
