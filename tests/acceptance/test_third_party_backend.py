@@ -58,7 +58,7 @@ class DictHarness:
         engine = await connect(self.url, registry=registry, clock=self.clock, plugins=[plugin])
         # dict:// forwards transactional steps to the memory backend, whose own store they
         # write: the business table lives there.
-        self.store = engine.backend.store  # type: ignore[attr-defined]
+        self.store = engine.backend.store  # type: ignore[attr-defined]  # the dict backend, typed as Backend
         return engine
 
     async def advance(self, delta: timedelta) -> None:
