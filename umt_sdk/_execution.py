@@ -447,7 +447,14 @@ class Execution:
             raise Stop from None
 
     def fenced(self) -> None:
-        """A write was refused: another attempt holds the run. Stop writing."""
+        """A write was refused: another attempt holds the run. Stop writing, and say so once:
+        a worker cut off past its lease may learn it only here, when its late write lands."""
+        if not self.stopped:
+            _log.warning(
+                "run %s: a write was refused, another worker holds the run now (this "
+                "execution's lease lapsed); stopping this execution",
+                self.claimed.run_id,
+            )
         self.telemetry.fenced(self.steps.current_step)
         self.abort("lease_lost", _ANOTHER_HOLDS)
 
