@@ -539,21 +539,9 @@ class Steps:
                 self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
             if isinstance(exc, UnstorableOutput):  # a transactional step's output: as below
-                exc = exc.error
-                step_trace.failed(exc, "failed")
-                info = error_info(exc)
-                await self._record(
-                    self._step_record(
-                        full,
-                        "step",
-                        status="failed",
-                        attempt=attempt,
-                        error=info,
-                        started_at=started,
-                        finished_at=self._host.now(),
-                    )
-                )
-                raise _step_failed(full, info) from exc
+                raise await self._record_failed(
+                    full, attempt, started, exc.error, step_trace
+                ) from exc.error
             if (
                 call.uncertain_on
                 and isinstance(exc, call.uncertain_on)
@@ -588,18 +576,7 @@ class Steps:
                 step_trace.failed(exc, "retrying")
                 self._telemetry.retry_scheduled(full, attempt, retry_at.isoformat(), exc)
                 raise Suspend from None
-            step_trace.failed(exc, "failed")
-            record = self._step_record(
-                full,
-                "step",
-                status="failed",
-                attempt=attempt,
-                error=info,
-                started_at=started,
-                finished_at=self._host.now(),
-            )
-            await self._record(record)
-            raise _step_failed(full, info) from exc
+            raise await self._record_failed(full, attempt, started, exc, step_trace) from exc
         if call.transactional:  # recorded with its writes, in their transaction
             _probe.report("step.recorded", full, attempt=attempt)
             return value
@@ -610,20 +587,7 @@ class Steps:
             )
         except PayloadError as exc:
             # Deterministic: the same body would return the same value, so no retry.
-            step_trace.failed(exc, "failed")
-            info = error_info(exc)
-            await self._record(
-                self._step_record(
-                    full,
-                    "step",
-                    status="failed",
-                    attempt=attempt,
-                    error=info,
-                    started_at=started,
-                    finished_at=self._host.now(),
-                )
-            )
-            raise _step_failed(full, info) from exc
+            raise await self._record_failed(full, attempt, started, exc, step_trace) from exc
         _probe.reach(self._host.aborts, "step.returned", full, attempt=attempt, output=output_json)
         await self._record(
             self._step_record(
@@ -638,6 +602,26 @@ class Steps:
         )
         _probe.report("step.recorded", full, attempt=attempt)
         return value
+
+    async def _record_failed(
+        self, full: str, attempt: int, started: datetime, exc: BaseException, trace: StepTrace
+    ) -> StepFailedError:
+        """Record `attempt` of the step `full` as failed for good with `exc` (its trace ended
+        so), and return the `StepFailedError` the caller raises, from `exc`."""
+        trace.failed(exc, "failed")
+        info = error_info(exc)
+        await self._record(
+            self._step_record(
+                full,
+                "step",
+                status="failed",
+                attempt=attempt,
+                error=info,
+                started_at=started,
+                finished_at=self._host.now(),
+            )
+        )
+        return _step_failed(full, info)
 
     # -- outcomes an operator settles (`_attention`) ------------------------------------------
 
