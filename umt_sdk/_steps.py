@@ -38,11 +38,11 @@ from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._ids import new_run_id
 from umt_sdk._lifecycle import CHILD_KEY_PREFIX, MAP_KEY_PREFIX
-from umt_sdk._names import check_name, inline_target
+from umt_sdk._names import check_name, declared_transactional, inline_target
 from umt_sdk._patches import CallSite, PatchDecisions, marker_envelope, marker_name, went_past
 from umt_sdk._rate_limits import RateLimit, ensure_defined, rate_limit_fields, rate_limit_store
 from umt_sdk._retry import RetryPolicy
-from umt_sdk._sagas import Saga
+from umt_sdk._sagas import COMPENSATE_PREFIX, Saga
 from umt_sdk._spi import (
     Backend,
     ChildGroup,
@@ -375,6 +375,8 @@ class Steps:
         self._host.check_before_step()
         if call.transactional:
             transaction_store(self._host.backend, full)  # refused before anything is stored
+        if call.compensate is not None and declared_transactional(call.compensate):
+            transaction_store(self._host.backend, f"{COMPENSATE_PREFIX}{full}")
         self._host.go_live()
         if call.compensate is not None:
             registration = self.saga.registration(
