@@ -552,7 +552,6 @@ class Steps:
                 return await self._uncertain(call, full, attempt, started, exc, step_trace)
             # A failure of the step's code (while canceling: recorded, never retried).
             policy = call.retry or self._host.default_retry
-            info = error_info(exc)
             if policy.should_retry(exc, attempt) and not self._host.aborts.canceling:
                 now = self._host.now()
                 record = self._step_record(
@@ -560,7 +559,7 @@ class Steps:
                     "step",
                     status="retrying",
                     attempt=attempt,
-                    error=info,
+                    error=error_info(exc),
                     started_at=started,
                     finished_at=now,
                 )
