@@ -250,7 +250,12 @@ def build_run_info(record: RunRecord) -> RunInfo:
         step = execution.current_step
         started_at = execution.step_started_at
         inferred = False
-        if step is None and status == "interrupted":
+        if status == "interrupted" and (
+            step is None or (step, execution.fencing_token) in recorded
+        ):
+            # No heartbeat named the step it was cut off in: none came, or the last one named a
+            # step this attempt went on to record (the cut came after it). Where it stopped is
+            # where the next execution to do anything began.
             step = _next_live_step(record, execution.fencing_token)
             started_at, inferred = None, True
         if step is None or (step, execution.fencing_token) in recorded:
