@@ -133,10 +133,11 @@ def _tells_time(clock: object) -> bool:
     return isinstance(sample, datetime) and sample.utcoffset() is not None
 
 
-_Order = tuple[int, datetime, int, datetime, int]
-"""A run's place in the claim's order: -priority, when it became ready and its sequence number
-(a fairness key's run: when its key was last served, and that claim's number), then when it
-became ready and its sequence number."""
+_Order = tuple[int, int, datetime, int, datetime, int]
+"""A run's place in the claim's order: -priority; its round (a fairness key's runs go in
+rounds of its weight: the runs this claim took of the key // weight; 0 for other runs); when
+it became ready and its sequence number (a fairness key's run: when its key was last served,
+and that claim's number); then when it became ready and its sequence number."""
 
 _NEVER = datetime.min.replace(tzinfo=UTC)
 """When a fairness key that no claim has taken a run of was last served: before any time."""
@@ -460,31 +461,29 @@ class MemoryBackend(MemoryEvents):
     def _head_entry(
         self, pair: TaskPair, now: datetime, taken: dict[tuple[str, str], int] | None = None
     ) -> tuple[_Order, _Run, list[tuple[int, datetime, int, UUID, int]]] | None:
-        """The first claimable run of the pair in the claim's order: priority, then the time
-        it became ready (for a fairness key's run: when a claim last took a run of its key),
-        then FIFO. `taken`: the runs of each key this claim took (a fairness key offers
-        at most its weight)."""
+        """The first claimable run of the pair in the claim's order (`_Order`). `taken`: the
+        runs of each key this claim took so far (a fairness key's round)."""
         best = None
         run = self._heap_head(self._ready.get(pair), now)
         if run is not None:
             heap = self._ready[pair]
             priority, ready_at, seq = heap[0][:3]
-            best = ((priority, ready_at, seq, ready_at, seq), run, heap)
+            best = ((priority, 0, ready_at, seq, ready_at, seq), run, heap)
         for key, heap in self._keyed.get(pair, {}).items():
             name_key = (pair.name, key)
             if not heap or not self._free_slot(name_key):
-                continue
-            weight = self._weights.get(name_key)
-            if weight is not None and taken is not None and taken.get(name_key, 0) >= weight:
                 continue
             run = self._heap_head(heap, now)
             if run is None:
                 continue
             priority, ready_at, seq = heap[0][:3]
-            turn_at, turn = (
-                (ready_at, seq) if weight is None else self._served.get(name_key, (_NEVER, 0))
-            )
-            order = (priority, turn_at, turn, ready_at, seq)
+            weight = self._weights.get(name_key)
+            if weight is None:
+                order: _Order = (priority, 0, ready_at, seq, ready_at, seq)
+            else:
+                turn_at, turn = self._served.get(name_key, (_NEVER, 0))
+                round_ = (taken or {}).get(name_key, 0) // weight
+                order = (priority, round_, turn_at, turn, ready_at, seq)
             if best is None or order < best[0]:
                 best = (order, run, heap)
         return best

@@ -275,8 +275,8 @@ SET LOCAL synchronous_commit TO off;
 -- pairs' tasks with a free slot and a due run, least recently served first, locked (their
 -- newest counters), and at most each key's free slots of its runs; `key_slots` raises the
 -- counters of the keys claimed from (see migrations/0009_concurrency_keys.sql). A fairness key
--- (a `weight`) offers at most `weight` runs, placed as if ready at its `claimed_at`
--- (migrations/0025_fairness_keys.sql).
+-- (a `weight`) offers its runs in rounds of `weight`, each placed as if ready at the key's
+-- `claimed_at` (migrations/0025_fairness_keys.sql).
 -- Pairs that a stored pause names (paused_tasks, by version or the whole task) are left out
 -- before anything is read: their runs wait as they are. When the timers were read, the row also
 -- names them (`paused`): a pair resumed later has timers this read passed over, so the backend
@@ -315,11 +315,18 @@ WITH served AS (
         FOR NO KEY UPDATE OF k SKIP LOCKED
     ) AS o
 ), keyed_runs AS (
-    -- A fairness key's runs take its turn's place (its claimed_at), ties FIFO (`since`).
+    -- A fairness key's runs go in rounds of its weight (the i-th in round (i - 1) / weight),
+    -- each at its key's turn (claimed_at), ties FIFO (`since`, then the time-ordered id); it
+    -- offers as many as it would take if every open key filled its share of %(scan)s.
     SELECT w.id, w.task_name, w.task_version, w.priority,
+           CASE WHEN k.weight IS NULL THEN 0
+                ELSE (row_number() OVER (
+                          PARTITION BY k.task_name, k.concurrency_key
+                          ORDER BY w.priority DESC, w.available_at, w.id) - 1) / k.weight
+           END AS round,
            CASE WHEN k.weight IS NULL THEN w.available_at ELSE k.claimed_at END AS available_at,
            w.available_at AS since
-    FROM open_keys k
+    FROM (SELECT o.*, count(*) OVER () AS keys FROM open_keys o) AS k
     CROSS JOIN LATERAL (
         SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at
         FROM {schema}.runs r
@@ -329,25 +336,26 @@ WITH served AS (
           AND r.available_at <= now()
           AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
         ORDER BY r.priority DESC, r.available_at
-        LIMIT least(k.free, k.weight, %(scan)s)
+        LIMIT least(k.free, %(scan)s, k.weight * ((%(scan)s + k.keys - 1) / k.keys))
     ) AS w
 ), candidates AS (
     SELECT c.id, c.priority, c.available_at, c.timer, c.keyed, p.name AS pair_name,
            p.version AS pair_version,
            row_number() OVER (
-               PARTITION BY p.name, p.version ORDER BY c.priority DESC, c.available_at, c.since
+               PARTITION BY p.name, p.version
+               ORDER BY c.priority DESC, c.round, c.available_at, c.since, c.id
            ) AS turn
     FROM pairs p
     CROSS JOIN LATERAL (
         (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer, false AS keyed,
-                q.available_at AS since
+                q.available_at AS since, 0 AS round
          FROM {schema}.ready q
          WHERE q.task_name = p.name AND q.task_version = p.version
          ORDER BY q.priority DESC, q.available_at
          LIMIT %(scan)s)
         UNION ALL
         (SELECT r.id, r.priority, r.available_at, false AS timer, false AS keyed,
-                r.available_at AS since
+                r.available_at AS since, 0 AS round
          FROM {schema}.runs r
          WHERE r.task_name = p.name AND r.task_version = p.version
            AND r.status = 'pending' AND NOT r.queued AND r.concurrency_key IS NULL
@@ -356,7 +364,7 @@ WITH served AS (
          LIMIT %(scan)s)
         UNION ALL
         (SELECT r.id, r.priority, r.available_at, true AS timer, false AS keyed,
-                r.available_at AS since
+                r.available_at AS since, 0 AS round
          FROM {schema}.runs r
          WHERE %(timers)s::boolean
            AND r.task_name = p.name AND r.task_version = p.version
@@ -370,10 +378,11 @@ WITH served AS (
          ORDER BY r.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT k.id, k.priority, k.available_at, false AS timer, true AS keyed, k.since
+        (SELECT k.id, k.priority, k.available_at, false AS timer, true AS keyed, k.since,
+                k.round
          FROM keyed_runs k
          WHERE k.task_name = p.name AND k.task_version = p.version
-         ORDER BY k.priority DESC, k.available_at, k.since
+         ORDER BY k.priority DESC, k.round, k.available_at, k.since
          LIMIT %(scan)s)
     ) AS c
 ), distinct_candidates AS (

@@ -121,6 +121,14 @@ class FairnessContract:
                 : len([r for r in taken if owners[r] == key])
             ], f"FIFO within {key}"
 
+    async def test_a_claim_with_room_takes_more_rounds(self, engine: Engine) -> None:
+        backend = engine.backend
+        alone = await _backlog(backend, "alone", 20)
+        assert await _claim(backend, 8) == alone[:8], "one key fills the batch, FIFO"
+        owners = dict.fromkeys(alone, "alone")
+        owners.update(dict.fromkeys(await _backlog(backend, "other", 20), "other"))
+        assert _keys(await _claim(backend, 8), owners) == Counter({"alone": 4, "other": 4})
+
     async def test_a_run_without_a_key_waits_one_turn_at_most_behind_a_backlog(
         self, engine: Engine
     ) -> None:
@@ -145,7 +153,8 @@ class FairnessContract:
         owners.update(dict.fromkeys(await _backlog(backend, "a", 6, weight=4), "a"))
         owners.update(dict.fromkeys(await _backlog(backend, "b", 6, weight=1), "b"))
         owners[await _one(backend, "a", weight=2)] = "a"
-        assert _keys(await _claim(backend, 8), owners) == Counter({"a": 2, "b": 1})
+        # Rounds of 2 and 1: a a b a a b (weight 4 would make it a a a a b a).
+        assert _keys(await _claim(backend, 6), owners) == Counter({"a": 4, "b": 2})
 
     async def test_runs_enqueued_with_a_fairness_key_start_in_turns(
         self, engine: Engine, tally: Tally
