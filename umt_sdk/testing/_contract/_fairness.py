@@ -62,10 +62,7 @@ def _new(key: str | None, *, weight: int = 1, priority: int = 0) -> NewRun:
 
 
 async def _backlog(backend: Backend, key: str, runs: int, *, weight: int = 1) -> list[UUID]:
-    batch = [_new(key, weight=weight) for _ in range(runs)]
-    results = await backend.enqueue_many(batch)
-    assert all(r.created for r in results)
-    return [new.run_id for new in batch]
+    return [await _one(backend, key, weight=weight) for _ in range(runs)]
 
 
 async def _one(backend: Backend, key: str | None, **kwargs: Any) -> UUID:
