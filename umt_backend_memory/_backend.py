@@ -771,6 +771,7 @@ class MemoryBackend(MemoryEvents):
             forked_at_step=run.forked_at_step,
             tags=dict(run.tags),
             concurrency_key=run.concurrency_key,
+            fairness_weight=None if run.key is None else self._weights.get(run.key),
             deadline_at=run.deadline_at,
             start_by=run.start_by,
             rate_limit=run.rate_limit,

@@ -38,7 +38,7 @@ from umt_sdk._events import (
     subscribers,
 )
 from umt_sdk._export import RunHistory, history_of
-from umt_sdk._fairness import fairness_fields
+from umt_sdk._fairness import FAIR_SLOTS, fairness_fields
 from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields
 from umt_sdk._handlers import known
 from umt_sdk._ids import new_run_id
@@ -1320,7 +1320,15 @@ class Engine:
             if definition is not None
             else {}
         )
-        if not keyed and record.concurrency_key is not None and definition is not None:
+        if not keyed and record.fairness_weight is not None and definition is not None:
+            # A fairness key's run: the new run joins the key's turns with its weight.
+            assert record.concurrency_key is not None
+            keyed = {
+                "concurrency_key": record.concurrency_key,
+                "concurrency_limit": FAIR_SLOTS,
+                "fairness_weight": record.fairness_weight,
+            }
+        elif not keyed and record.concurrency_key is not None and definition is not None:
             # A singleton's or a sequence's key (limit 1, given at the enqueue): the new run
             # joins that key's line and waits its turn; it neither skips nor replaces.
             keyed = {

@@ -608,6 +608,10 @@ class RunRecord:
     """The labels given at enqueue (`NewRun.tags`)."""
     concurrency_key: str | None = None
     """The run's concurrency key as stored (None without one)."""
+    fairness_weight: int | None = None
+    """When `concurrency_key` is a fairness key (`NewRun.fairness_weight`): the key's weight
+    as stored, read by `get_run` and `get_run_head` (a backend may leave it None in
+    `list_runs`); None for other keys."""
     deadline_at: datetime | None = None
     """When the run must be finished by (`NewRun.deadline_at` / `timeout`), None: never."""
     start_by: datetime | None = None

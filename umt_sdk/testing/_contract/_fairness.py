@@ -170,6 +170,19 @@ class FairnessContract:
         assert starts.index("quiet:0") <= 1, starts
         assert [k for k in starts if k.startswith("busy:")] == [f"busy:{i}" for i in range(8)]
 
+    async def test_a_rerun_keeps_the_runs_fairness_key_and_weight(self, engine: Engine) -> None:
+        done = await engine.enqueue(fair_task, Job(key="f:0"), fairness_key="f", weight=2)
+        assert (await engine.backend.get_run_head(done.run_id)).fairness_weight == 2  # type: ignore[union-attr]
+        async with engine.worker(concurrency=2):
+            assert await done.result(timeout=15) == "f:0"
+            again = await engine.rerun(done.run_id)
+            assert await again.result(timeout=15) == "f:0"
+        record = await engine.backend.get_run_head(again.run_id)
+        assert record is not None
+        assert (record.concurrency_key, record.fairness_weight) == ("f", 2)
+        plain = await engine.enqueue(fair_task, Job(key="p:0"))
+        assert (await engine.backend.get_run_head(plain.run_id)).fairness_weight is None  # type: ignore[union-attr]
+
     async def test_bad_fairness_input_is_refused_and_nothing_stored(self, engine: Engine) -> None:
         refused: list[tuple[str, dict[str, Any]]] = [
             ("weight", {"fairness_key": "t", "weight": 0}),
