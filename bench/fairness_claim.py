@@ -7,9 +7,12 @@ Two measures, each in a fresh schema of its own database (dropped at the end):
    (ANALYZE, BUFFERS), committed, then the ending of every run it claimed (as the worker's
    would), `--claims` times; the median of the claims' shared buffers (hit + read, the
    statement's top plan node) and of the runs each took. Scenarios:
-   - `unkeyed`: 2,000 runs without a key (a task that does not use fairness keys);
-   - `fair_keys`: `--keys` fairness keys (10,000) with 2 runs each;
-   - `fair_backlog`: one fairness key with `--backlog` runs (100,000).
+   - `unkeyed`: 2 x `--keys` runs without a key (a task that does not use fairness keys);
+   - `fair_keys`: `--keys` fairness keys (10,000) with 2 runs each (as many runs);
+   - `unkeyed_backlog`: `--backlog` runs without a key (100,000);
+   - `fair_backlog`: one fairness key with `--backlog` runs (as many).
+   A claim's cost grows with the table (its updates' index entries descend deeper B-trees), so
+   each fair scenario has an unkeyed one of the same size beside it.
 2. Pickup: one in-process worker (16 slots) drains a backlog of `--backlog` runs of tenant
    "bulk"; meanwhile `--pickups` times, one run of tenant "acme" is enqueued and the time from
    its enqueue to its start is taken (ms). With fairness keys (`fairness_key=tenant`), and
@@ -128,7 +131,9 @@ async def _claim_cost(url: str, scenario: str, args: argparse.Namespace) -> dict
     taken: list[int] = []
     try:
         if scenario == "unkeyed":
-            await _store(backend, [_new(None) for _ in range(2000)])
+            await _store(backend, [_new(None) for _ in range(2 * args.keys)])
+        elif scenario == "unkeyed_backlog":
+            await _store(backend, [_new(None) for _ in range(args.backlog)])
         elif scenario == "fair_keys":
             await _store(backend, [_new(f"t{i % args.keys}") for i in range(2 * args.keys)])
         elif scenario == "fair_backlog":
@@ -215,10 +220,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     url = with_dbname(server.admin_url, DB)
     out: dict[str, Any] = {"machine": machine_info(), "keys": args.keys, "backlog": args.backlog}
     try:
-        for scenario in ("unkeyed", "fair_keys", "fair_backlog"):
+        for scenario in ("unkeyed", "fair_keys", "unkeyed_backlog", "fair_backlog"):
             out[scenario] = result = await _claim_cost(url, scenario, args)
             print(
-                f"{scenario:>13}: {result['buffers_per_claim_median']:>7} buffers per claim "
+                f"{scenario:>15}: {result['buffers_per_claim_median']:>7} buffers per claim "
                 f"[{result['buffers_per_claim_min_max'][0]}-"
                 f"{result['buffers_per_claim_min_max'][1]}], "
                 f"{result['runs_per_claim_median']} runs per claim",

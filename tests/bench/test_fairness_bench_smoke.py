@@ -26,7 +26,7 @@ def test_fairness_bench_writes_every_figure(pg_url: str, tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
 
-    for scenario in ("unkeyed", "fair_keys", "fair_backlog"):
+    for scenario in ("unkeyed", "fair_keys", "unkeyed_backlog", "fair_backlog"):
         assert result[scenario]["buffers_per_claim_median"] > 0, scenario
         assert result[scenario]["runs_per_claim_median"] == 16, scenario
     fair = result["pickup_fair"]

@@ -317,7 +317,8 @@ WITH served AS (
 ), keyed_runs AS (
     -- A fairness key's runs go in rounds of its weight (the i-th in round (i - 1) / weight),
     -- each at its key's turn (claimed_at), ties FIFO (`since`, then the time-ordered id); it
-    -- offers as many as it would take if every open key filled its share of %(scan)s.
+    -- offers as many as it would take if every open key filled its share of %(limit)s (no
+    -- other claim takes runs of a key this one locked: %(limit)s, not %(scan)s).
     SELECT w.id, w.task_name, w.task_version, w.priority,
            CASE WHEN k.weight IS NULL THEN 0
                 ELSE (row_number() OVER (
@@ -336,7 +337,7 @@ WITH served AS (
           AND r.available_at <= now()
           AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
         ORDER BY r.priority DESC, r.available_at
-        LIMIT least(k.free, %(scan)s, k.weight * ((%(scan)s + k.keys - 1) / k.keys))
+        LIMIT least(k.free, %(limit)s, k.weight * ((%(limit)s + k.keys - 1) / k.keys))
     ) AS w
 ), candidates AS (
     SELECT c.id, c.priority, c.available_at, c.timer, c.keyed, p.name AS pair_name,
