@@ -62,7 +62,7 @@ from umt_sdk import (
     task,
     update,
 )
-from umt_sdk.exceptions import BackendUnavailableError
+from umt_sdk.exceptions import BackendUnavailableError, ResultTimeoutError
 
 pytestmark = pytest.mark.slow
 
@@ -276,7 +276,7 @@ async def _rows(url: str, text: str, *params: Any) -> list[dict[str, Any]]:
     return await fetch(url, q(text, SCHEMA), params)
 
 
-async def _retried(call: Callable[[], Awaitable[T]], what: str) -> T:
+async def _retried(call: Callable[[], Awaitable[T]], what: str, describe: Callable[[], str]) -> T:
     """`call()` once the restarted server answers (its pool reconnects meanwhile)."""
     outcome: list[T] = []
 
@@ -287,7 +287,7 @@ async def _retried(call: Callable[[], Awaitable[T]], what: str) -> T:
             return False
         return True
 
-    await eventually(attempt, timeout=60, what=what, interval=0.1)
+    await eventually(attempt, timeout=60, what=what, interval=0.1, on_timeout=describe)
     return outcome[0]
 
 
@@ -348,6 +348,9 @@ async def _crash_amid_writes(
     def describe() -> str:
         return "\n".join(w.describe() for w in workers)
 
+    async def held(key: int, what: str) -> None:
+        await eventually(lambda: _held(url, key), timeout=30, what=what, on_timeout=describe)
+
     async def parked() -> bool:
         return [await _status(engine, h) for h in (o1, a, b)] == [
             "waiting",
@@ -357,19 +360,17 @@ async def _crash_amid_writes(
 
     await eventually(parked, timeout=60, what="o1 waiting, A and B parked", on_timeout=describe)
     # The fan-out's first write (200 runs) committed, its second is held.
-    await eventually(
-        lambda: _held(url, HELD_FANOUT), timeout=30, what="the fan-out held", on_timeout=describe
-    )
+    await held(HELD_FANOUT, "the fan-out held")
     assert (
         len(await _rows(url, "SELECT 1 FROM {schema}.runs WHERE task_name = 'pgcrash.late'")) == 200
     )
 
     # Settling: B's settlement stored, its run holding while recording it.
     await engine.settle(b.run_id, step="charge", done=False, by="ops-apply")
-    await eventually(lambda: _held(url, HELD_SETTLED_RECORD), timeout=30, what="B's record held")
+    await held(HELD_SETTLED_RECORD, "B's record held")
     # Updates: o1's result record held; o2's update held in its store.
-    caller1 = asyncio.ensure_future(o1.update("approve", Approval("ops"), timeout=120))
-    await eventually(lambda: _held(url, HELD_UPDATE_RESULT), timeout=30, what="o1's result held")
+    caller1 = asyncio.ensure_future(o1.update("approve", Approval("ops"), timeout=60))
+    await held(HELD_UPDATE_RESULT, "o1's result held")
     caller2 = asyncio.ensure_future(
         engine.update_with_start(
             order,
@@ -377,25 +378,24 @@ async def _crash_amid_writes(
             key="order:o2",
             update="approve",
             arg=Approval("ops-crash"),
-            timeout=120,
+            timeout=60,
         )
     )
-    await eventually(lambda: _held(url, HELD_UPDATE_STORE), timeout=30, what="o2's update held")
+    await held(HELD_UPDATE_STORE, "o2's update held")
     # Settling: A's settlement held in its store.
     settling = asyncio.ensure_future(
         engine.settle(
             a.run_id, step="charge", done=True, output=Receipt("gw-by-hand", 990), by="ops-crash"
         )
     )
-    await eventually(lambda: _held(url, HELD_SETTLE), timeout=30, what="A's settle held")
+    await held(HELD_SETTLE, "A's settle held")
     # Events: a publish held while it stores its subscriber's run.
     publishing = asyncio.ensure_future(publisher.publish(PLACED_EVENT, Placed(-1), key="in-flight"))
-    await eventually(lambda: _held(url, HELD_PUBLISH), timeout=30, what="the publish held")
+    await held(HELD_PUBLISH, "the publish held")
     # Transactional step last (its commit holds the run row its worker's heartbeat needs).
     tx = await engine.enqueue(post_once, "crash")
     crashed_token = await txe.printed("POSTED", "crash")
-    await eventually(lambda: _held(url, HELD_TX_COMMIT), timeout=30, what="the commit held")
-    assert all(not w.events("POSTED", "frozen") for w in workers)
+    await held(HELD_TX_COMMIT, "the commit held")
 
     private_pg.crash()
     for interrupted in (settling, publishing):
@@ -411,15 +411,20 @@ async def _crash_amid_writes(
             a.run_id, step="charge", done=True, output=Receipt("gw-by-hand", 990), by="ops-crash"
         ),
         "settle to be stored",
+        describe,
     )
     assert settled.done
     again = await _retried(
-        lambda: publisher.publish(PLACED_EVENT, Placed(-1), key="in-flight"), "the publish"
+        lambda: publisher.publish(PLACED_EVENT, Placed(-1), key="in-flight"),
+        "the publish",
+        describe,
     )
     assert again.created, "the held publish stored nothing"
     assert len(again.runs) == 1
     repeat = await _retried(
-        lambda: publisher.publish(PLACED_EVENT, Placed(1), key="committed"), "a repeated publish"
+        lambda: publisher.publish(PLACED_EVENT, Placed(1), key="committed"),
+        "a repeated publish",
+        describe,
     )
     assert (repeat.created, repeat.runs, repeat.event_id) == (False, (), committed.event_id)
 
@@ -428,7 +433,7 @@ async def _crash_amid_writes(
     o2, result2 = await caller2
     assert result2 == "approved by ops-crash (slot-o2)"
     for handle, by, slot in ((o1, "ops", "slot-o1"), (o2, "ops-crash", "slot-o2")):
-        assert await handle.result(timeout=60) == f"approved by {by} ({slot})"
+        assert await _result(engine, handle, describe) == f"approved by {by} ({slot})"
         requests = await _rows(
             url, "SELECT payload FROM {schema}.facts WHERE run_id = %s ORDER BY name", handle.run_id
         )
@@ -446,7 +451,7 @@ async def _crash_amid_writes(
     assert [r["key"] for r in reserved] == ["o1", "o2"], "each update's step ran once"
 
     # -- transactional step: the crashed attempt's row and record are gone, the next's are there
-    info = await _finished(engine, tx)
+    info = await _finished(engine, tx, describe)
     assert info.status == "completed", f"{info.status} {info.error}\n{describe()}"
     recorded = [s for s in info.timeline if s.name == "post" and s.status == "completed"]
     assert len(recorded) == 1
@@ -465,8 +470,8 @@ async def _crash_amid_writes(
     assert stale == [], "no record of the attempt whose commit the crash cut off"
 
     # -- settling: each settlement stored once and applied once
-    assert await a.result(timeout=60) == "gw-by-hand 990"
-    assert str(await b.result(timeout=60)).endswith(" 1250")
+    assert await _result(engine, a, describe) == "gw-by-hand 990"
+    assert str(await _result(engine, b, describe)).endswith(" 1250")
     for handle, by in ((a, "ops-crash"), (b, "ops-apply")):
         facts = await _rows(
             url, "SELECT payload FROM {schema}.facts WHERE run_id = %s", handle.run_id
@@ -513,8 +518,17 @@ async def _crash_amid_writes(
         assert outcomes[-1] == "completed", outcomes
 
 
-async def _finished(engine: Engine, handle: RunHandle[Any]) -> Any:
-    return (await engine.wait_idle([handle.run_id], timeout=60))[0]
+async def _result(engine: Engine, handle: RunHandle[Any], describe: Callable[[], str]) -> Any:
+    await _finished(engine, handle, describe)
+    return await engine.result(handle.run_id)
+
+
+async def _finished(engine: Engine, handle: RunHandle[Any], describe: Callable[[], str]) -> Any:
+    try:
+        return (await engine.wait_idle([handle.run_id], timeout=60))[0]
+    except ResultTimeoutError as exc:
+        info = await engine.get(handle.run_id)
+        raise AssertionError(f"{info.display_status} {info.executions}\n{describe()}") from exc
 
 
 async def _frozen_in_a_transactional_step(engine: Engine, spawner: Spawner, url: str) -> None:
@@ -523,14 +537,19 @@ async def _frozen_in_a_transactional_step(engine: Engine, spawner: Spawner, url:
     workers = [p for p in spawner.started if p.name.split("-")[0] in ("upd", "txe")]
     run = await engine.enqueue(post_fenced, "frozen")
 
+    def describe() -> str:
+        return "\n".join(w.describe() for w in workers)
+
     async def holding() -> Process | None:
         return next((w for w in workers if w.events("HELD", "frozen")), None)
 
-    frozen = await eventually(holding, timeout=30, what="a worker to hold the step")
+    frozen = await eventually(
+        holding, timeout=30, what="a worker to hold the step", on_timeout=describe
+    )
     stale_token = await frozen.printed("HELD", "frozen")
     await frozen.freeze()
     (rescuer,) = [w for w in workers if w is not frozen]
-    info = await _finished(engine, run)
+    info = await _finished(engine, run, describe)
     assert info.status == "completed", f"{info.status} {info.error}\n{rescuer.describe()}"
     new_token = await rescuer.printed("POSTED", "frozen")
     assert new_token > stale_token
@@ -549,7 +568,9 @@ async def _frozen_in_a_transactional_step(engine: Engine, spawner: Spawner, url:
         )
         return not rows
 
-    await eventually(frozen_tx_ended, timeout=30, what="the frozen transaction to end")
+    await eventually(
+        frozen_tx_ended, timeout=30, what="the frozen transaction to end", on_timeout=describe
+    )
     posted = await _rows(
         url, "SELECT token, pid FROM {schema}.effects WHERE what = 'post' AND key = 'frozen'"
     )
