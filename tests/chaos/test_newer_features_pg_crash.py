@@ -26,7 +26,9 @@ or once more for "not done").
 
 Then a worker is frozen inside a transactional step's open transaction (its row written),
 its lease lapses, another worker completes the step, and the frozen one is thawed: its late
-commit is refused, and the step's row is there once, the recording attempt's.
+commit is refused (by the fence in its record statement, or before that by its own lease
+check, whichever comes first once it runs again: both end its transaction uncommitted), and
+the step's row is there once, the recording attempt's.
 
 The workers (`tests/_procs/worker.py --tasks` this module) write their effects to the table
 `effects` of the engine's schema; nothing in the worker processes is instrumented.
