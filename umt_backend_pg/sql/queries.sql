@@ -590,6 +590,13 @@ WITH owing AS (
 SELECT count(*) AS groups, COALESCE(sum(released), 0) AS released FROM paid;
 
 -- name: heartbeat
+-- A run row another transaction holds locked is not waited for (SKIP LOCKED): above all the
+-- worker's own transactional step committing (its record statement locks the row and moves
+-- the lease on; a commit slower than the lease, waiting for deferred triggers or a standby,
+-- made this statement wait, the worker's heartbeat time out and every run of the worker lose
+-- its lease). Such a row is reported held if it is still running under the token as last
+-- committed (`busy`), its lease left as it is; a claim or a cancel in flight is seen at the
+-- next beat, and every write of the execution is fenced meanwhile.
 WITH beats AS (
     SELECT b.id, b.token, b.step, b.step_started_at
     FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[], %(steps)s::text[],
@@ -598,7 +605,11 @@ WITH beats AS (
     SELECT r.id, r.status FROM {schema}.runs r
     JOIN beats b ON r.id = b.id AND r.fencing_token = b.token
     ORDER BY r.id
-    FOR NO KEY UPDATE OF r
+    FOR NO KEY UPDATE OF r SKIP LOCKED
+), busy AS (
+    SELECT r.id, r.cancel_requested_at, r.cancel_reason FROM {schema}.runs r
+    JOIN beats b ON r.id = b.id AND r.fencing_token = b.token
+    WHERE r.status = 'running' AND r.id NOT IN (SELECT l.id FROM locked l)
 ), extended AS (
     UPDATE {schema}.runs r SET
         lease_expires_at = now() + %(lease)s::interval,
@@ -613,10 +624,12 @@ WITH beats AS (
     WHERE e.run_id = b.id AND e.fencing_token = b.token
       AND e.current_step IS DISTINCT FROM b.step
 )
-SELECT b.id, x.id IS NOT NULL AS held, x.cancel_requested_at IS NOT NULL AS cancel_requested,
-       x.cancel_reason
+SELECT b.id, x.id IS NOT NULL OR u.id IS NOT NULL AS held,
+       coalesce(x.cancel_requested_at, u.cancel_requested_at) IS NOT NULL AS cancel_requested,
+       coalesce(x.cancel_reason, u.cancel_reason) AS cancel_reason
 FROM beats b
-LEFT JOIN extended x ON x.id = b.id;
+LEFT JOIN extended x ON x.id = b.id
+LEFT JOIN busy u ON u.id = b.id;
 
 -- name: record_steps
 -- One round trip, one commit for a batch of checkpoints (group commit): each step record lands
