@@ -748,6 +748,7 @@ class PostgresBackend(PostgresEvents):
             cancel_requested={
                 r["id"]: r["cancel_reason"] or "" for r in rows if r["cancel_requested"]
             },
+            unrenewed=frozenset(r["id"] for r in rows if r["unrenewed"]),
         )
 
     async def record_step(self, lease: Lease, step: StepRecord) -> None:

@@ -529,6 +529,10 @@ class HeartbeatResult:
 
     lost: frozenset[UUID] = frozenset()
     cancel_requested: Mapping[UUID, str] = field(factory=dict)
+    unrenewed: frozenset[UUID] = frozenset()
+    """Runs still held under their token whose lease this beat could not move on (another
+    transaction held the row: above all the worker's own transactional step committing). Not
+    lost, but not renewed either: the worker keeps the lease it had, and stops at its end."""
 
 
 @frozen(kw_only=True)

@@ -595,8 +595,9 @@ SELECT count(*) AS groups, COALESCE(sum(released), 0) AS released FROM paid;
 -- the lease on; a commit slower than the lease, waiting for deferred triggers or a standby,
 -- made this statement wait, the worker's heartbeat time out and every run of the worker lose
 -- its lease). Such a row is reported held if it is still running under the token as last
--- committed (`busy`), its lease left as it is; a claim or a cancel in flight is seen at the
--- next beat, and every write of the execution is fenced meanwhile.
+-- committed (`busy`), its lease left as it is and said so (`unrenewed`: the worker does not
+-- count on a renewal it did not get); a claim or a cancel in flight is seen at the next beat,
+-- and every write of the execution is fenced meanwhile.
 WITH beats AS (
     SELECT b.id, b.token, b.step, b.step_started_at
     FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[], %(steps)s::text[],
@@ -625,6 +626,7 @@ WITH beats AS (
       AND e.current_step IS DISTINCT FROM b.step
 )
 SELECT b.id, x.id IS NOT NULL OR u.id IS NOT NULL AS held,
+       x.id IS NULL AND u.id IS NOT NULL AS unrenewed,
        coalesce(x.cancel_requested_at, u.cancel_requested_at) IS NOT NULL AS cancel_requested,
        coalesce(x.cancel_reason, u.cancel_reason) AS cancel_reason
 FROM beats b
