@@ -608,9 +608,17 @@ WITH beats AS (
     ORDER BY r.id
     FOR NO KEY UPDATE OF r SKIP LOCKED
 ), busy AS (
-    SELECT r.id, r.cancel_requested_at, r.cancel_reason FROM {schema}.runs r
-    JOIN beats b ON r.id = b.id AND r.fencing_token = b.token
-    WHERE r.status = 'running' AND r.id NOT IN (SELECT l.id FROM locked l)
+    -- Each beat's run read by its id alone (OFFSET 0 keeps the lookup a probe of the primary
+    -- key: joined, the planner may read the running runs through runs_claim_timers instead).
+    SELECT r.id, r.cancel_requested_at, r.cancel_reason
+    FROM beats b
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.status, r.fencing_token, r.cancel_requested_at, r.cancel_reason
+        FROM {schema}.runs r WHERE r.id = b.id
+        OFFSET 0
+    ) AS r
+    WHERE r.fencing_token = b.token AND r.status = 'running'
+      AND NOT EXISTS (SELECT FROM locked l WHERE l.id = b.id)
 ), extended AS (
     UPDATE {schema}.runs r SET
         lease_expires_at = now() + %(lease)s::interval,
