@@ -38,7 +38,7 @@ from umt_sdk._events import (
     subscribers,
 )
 from umt_sdk._export import RunHistory, history_of
-from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields
+from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields, per_input
 from umt_sdk._handlers import known
 from umt_sdk._ids import new_run_id
 from umt_sdk._insight import (
@@ -540,6 +540,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | Sequence[Singleton | None] | None = None,
+        debounce: Debounce | Sequence[Debounce | None] | None = None,
+        sequence: str | Sequence[str | None] | None = None,
     ) -> list[RunHandle[O]]: ...
     @overload
     async def enqueue_many(
@@ -555,6 +558,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | Sequence[Singleton | None] | None = None,
+        debounce: Debounce | Sequence[Debounce | None] | None = None,
+        sequence: str | Sequence[str | None] | None = None,
     ) -> list[RunHandle[Any]]: ...
     async def enqueue_many(
         self,
@@ -569,6 +575,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | Sequence[Singleton | None] | None = None,
+        debounce: Debounce | Sequence[Debounce | None] | None = None,
+        sequence: str | Sequence[str | None] | None = None,
     ) -> list[RunHandle[Any]]:
         """Start one run of `task` per input, stored in one write (one statement on Postgres).
 
@@ -583,6 +592,16 @@ class Engine:
         runs exist if and only if the caller's transaction commits.
 
         Runs of one batch are claimed in the order given among equal priorities.
+
+        `singleton`, `debounce` and `sequence` take one value for every input, or a list with
+        one per input (None: none for that input), each checked as `enqueue` checks it (with
+        the input's idempotency key, `delay`, `start_within` and `conn`) before anything is
+        stored. `sequence` keys are stored in the batch's one write, so a batch's runs of one
+        key start one at a time in the order given. A batch with a singleton or a debounce is
+        stored one `enqueue` per input, in order, each decided under its key's lock as
+        `enqueue` decides it (a later input of a key sees the runs the earlier ones stored:
+        one debounced run with the last input, one singleton run): the same outcome, but not
+        one write, so an error of the store part-way leaves the earlier runs stored.
         """
         if not isinstance(task, TaskDefinition | str):
             check.refuse(
@@ -627,6 +646,43 @@ class Engine:
                 positive=True,
                 expected="a timedelta > 0 such as timedelta(minutes=5), or None",
             )
+        singletons = per_input(singleton, "singleton", len(items), Singleton)
+        debounces = per_input(debounce, "debounce", len(items), Debounce)
+        sequences = per_input(sequence, "sequence", len(items), str)
+        flows = [
+            flow_key_fields(
+                task_name=definition.name,
+                concurrency=definition.concurrency,
+                singleton=singletons[i],
+                debounce=debounces[i],
+                sequence=sequences[i],
+                idempotency_key=keys[i],
+                delay=delay,
+                start_within=start_within,
+                conn=conn,
+            )
+            for i in range(len(items))
+        ]
+        if any(s is not None for s in singletons) or any(d is not None for d in debounces):
+            for item in items:  # every input checked before the first is stored
+                _serde.encode_input(item, definition.input_type, what="input")
+            return [
+                await self.enqueue(
+                    definition,
+                    item,
+                    idempotency_key=keys[i],
+                    priority=priority,
+                    delay=delay,
+                    conn=conn,
+                    tags=tags,
+                    deadline=deadline,
+                    start_within=start_within,
+                    singleton=singletons[i],
+                    debounce=debounces[i],
+                    sequence=sequences[i],
+                )
+                for i, item in enumerate(items)
+            ]
         if definition.rate_limit is not None:
             await ensure_defined(self.backend, definition.rate_limit, "enqueue_many()")
         strategy = definition.concurrency.strategy if definition.concurrency else "queue"
@@ -650,7 +706,7 @@ class Engine:
             news: list[NewRun] = []
             first_of_key: dict[str, int] = {}
             same_as: list[int | None] = []  # per input: the earlier input of the same key
-            for item, key in zip(items, keys, strict=True):
+            for item, key, flow in zip(items, keys, flows, strict=True):
                 input_json, input_hash = _serde.encode_input(
                     item, definition.input_type, what="input"
                 )
@@ -677,6 +733,7 @@ class Engine:
                         input_type=definition.input_type,
                         input_json=input_json,
                     ),
+                    **flow,
                     deadline_at=deadline_at,
                     timeout=timeout,
                     start_within=start_within,

@@ -245,6 +245,7 @@ class _Dashboard:
             request,
             template,
             info=info,
+            keys=pages.run_keys(info, self.registered(info.task_name, info.task_version)),
             timeline=pages.build_timeline(info, datetime.now(UTC)),
             children=children,
             streams=streams,

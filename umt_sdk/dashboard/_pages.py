@@ -19,6 +19,7 @@ from uuid import UUID
 
 from attrs import field, frozen
 
+from umt_sdk._definition import TaskDefinition
 from umt_sdk._engine import Engine
 from umt_sdk._logging import redact, redact_text
 from umt_sdk._spi import TERMINAL_STATUSES, ErrorInfo, ExecutionRecord, RunStatus, TaskPair
@@ -29,12 +30,14 @@ __all__ = [
     "PAGE_SIZE",
     "STATUSES",
     "RunFilters",
+    "RunKey",
     "Timeline",
     "build_timeline",
     "cell",
     "error_text",
     "fetch_runs",
     "pretty_json",
+    "run_keys",
 ]
 
 STATUSES: tuple[str, ...] = (*get_args(RunStatus), "needs_attention")
@@ -70,6 +73,8 @@ class RunFilters:
     """`name` or `name@version`."""
     run_id: str = ""
     idempotency_key: str = ""
+    key: str = ""
+    """The runs of a concurrency key (a task's `concurrency=`, a singleton, a sequence)."""
     worker: str = ""
     created_after: str = ""
     created_before: str = ""
@@ -94,6 +99,7 @@ class RunFilters:
             task=text("task", 220),
             run_id=text("run_id", 64),
             idempotency_key=text("idempotency_key"),
+            key=text("key", 255),
             worker=text("worker", 255),
             created_after=text("created_after", 40),
             created_before=text("created_before", 40),
@@ -110,6 +116,7 @@ class RunFilters:
             "task": self.task,
             "run_id": self.run_id,
             "idempotency_key": self.idempotency_key,
+            "key": self.key,
             "worker": self.worker,
             "created_after": self.created_after,
             "created_before": self.created_before,
@@ -150,6 +157,11 @@ class RunFilters:
                 errors["idempotency_key"] = "keys are per task: give the task too"
             else:
                 arguments["idempotency_key"] = self.idempotency_key
+        if self.key:
+            if not self.task:
+                errors["key"] = "keys are per task: give the task too"
+            else:
+                arguments["concurrency_key"] = self.key
         if self.worker:
             arguments["worker_id"] = self.worker
         if self.parent:
@@ -605,3 +617,72 @@ def duration(delta: timedelta | None) -> str:
     if seconds < 86400:
         return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
     return f"{seconds // 86400}d {seconds % 86400 // 3600}h"
+
+
+@frozen(kw_only=True)
+class RunKey:
+    """One key of a run, as its page shows it: its label, the key, what it does, and the
+    query string of the runs list that shows the key's runs (empty: none)."""
+
+    kind: str
+    key: str
+    meaning: str
+    runs_query: str = ""
+
+
+def run_keys(info: RunInfo, definition: TaskDefinition[Any, Any] | None) -> list[RunKey]:
+    """The keys a run was enqueued with: its idempotency key, its concurrency key (said to be
+    the task's `concurrency=` when the registered task has one, else a singleton's or a
+    sequence's: the store keeps the key, not which of the two made it), its debounce key and
+    its rate limit's bucket."""
+    keys: list[RunKey] = []
+    task = info.task_name
+    if info.idempotency_key is not None:
+        keys.append(
+            RunKey(
+                kind="Idempotency key",
+                key=info.idempotency_key,
+                meaning="the same key and input give back this run",
+                runs_query=urlencode({"task": task, "idempotency_key": info.idempotency_key}),
+            )
+        )
+    if info.concurrency_key is not None:
+        query = urlencode({"task": task, "key": info.concurrency_key})
+        concurrency = definition.concurrency if definition is not None else None
+        if concurrency is not None:
+            keys.append(
+                RunKey(
+                    kind="Concurrency key",
+                    key=info.concurrency_key,
+                    meaning=f"at most {concurrency.limit} run(s) of the key at once "
+                    f"(the task's concurrency=, strategy {concurrency.strategy})",
+                    runs_query=query,
+                )
+            )
+        else:
+            keys.append(
+                RunKey(
+                    kind="Singleton or sequence key",
+                    key=info.concurrency_key,
+                    meaning="one run of the key at a time (enqueue's singleton= or sequence=)",
+                    runs_query=query,
+                )
+            )
+    if info.debounce_key is not None:
+        keys.append(
+            RunKey(
+                kind="Debounce key",
+                key=info.debounce_key,
+                meaning="triggers of the key before the run started joined it (the last input won)",
+            )
+        )
+    if info.rate_limit is not None:
+        bucket = info.rate_limit_key or ""
+        keys.append(
+            RunKey(
+                kind="Rate limit",
+                key=f"{info.rate_limit}" + (f" / {bucket}" if bucket else ""),
+                meaning="each start takes a token of this bucket",
+            )
+        )
+    return keys
