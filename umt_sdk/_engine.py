@@ -25,6 +25,7 @@ from umt_sdk._codec import PayloadCodec, check_codec
 from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
+from umt_sdk._event_list import EventInfo, list_events
 from umt_sdk._event_spi import EventRefusal, EventStore
 from umt_sdk._events import (
     DEFAULT_EVENT_WINDOW,
@@ -917,6 +918,23 @@ class Engine:
         check.integer(limit, "limit", at_least=1, at_most=10_000)
         store = event_store(self.backend, "event_refusals()")
         return builtins.list(await store.event_refusals(limit=limit))
+
+    async def events(
+        self, *, name: str | None = None, before: UUID | None = None, limit: int = 50
+    ) -> builtins.list[EventInfo]:
+        """The stored events, newest first, each with the runs it started (one per
+        subscribing task that has one so far: the publish's, and those workers started for
+        subscribers registered later). Events older than the event window are gone.
+
+        Args:
+            name: only the events of this name.
+            before: an event id from a previous page: the events after it (older).
+            limit: at most this many (1 to 500).
+
+        A bad argument raises `UsageError` naming it; a backend that cannot list events
+        (no `umt_sdk.backend.EventListStore`) raises `UsageError`.
+        """
+        return await list_events(self.backend, name=name, before=before, limit=limit)
 
     @staticmethod
     def _check_key_input(result: EnqueueResult, new: NewRun) -> None:
