@@ -79,7 +79,12 @@ async def pay(ctx: TaskContext[str]) -> Any:
     return await ctx.step.wait_for_callback(token)
 
 
-TASKS: list[TaskDefinition[Any, Any]] = [ship, fail, approve, report, pay]
+@task("dash.on_placed", version=1, on_event="dash.order.placed")
+async def on_placed(ctx: TaskContext[Approval]) -> str:
+    return ctx.input.item
+
+
+TASKS: list[TaskDefinition[Any, Any]] = [ship, fail, approve, report, pay, on_placed]
 
 
 def registry() -> Registry:

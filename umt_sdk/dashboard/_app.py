@@ -542,6 +542,12 @@ class _Dashboard:
             extra=extra,
         )
 
+    # -- events ---------------------------------------------------------------------------------
+
+    async def events(self, request: Request) -> Response:
+        view = await pages.fetch_events(self.engine, request.query_params)
+        return self.render(request, "events.html", **view)
+
     # -- callbacks ------------------------------------------------------------------------------
 
     async def complete_callback(self, request: Request) -> Response:
@@ -639,6 +645,7 @@ def create_app(
         Route("/rate-limits", board.rate_limits),
         Route("/rate-limits/pause", board.pause_or_resume_limit, methods=["POST"]),
         Route("/rate-limits/resume", board.pause_or_resume_limit, methods=["POST"]),
+        Route("/events", board.events),
         Route("/metrics", board.metrics),
         *(
             [Route("/callbacks/complete", board.complete_callback, methods=["POST"])]

@@ -35,6 +35,7 @@ __all__ = [
     "build_timeline",
     "cell",
     "error_text",
+    "fetch_events",
     "fetch_runs",
     "pretty_json",
     "run_keys",
@@ -686,3 +687,61 @@ def run_keys(info: RunInfo, definition: TaskDefinition[Any, Any] | None) -> list
             )
         )
     return keys
+
+
+EVENTS_PAGE_SIZE = 50
+
+
+@frozen(kw_only=True)
+class EventRow:
+    """An event as the events page shows it (its payload as JSON text, for `cell`)."""
+
+    event_id: UUID
+    name: str
+    key: str
+    published_at: datetime
+    payload_json: str
+    runs: Sequence[Any]
+
+
+async def fetch_events(engine: Engine, params: Mapping[str, str]) -> dict[str, Any]:
+    """The events page's context: the newest events (of `name`), a page after `before`."""
+    name = str(params.get("name", "")).strip()[:220]
+    before_text = str(params.get("before", "")).strip()[:64]
+    context: dict[str, Any] = {
+        "name": name,
+        "events": [],
+        "error": "",
+        "error_field": "",
+        "next_cursor": None,
+        "next_query": "",
+    }
+    before: UUID | None = None
+    if before_text:
+        try:
+            before = UUID(before_text)
+        except ValueError:
+            context.update(error="before: not an event id (a UUID)", error_field="before")
+            return context
+    try:
+        found = await engine.events(name=name or None, before=before, limit=EVENTS_PAGE_SIZE)
+    except UsageError as exc:
+        context.update(error=str(exc), error_field=exc.argument)
+        return context
+    context["events"] = [
+        EventRow(
+            event_id=e.event_id,
+            name=e.name,
+            key=e.key,
+            published_at=e.published_at,
+            payload_json=json.dumps(e.payload),
+            runs=e.runs,
+        )
+        for e in found
+    ]
+    if len(found) == EVENTS_PAGE_SIZE:
+        context["next_cursor"] = found[-1].event_id
+        context["next_query"] = urlencode(
+            {k: v for k, v in {"name": name, "before": str(found[-1].event_id)}.items() if v}
+        )
+    return context
