@@ -10,6 +10,11 @@ inside its transaction (a GC pause, a partition): its lease lapses and worker B 
 B's debit waits for A's row lock; when A wakes up, its commit is refused (`FencingError` in
 the worker, its writes rolled back) and B's commits. The account is debited once, booked once,
 by B. Then a fact wait makes the run resume: the recorded step is replayed, not run again.
+
+A second refund is reversed: its debit (`ctx.step.transaction`, taking a token of the
+`refunds` rate limit before its transaction begins) registers `compensate=credit`, a step
+declared transactional too, and the run gives up (`raise Compensate(...)`). The credit runs as
+the step `umt.compensate:debit` in a transaction of its own: the undo lands exactly once too.
 """
 
 from __future__ import annotations
@@ -23,7 +28,16 @@ from typing import Any
 import psycopg
 
 from umt_backend_pg import database_url
-from umt_sdk import Registry, TaskContext, connect, step, task
+from umt_sdk import (
+    Compensate,
+    RateLimit,
+    Registry,
+    RunCompensatedError,
+    TaskContext,
+    connect,
+    step,
+    task,
+)
 from umt_sdk.testing import freeze_heartbeats
 
 URL = database_url()  # UMT_DATABASE_URL if set, else the embedded Postgres
@@ -64,8 +78,43 @@ async def refund(ctx: TaskContext[str]) -> str:
     return f"refund {ctx.input}: shop balance {balance} cents"
 
 
+REFUNDS = RateLimit[str]("refunds", limit=100, per=timedelta(minutes=1))  # the bank's quota
+
+
+@step("credit", transactional=True)
+async def credit(tx: psycopg.AsyncConnection[Any], booked: dict[str, Any]) -> None:
+    """The undo of a debit (`compensate=credit`), called with the debit's output. Declared
+    transactional, it runs as the step `umt.compensate:<step>` in a transaction of its own."""
+    await tx.execute(
+        f"UPDATE {SCHEMA}.accounts SET cents = cents + %s WHERE id = 'shop'", (booked["cents"],)
+    )
+    await tx.execute(
+        f"INSERT INTO {SCHEMA}.ledger (refund_id, cents, token) VALUES (%s, %s, %s)",
+        (booked["refund_id"], booked["cents"], booked["token"]),
+    )
+
+
+@task("refund_reversed", version=1)
+async def refund_reversed(ctx: TaskContext[str]) -> None:
+    async def book(tx: psycopg.AsyncConnection[Any], cents: int, token: int) -> dict[str, Any]:
+        await tx.execute(
+            f"UPDATE {SCHEMA}.accounts SET cents = cents - %s WHERE id = 'shop'", (cents,)
+        )
+        await tx.execute(
+            f"INSERT INTO {SCHEMA}.ledger (refund_id, cents, token) VALUES (%s, %s, %s)",
+            (ctx.input, -cents, token),
+        )
+        return {"refund_id": ctx.input, "cents": cents, "token": token}
+
+    await ctx.step.transaction(
+        "debit", book, 500, ctx.attempt_token, rate_limit=REFUNDS, compensate=credit
+    )
+    raise Compensate("the carrier refused the return label")  # the credit runs, once
+
+
 async def main() -> None:
-    engine = await connect(URL, registry=Registry([refund]), schema=SCHEMA)  # migrates SCHEMA
+    registry = Registry([refund, refund_reversed])
+    engine = await connect(URL, registry=registry, schema=SCHEMA)  # migrates SCHEMA
     try:
         async with await psycopg.AsyncConnection.connect(URL, autocommit=True) as conn:
             await conn.execute(
@@ -108,6 +157,28 @@ async def main() -> None:
         assert [e.outcome for e in info.executions] == ["interrupted", "waiting", "completed"]
         assert result == "refund r-42: shop balance 8750 cents"
         assert timeline[:2] == [("debit", "interrupted", a), ("debit", "completed", b)]
+
+        reversed_run = await engine.enqueue(refund_reversed, "r-43")
+        async with engine.worker():
+            try:
+                await reversed_run.result(timeout=20)
+            except RunCompensatedError as exc:
+                print(f"r-43 compensated: {exc.error_message}")
+        async with await psycopg.AsyncConnection.connect(URL, autocommit=True) as conn:
+            cur = await conn.execute(f"SELECT cents FROM {SCHEMA}.accounts")
+            balance = await cur.fetchall()
+            cur = await conn.execute(
+                f"SELECT cents FROM {SCHEMA}.ledger WHERE refund_id = 'r-43' ORDER BY cents"
+            )
+            reversal = [cents for (cents,) in await cur.fetchall()]
+        info = await engine.get(reversed_run.run_id)
+        undone = ("debit", "umt.compensate:debit")  # the step, then its compensation
+        steps = [(s.name, s.status) for s in info.timeline if s.name in undone]
+        print(f"r-43: {info.status}; ledger {reversal}; balance {balance}; steps {steps}")
+        assert info.status == "compensated"
+        assert reversal == [-500, 500], "debited once, credited once"
+        assert balance == [(10000 - 1250,)], "the reversed refund left the balance as it was"
+        assert steps == [("debit", "completed"), ("umt.compensate:debit", "completed")]
     finally:
         await engine.close()
         async with await psycopg.AsyncConnection.connect(URL, autocommit=True) as conn:

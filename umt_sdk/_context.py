@@ -174,7 +174,8 @@ class StepApi:
         docs/writing-tasks.md.
         The keywords `retry`, `output_type`, `timeout`, `rate_limit`, `rate_limit_key`,
         `compensate` and `uncertain_on` are taken by umt; pass a lambda if `fn` has a
-        parameter of one of those names.
+        parameter of one of those names. `fn` may be a step declared `@step(...)`, not one
+        declared `@step(..., transactional=True)` (`UsageError`: use `transaction` for it).
         """
         check_run_arguments(name, fn, retry, output_type, timeout, compensate)
         check_step_rate_limit(name, rate_limit, rate_limit_key)
@@ -203,6 +204,9 @@ class StepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     @overload
@@ -215,6 +219,9 @@ class StepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Awaitable[R]: ...
     def transaction(
@@ -226,6 +233,9 @@ class StepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Awaitable[Any]:
         """Run `fn(tx, *args, **kwargs)` as the transactional step `name`: its writes through
@@ -238,11 +248,18 @@ class StepApi:
         with the commit: a stale execution gets `FencingError` and nothing of it lands. If
         `fn` raises, nothing lands and the step is retried by its policy; a serialization
         failure or a deadlock runs the transaction again at once (a few times). A replay
-        returns the recorded output without calling `fn`. `retry`, `output_type` and
-        `timeout` as for `run`. On a backend that cannot commit a step's writes with its
-        record, the run fails with `UsageError` and nothing is stored.
+        returns the recorded output without calling `fn`. `retry`, `output_type`, `timeout`,
+        `rate_limit`, `rate_limit_key` and `compensate` as for `run`: each attempt takes its
+        token before its transaction begins (a transaction run again after a conflict is the
+        same attempt and takes none), and the compensation runs only if the step's
+        transaction committed; a compensation declared `@step(..., transactional=True)` runs
+        as a transactional step too, so the undo commits exactly once as well. On a backend
+        that cannot commit a step's writes with its record, the run fails with `UsageError`
+        and nothing is stored. `fn` may be a function declared
+        `@step(..., transactional=True)`, not a plain step (`UsageError`).
         """
-        check_run_arguments(name, fn, retry, output_type, timeout)
+        check_run_arguments(name, fn, retry, output_type, timeout, compensate, transactional=True)
+        check_step_rate_limit(name, rate_limit, rate_limit_key)
         call = StepCall.inline(
             name,
             fn,
@@ -251,6 +268,9 @@ class StepApi:
             retry=retry,
             output_type=output_type,
             timeout=timeout,
+            rate_limit=rate_limit,
+            rate_limit_key=rate_limit_key,
+            compensate=compensate,
             transactional=True,
         )
         return self._steps.run(call)
@@ -594,12 +614,16 @@ class SyncStepApi:
         retry: RetryPolicy | None = None,
         output_type: Any = None,
         timeout: timedelta | None = None,
+        rate_limit: str | RateLimit[Any] | None = None,
+        rate_limit_key: str | None = None,
+        compensate: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> R:
         """Run `fn(tx, *args, **kwargs)` as the transactional step `name` and return its
         result (see `StepApi.transaction`). `fn` runs on the worker's event loop, where `tx`
         lives: make it async on Postgres (an async connection)."""
-        check_run_arguments(name, fn, retry, output_type, timeout)
+        check_run_arguments(name, fn, retry, output_type, timeout, compensate, transactional=True)
+        check_step_rate_limit(name, rate_limit, rate_limit_key)
         call = StepCall.inline(
             name,
             fn,
@@ -608,6 +632,9 @@ class SyncStepApi:
             retry=retry,
             output_type=output_type,
             timeout=timeout,
+            rate_limit=rate_limit,
+            rate_limit_key=rate_limit_key,
+            compensate=compensate,
             transactional=True,
         )
         value: R = self._steps.from_thread(self._steps.run(call))

@@ -30,7 +30,7 @@ from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._logging import RunLogger
-from umt_sdk._names import inline_target
+from umt_sdk._names import declared_transactional, inline_target
 from umt_sdk._retry import RetryPolicy
 from umt_sdk._sagas import COMPENSATE_PREFIX, ResumeCompensation, compensation_args
 from umt_sdk._spi import (
@@ -447,7 +447,14 @@ class Execution:
             raise Stop from None
 
     def fenced(self) -> None:
-        """A write was refused: another attempt holds the run. Stop writing."""
+        """A write was refused: another attempt holds the run. Stop writing, and say so once:
+        a worker cut off past its lease may learn it only here, when its late write lands."""
+        if not self.stopped:
+            _log.warning(
+                "run %s: a write was refused, another worker holds the run now (this "
+                "execution's lease lapsed); stopping this execution",
+                self.claimed.run_id,
+            )
         self.telemetry.fenced(self.steps.current_step)
         self.abort("lease_lost", _ANOTHER_HOLDS)
 
@@ -776,13 +783,16 @@ class Execution:
                     compensation=entry.name,
                 )
             fn, output_type, retry, timeout = inline_target(entry.fn, None)
+            # A compensation declared `@step(..., transactional=True)` undoes in a transaction.
+            transactional = declared_transactional(entry.fn) is True
             call = StepCall(
                 name=f"{COMPENSATE_PREFIX}{entry.step}",
                 fn=fn,
-                args=compensation_args(fn, entry.output),
+                args=compensation_args(fn, entry.output, transactional=transactional),
                 retry=retry,
                 output_type=output_type,
                 timeout=timeout,
+                transactional=transactional,
             )
             try:
                 await self.steps.run(call)

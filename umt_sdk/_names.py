@@ -26,12 +26,14 @@ __all__ = [
     "RESERVED_STEP_PREFIX",
     "check_name",
     "check_retry",
+    "check_step_kind",
     "check_run_arguments",
     "check_callback_arguments",
     "check_sleep_arguments",
     "check_storable",
     "check_type_argument",
     "check_wait_arguments",
+    "declared_transactional",
     "hints",
     "inline_target",
     "output_type_of",
@@ -200,11 +202,15 @@ def check_run_arguments(
     output_type: object,
     timeout: object = None,
     compensate: object = None,
+    *,
+    transactional: bool = False,
 ) -> None:
-    """`ctx.step.run(name, fn, ..., retry=, output_type=, timeout=, compensate=)`."""
+    """`ctx.step.run(name, fn, ..., retry=, output_type=, timeout=, compensate=)` (and
+    `ctx.step.transaction(...)`, `transactional=True`)."""
     check_name("step", name, argument="name")
     where = f"step {name!r}"
     check.function(fn, "fn", expected="the function the step runs", where=where)
+    check_step_kind(name, fn, transactional=transactional)
     if compensate is not None:
         check.function(
             compensate,
@@ -223,6 +229,43 @@ def check_run_arguments(
             expected="a timedelta > 0 such as timedelta(seconds=30), or None",
             where=where,
         )
+
+
+def declared_transactional(fn: object) -> bool | None:
+    """Whether `fn` was declared a transactional step (`@step(..., transactional=True)`):
+    True or False for a decorated step, None for any other callable."""
+    declared = getattr(fn, "__umt_transactional__", None)  # set by @step (`_task._StepBase`)
+    return declared if isinstance(declared, bool) else None
+
+
+def check_step_kind(name: object, fn: object, *, transactional: bool) -> None:
+    """A decorated step run inline keeps the kind it was declared with: a transactional
+    step's function takes the transaction first and its writes must commit with the step's
+    record, a plain step's takes no transaction. Run the other way, the first would be
+    called without its `tx` (or with an argument in its place) and its writes would not be
+    the step's; the second would be given a transaction it does not expect. Refused at the
+    call, before anything of the step is stored."""
+    declared = declared_transactional(fn)
+    if declared is None or declared == transactional:
+        return
+    step = getattr(fn, "name", "?")
+    shown_fn = getattr(fn, "__name__", None) or "fn"
+    if declared:
+        raise UsageError(
+            f"step {name!r}: {shown_fn} is the transactional step {step!r} "
+            f"(@step({step!r}, transactional=True)): its function takes the transaction first "
+            "and its writes must commit with the step's record, which ctx.step.run does not "
+            f"do; run it with ctx.step.transaction({name!r}, {shown_fn}, ...), or call it as "
+            f"the step it is: await {shown_fn}(...)",
+            argument="fn",
+        )
+    raise UsageError(
+        f"step {name!r}: ctx.step.transaction runs a function that takes the transaction "
+        f"first, but {shown_fn} is the plain step {step!r} (@step({step!r})), whose function "
+        f"takes none; run it with ctx.step.run({name!r}, {shown_fn}, ...), or declare it "
+        f"@step({step!r}, transactional=True) with the transaction as its first parameter",
+        argument="fn",
+    )
 
 
 def check_sleep_arguments(name: object, duration: object) -> None:

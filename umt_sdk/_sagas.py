@@ -65,9 +65,12 @@ def compensation_name(fn: Callable[..., Any]) -> str:
     return type(fn).__qualname__
 
 
-def compensation_args(fn: Callable[..., Any], output: Any) -> tuple[Any, ...]:
+def compensation_args(
+    fn: Callable[..., Any], output: Any, *, transactional: bool = False
+) -> tuple[Any, ...]:
     """A compensation is called with the output of the step it undoes, or with nothing when
-    it takes no parameter (`lambda: refund(order_id)`)."""
+    it takes no parameter (`lambda: refund(order_id)`). A transactional one's first
+    parameter is its transaction (given by the backend), not counted."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: give it the output
@@ -77,6 +80,8 @@ def compensation_args(fn: Callable[..., Any], output: Any) -> tuple[Any, ...]:
         for p in parameters
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
     ]
+    if transactional and takes and takes[0].kind is not inspect.Parameter.VAR_POSITIONAL:
+        takes = takes[1:]
     return (output,) if takes else ()
 
 

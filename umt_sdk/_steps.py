@@ -38,11 +38,11 @@ from umt_sdk._error_info import error_info
 from umt_sdk._history import History
 from umt_sdk._ids import new_run_id
 from umt_sdk._lifecycle import CHILD_KEY_PREFIX, MAP_KEY_PREFIX
-from umt_sdk._names import check_name, inline_target
+from umt_sdk._names import check_name, declared_transactional, inline_target
 from umt_sdk._patches import CallSite, PatchDecisions, marker_envelope, marker_name, went_past
 from umt_sdk._rate_limits import RateLimit, ensure_defined, rate_limit_fields, rate_limit_store
 from umt_sdk._retry import RetryPolicy
-from umt_sdk._sagas import Saga
+from umt_sdk._sagas import COMPENSATE_PREFIX, Saga
 from umt_sdk._spi import (
     Backend,
     ChildGroup,
@@ -375,6 +375,8 @@ class Steps:
         self._host.check_before_step()
         if call.transactional:
             transaction_store(self._host.backend, full)  # refused before anything is stored
+        if call.compensate is not None and declared_transactional(call.compensate):
+            transaction_store(self._host.backend, f"{COMPENSATE_PREFIX}{full}")
         self._host.go_live()
         if call.compensate is not None:
             registration = self.saga.registration(
@@ -539,21 +541,9 @@ class Steps:
                 self.canceled_step = (full, started)
                 raise  # the run ends canceled; the step is not recorded as failed
             if isinstance(exc, UnstorableOutput):  # a transactional step's output: as below
-                exc = exc.error
-                step_trace.failed(exc, "failed")
-                info = error_info(exc)
-                await self._record(
-                    self._step_record(
-                        full,
-                        "step",
-                        status="failed",
-                        attempt=attempt,
-                        error=info,
-                        started_at=started,
-                        finished_at=self._host.now(),
-                    )
-                )
-                raise _step_failed(full, info) from exc
+                raise await self._record_failed(
+                    full, attempt, started, exc.error, step_trace
+                ) from exc.error
             if (
                 call.uncertain_on
                 and isinstance(exc, call.uncertain_on)
@@ -562,7 +552,6 @@ class Steps:
                 return await self._uncertain(call, full, attempt, started, exc, step_trace)
             # A failure of the step's code (while canceling: recorded, never retried).
             policy = call.retry or self._host.default_retry
-            info = error_info(exc)
             if policy.should_retry(exc, attempt) and not self._host.aborts.canceling:
                 now = self._host.now()
                 record = self._step_record(
@@ -570,7 +559,7 @@ class Steps:
                     "step",
                     status="retrying",
                     attempt=attempt,
-                    error=info,
+                    error=error_info(exc),
                     started_at=started,
                     finished_at=now,
                 )
@@ -588,18 +577,7 @@ class Steps:
                 step_trace.failed(exc, "retrying")
                 self._telemetry.retry_scheduled(full, attempt, retry_at.isoformat(), exc)
                 raise Suspend from None
-            step_trace.failed(exc, "failed")
-            record = self._step_record(
-                full,
-                "step",
-                status="failed",
-                attempt=attempt,
-                error=info,
-                started_at=started,
-                finished_at=self._host.now(),
-            )
-            await self._record(record)
-            raise _step_failed(full, info) from exc
+            raise await self._record_failed(full, attempt, started, exc, step_trace) from exc
         if call.transactional:  # recorded with its writes, in their transaction
             _probe.report("step.recorded", full, attempt=attempt)
             return value
@@ -610,20 +588,7 @@ class Steps:
             )
         except PayloadError as exc:
             # Deterministic: the same body would return the same value, so no retry.
-            step_trace.failed(exc, "failed")
-            info = error_info(exc)
-            await self._record(
-                self._step_record(
-                    full,
-                    "step",
-                    status="failed",
-                    attempt=attempt,
-                    error=info,
-                    started_at=started,
-                    finished_at=self._host.now(),
-                )
-            )
-            raise _step_failed(full, info) from exc
+            raise await self._record_failed(full, attempt, started, exc, step_trace) from exc
         _probe.reach(self._host.aborts, "step.returned", full, attempt=attempt, output=output_json)
         await self._record(
             self._step_record(
@@ -638,6 +603,26 @@ class Steps:
         )
         _probe.report("step.recorded", full, attempt=attempt)
         return value
+
+    async def _record_failed(
+        self, full: str, attempt: int, started: datetime, exc: BaseException, trace: StepTrace
+    ) -> StepFailedError:
+        """Record `attempt` of the step `full` as failed for good with `exc` (its trace ended
+        so), and return the `StepFailedError` the caller raises, from `exc`."""
+        trace.failed(exc, "failed")
+        info = error_info(exc)
+        await self._record(
+            self._step_record(
+                full,
+                "step",
+                status="failed",
+                attempt=attempt,
+                error=info,
+                started_at=started,
+                finished_at=self._host.now(),
+            )
+        )
+        return _step_failed(full, info)
 
     # -- outcomes an operator settles (`_attention`) ------------------------------------------
 

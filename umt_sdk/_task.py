@@ -265,6 +265,8 @@ class _StepBase(Generic[P, R]):
         # What `ctx.step.run(name, this, ...)` runs instead (see `_names.inline_target`).
         self.__umt_step__ = (fn, self.output_type, retry, timeout)
         self.__umt_uncertain_on__ = uncertain_on
+        # Which of `ctx.step.run` / `ctx.step.transaction` may run it (`_names.check_step_kind`).
+        self.__umt_transactional__ = transactional
 
     def __repr__(self) -> str:
         return f"<step {self.name!r} ({self.fn.__qualname__})>"

@@ -16,9 +16,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from umt_backend_memory import MemoryBackend, MemoryTransaction
 from umt_sdk import (
     AesGcmCodec,
+    Compensate,
     Engine,
     Registry,
     RetryPolicy,
+    RunCompensatedError,
     RunFailedError,
     SyncTaskContext,
     TaskContext,
@@ -255,3 +257,60 @@ def test_a_transactional_step_refuses_uncertain_on() -> None:
     """Its writes commit with its record or not at all: its outcome is never unknown."""
     with pytest.raises(TaskDefinitionError, match="uncertain_on= cannot go with transactional"):
         step("x", transactional=True, uncertain_on=TimeoutError)
+
+
+@step("tx.void", transactional=True)
+async def void_receipt(tx: MemoryTransaction, receipt: str) -> None:
+    tx.insert("voids", receipt, "void")
+
+
+@task("tx.refused_compensation", version=1, retry=RetryPolicy(max_attempts=3))
+async def refused_compensation_task(ctx: TaskContext[str]) -> str:
+    def write() -> str:
+        BODIES.append(ctx.input)
+        return "r-1"
+
+    written: str = await ctx.step.run("write", write, compensate=void_receipt)
+    return written
+
+
+async def test_a_transactional_compensation_is_refused_where_it_could_not_run() -> None:
+    """Refused when the step registers it, before its registration or body: not when the
+    run compensates, after its other undos ran."""
+    BODIES.clear()
+    inner = MemoryBackend(clock=FakeClock(auto_advance=True))
+    backend = _NoTransactions(inner)
+    engine = Engine(backend, Registry([refused_compensation_task]))  # type: ignore[arg-type]  # a proxy
+    async with engine:
+        handle = await engine.enqueue(refused_compensation_task, "x")
+        async with engine.worker():
+            with pytest.raises(RunFailedError) as failed:
+                await handle.result(timeout=10)
+        assert failed.value.error_type.endswith("UsageError")
+        assert "step 'umt.compensate:write' is transactional" in failed.value.error_message
+        assert (await engine.get(handle.run_id)).timeline == ()
+    assert BODIES == []
+
+
+@task("tx.plain_saga", version=1)
+def plain_saga_task(ctx: SyncTaskContext[str]) -> str:
+    def write(tx: MemoryTransaction, key: str) -> str:
+        tx.insert("receipts", key, "written")
+        return key
+
+    ctx.step.transaction("write", write, ctx.input, compensate=void_receipt)
+    raise Compensate("the customer withdrew")
+
+
+async def test_a_plain_task_compensates_a_transactional_step_in_a_transaction() -> None:
+    engine = await connect(
+        "memory://", registry=Registry([plain_saga_task]), clock=FakeClock(auto_advance=True)
+    )
+    async with engine:
+        handle = await engine.enqueue(plain_saga_task, "k")
+        async with engine.worker():
+            with pytest.raises(RunCompensatedError):
+                await handle.result(timeout=10)
+        store = inner_backend(engine.backend).store
+        assert store.rows("receipts") == {"k": "written"}
+        assert store.rows("voids") == {"k": "void"}, "void_receipt(tx, 'k'), committed"

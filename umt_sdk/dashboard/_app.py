@@ -1,8 +1,8 @@
 """The dashboard's ASGI app: routes, the pages' rendering and the actions.
 
 Everything it reads and writes goes through the engine's public API (`engine.list`, `get`,
-`cancel`, `signal`, `rerun`, `enqueue`, `pause`, `resume`, `schedules`) and the backend SPI's
-read records (`umt_sdk.backend`): the dashboard holds no SQL and works on any backend.
+`cancel`, `signal`, `settle`, `rerun`, `enqueue`, `pause`, `resume`, `schedules`) and the
+backend SPI's read records (`umt_sdk.backend`): the dashboard holds no SQL and works on any backend.
 Templates are Jinja2 with autoescape on for every template; no inline script or style runs
 (the content security policy forbids it), so a stored value can only ever show as text.
 """
@@ -315,6 +315,54 @@ class _Dashboard:
             payload=payload_text,
         )
 
+    async def settle_run(self, request: Request) -> Response:
+        """Settle the step of a run in needs_attention, as `umt runs settle` does: done with
+        the step's output (JSON of its output type, checked here against that type) or not
+        done (the step runs again), by whom the form says (kept in the run's history)."""
+        form = await self.action_form(request)
+        if isinstance(form, Response):
+            return form
+        info = await self._run_info(request)
+        if isinstance(info, Response):
+            return info
+        values = {
+            "step": str(form.get("step") or "").strip(),
+            "as": str(form.get("as") or ""),
+            "output": str(form.get("output") or ""),
+            "by": str(form.get("by") or "").strip(),
+        }
+        errors: dict[str, str] = {}
+        output: Any = None
+        if values["as"] not in ("done", "not-done"):
+            errors["as"] = "choose done (the step's work happened) or not done (it runs again)"
+        if values["output"].strip():
+            try:
+                output = _serde.parse_json(values["output"], what="output")
+            except UmtError as exc:
+                errors["output"] = str(exc)
+        elif values["as"] == "done":
+            errors["output"] = "done needs the step's output, as JSON of its type (null for None)"
+        if not values["by"]:
+            errors["by"] = "who settles it is kept in the run's history: give your name"
+        if not errors:
+            done = values["as"] == "done"
+            try:
+                settlement = await self.engine.settle(
+                    info.run_id, step=values["step"], done=done, output=output, by=values["by"]
+                )
+            except UsageError as exc:
+                field = exc.argument if exc.argument in ("output", "by") else "form"
+                errors[field] = str(exc)
+            except UmtError as exc:
+                errors["form"] = str(exc)
+            else:
+                what = "done: the run goes on" if done else "not done: the step runs again"
+                text = f"settled step {settlement.step_name!r} as {what} (by {settlement.by})"
+                return self.back(request, f"/runs/{info.run_id}", notice=text)
+        return self.render(
+            request, "settle.html", status_code=400, info=info, errors=errors, values=values
+        )
+
     async def rerun_run(self, request: Request) -> Response:
         form = await self.action_form(request)
         if isinstance(form, Response):
@@ -576,8 +624,8 @@ def create_app(
     Args:
         engine: the engine whose runs it shows (`await umt_sdk.connect(...)`); its registry
             gives the enqueue forms their fields and the tasks page its tasks.
-        read_only: show, never act: no cancel, fact, rerun, enqueue or pause (each refused
-            with 403).
+        read_only: show, never act: no cancel, fact, settle, rerun, enqueue or pause (each
+            refused with 403).
         token: an access token every request must carry (typed once on `/login`, kept in a
             cookie, or sent as `Authorization: Bearer TOKEN`); None: no token.
         trace_url_template: a URL of your tracing UI with `{trace_id}` in it (such as
@@ -634,6 +682,7 @@ def create_app(
         Route("/runs/{run_id}/cancel", board.cancel_run, methods=["POST"]),
         Route("/runs/{run_id}/signal", board.signal_run, methods=["POST"]),
         Route("/runs/{run_id}/rerun", board.rerun_run, methods=["POST"]),
+        Route("/runs/{run_id}/settle", board.settle_run, methods=["POST"]),
         Route("/tasks", board.tasks),
         Route("/tasks/pause", board.pause_or_resume, methods=["POST"]),
         Route("/tasks/resume", board.pause_or_resume, methods=["POST"]),

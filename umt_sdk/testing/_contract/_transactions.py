@@ -11,10 +11,28 @@ from typing import Any
 
 import pytest
 
-from umt_sdk import Engine, RetryPolicy, RunFailedError, TaskContext, TaskDefinition, task
+from umt_sdk import (
+    Compensate,
+    Engine,
+    RetryPolicy,
+    RunCompensatedError,
+    RunFailedError,
+    TaskContext,
+    TaskDefinition,
+    step,
+    task,
+)
 from umt_sdk._spi import Lease, StepRecord, TransactionStore
+from umt_sdk.backend import RateLimitStore
 from umt_sdk.exceptions import FencingError
-from umt_sdk.testing._contract._base import Job, Tally, current_tally, eventually, holds
+from umt_sdk.testing._contract._base import (
+    Job,
+    Tally,
+    current_tally,
+    eventually,
+    holds,
+    wait_until,
+)
 from umt_sdk.testing._helpers import BackendHarness, freeze_heartbeats
 
 __all__ = ["TransactionsContract"]
@@ -48,7 +66,88 @@ async def tx_task(ctx: TaskContext[Job]) -> str:
     return booked
 
 
-TASKS: tuple[TaskDefinition[Any, Any], ...] = (tx_task,)
+@step("contract.tx_unbook", transactional=True)
+async def unbook(tx: Any, booked: str) -> None:
+    """A transactional compensation: books the undo of `booked` (`<key>@<token>`) as the row
+    `<key>:undone`. Its first run raises after its write: the write must roll back (else the
+    retry's insert would hit the key's uniqueness)."""
+    tally = current_tally()
+    key = booked.split("@")[0]
+    tally.body_runs[(key, "unbook")] += 1
+    await tally.harness.business_insert(tx, f"{key}:undone", booked)
+    if tally.body_runs[(key, "unbook")] == 1:
+        raise ConnectionError("unbook failed after its write")
+
+
+@step("contract.tx_plain")
+async def plain_step(value: str) -> str:
+    current_tally().body_runs[(value, "plain")] += 1
+    return value
+
+
+@task("contract.tx_saga", version=1, retry=_QUICK)
+async def tx_saga_task(ctx: TaskContext[Job]) -> str:
+    """Two transactional steps with compensations (a plain one, a transactional one), then
+    `Compensate`."""
+    tally = current_tally()
+    key = ctx.input.key
+
+    async def hold(tx: Any, token: int) -> str:
+        tally.body_runs[(key, "hold")] += 1
+        await tally.harness.business_insert(tx, f"{key}:hold", f"held-{token}")
+        return f"held-{token}"
+
+    async def book(tx: Any, token: int) -> str:
+        tally.body_runs[(key, "book")] += 1
+        await tally.harness.business_insert(tx, key, f"{key}@{token}")
+        return f"{key}@{token}"
+
+    def unhold(held: str) -> None:
+        tally.body_runs[(key, "unhold")] += 1
+        tally.business.setdefault(key, []).append(f"unhold {held}")
+
+    await ctx.step.transaction("hold", hold, ctx.attempt_token, compensate=unhold)
+    await ctx.step.transaction("book", book, ctx.attempt_token, compensate=unbook)
+    raise Compensate("the shipment failed")
+
+
+TX_LIMIT = "contract.rl.tx"
+"""Stored by the test that runs `tx_limited_task`."""
+
+
+@task("contract.tx_limited", version=1)
+async def tx_limited_task(ctx: TaskContext[Job]) -> str:
+    """A transactional step that takes a token of its tenant's bucket (the key's prefix)."""
+    tally = current_tally()
+    key = ctx.input.key
+
+    async def book(tx: Any) -> str:
+        tally.body_runs[(key, "book")] += 1
+        await tally.harness.business_insert(tx, key, "booked")
+        return key
+
+    booked: str = await ctx.step.transaction(
+        "book", book, rate_limit=TX_LIMIT, rate_limit_key=key.split(":")[0]
+    )
+    return booked
+
+
+@task("contract.tx_wrong_kind", version=1, retry=_QUICK)
+async def tx_wrong_kind_task(ctx: TaskContext[Job]) -> None:
+    """`n == 0`: a transactional step given to `ctx.step.run`; `n == 1`: a plain step given
+    to `ctx.step.transaction`."""
+    if ctx.input.n == 0:
+        await ctx.step.run("book", unbook, f"{ctx.input.key}@0")
+    else:
+        await ctx.step.transaction("book", plain_step, ctx.input.key)
+
+
+TASKS: tuple[TaskDefinition[Any, Any], ...] = (
+    tx_task,
+    tx_saga_task,
+    tx_limited_task,
+    tx_wrong_kind_task,
+)
 """The tasks of this topic that the suite's engine registers."""
 
 
@@ -197,6 +296,87 @@ class TransactionsContract:
         assert info.status == "canceled"
         assert await harness.business_rows() == {}, "the stale body's write rolled back"
         assert not any(s.status == "completed" for s in info.timeline)
+
+    async def test_compensations_of_transactional_steps_undo_what_committed_once(
+        self, engine: Engine, tally: Tally, harness: BackendHarness
+    ) -> None:
+        if not _supports(engine):
+            return
+        handle = await engine.enqueue(tx_saga_task, Job(key="tx7"))
+        async with engine.worker(lease=harness.lease):
+            with pytest.raises(RunCompensatedError):
+                await handle.result(timeout=15)
+        info = await engine.get(handle.run_id)
+        token = info.executions[0].fencing_token
+        assert info.status == "compensated"
+        # The transactional compensation's first run raised after its write: rolled back,
+        # retried, its undo landed once (a second insert of the key would have failed).
+        assert await harness.business_rows() == {
+            "tx7:hold": f"held-{token}",
+            "tx7": f"tx7@{token}",
+            "tx7:undone": f"tx7@{token}",
+        }
+        assert tally.body_runs[("tx7", "unbook")] == 2
+        assert tally.business["tx7"] == [f"unhold held-{token}"], "the plain one, once"
+        assert [
+            (s.name, s.status) for s in info.timeline if s.name.startswith("umt.compensate:")
+        ] == [
+            ("umt.compensate:book", "retrying"),
+            ("umt.compensate:book", "completed"),
+            ("umt.compensate:hold", "completed"),
+        ], "newest first, each a durable step"
+
+    async def test_a_transactional_step_takes_its_rate_limit_token_before_its_transaction(
+        self, engine: Engine, tally: Tally, harness: BackendHarness
+    ) -> None:
+        if not _supports(engine) or not isinstance(engine.backend, RateLimitStore):
+            return
+        await engine.rate_limits.set(TX_LIMIT, limit=1, per=timedelta(minutes=10))
+        runs = {
+            (await engine.enqueue(tx_limited_task, Job(key=key))).run_id: key
+            for key in ("t:0", "t:1")
+        }
+        async with engine.worker(concurrency=4, lease=harness.lease):
+
+            async def one_each() -> bool:
+                found = {(await engine.get(run_id)).status for run_id in runs}
+                return found == {"completed", "waiting"}
+
+            await eventually(one_each)
+            (parked,) = [r for r in runs if (await engine.get(r)).status == "waiting"]
+            done = next(r for r in runs if r != parked)
+            info = await engine.get(parked)
+            assert info.timeline == (), "no token: its transaction never began"
+            assert tally.body_runs[(runs[parked], "book")] == 0
+            assert await harness.business_rows() == {runs[done]: "booked"}
+            await engine.rate_limits.set(TX_LIMIT, limit=2, per=timedelta(minutes=10))
+            await wait_until(engine, parked, lambda i: i.status == "completed", timeout=30)
+        assert await harness.business_rows() == {"t:0": "booked", "t:1": "booked"}
+        assert [tally.body_runs[(key, "book")] for key in ("t:0", "t:1")] == [1, 1]
+
+    @pytest.mark.parametrize(
+        ("n", "says"),
+        [
+            (0, "run it with ctx.step.transaction('book', unbook, ...)"),
+            (1, "run it with ctx.step.run('book', plain_step, ...)"),
+        ],
+    )
+    async def test_a_step_run_the_other_way_than_declared_is_refused(
+        self, engine: Engine, tally: Tally, harness: BackendHarness, n: int, says: str
+    ) -> None:
+        key = f"tx8-{n}"
+        handle = await engine.enqueue(tx_wrong_kind_task, Job(key=key, n=n))
+        async with engine.worker(lease=harness.lease):
+            with pytest.raises(RunFailedError) as failed:
+                await handle.result(timeout=15)
+        assert failed.value.error_type.endswith("UsageError")
+        assert says in failed.value.error_message
+        assert "'contract.tx_" in failed.value.error_message, "names the declared step"
+        info = await engine.get(handle.run_id)
+        assert info.timeline == (), "refused before anything of the step is stored"
+        assert len(info.executions) == 1, "not retried"
+        assert tally.body_runs[(key, "unbook")] == tally.body_runs[(key, "plain")] == 0
+        assert await harness.business_rows() == {}
 
 
 async def _assert_stale_refused(
