@@ -705,7 +705,8 @@ class Engine:
         with self.telemetry.producer_span(f"umt.enqueue {definition.name}", attributes) as span:
             trace_context = self.telemetry.inject()
             news: list[NewRun] = []
-            first_of_key: dict[str, int] = {}
+            first_of_key: dict[str, int] = {}  # a key's run, by its index in `news`
+            first_input: dict[str, int] = {}  # a key's first input, by its index in `items`
             same_as: list[int | None] = []  # per input: the earlier input of the same key
             for item, key, flow in zip(items, keys, flows, strict=True):
                 input_json, input_hash = _serde.encode_input(
@@ -749,7 +750,10 @@ class Engine:
                     )
                 if key is not None and earlier is None:
                     first_of_key[key] = len(news)
-                same_as.append(earlier)
+                    first_input[key] = len(same_as)
+                # The handle list is per input: a repeat names its key's first input there (an
+                # index into `news` would be off by the repeats before it).
+                same_as.append(None if earlier is None or key is None else first_input[key])
                 if earlier is None:
                     news.append(new)
             stored: Sequence[EnqueueResult]
