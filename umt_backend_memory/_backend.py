@@ -14,7 +14,7 @@ import heapq
 import itertools
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -131,6 +131,16 @@ def _tells_time(clock: object) -> bool:
     except Exception:
         return False
     return isinstance(sample, datetime) and sample.utcoffset() is not None
+
+
+_Order = tuple[int, int, datetime, int, datetime, int]
+"""A run's place in the claim's order: -priority; its round (a fairness key's runs go in
+rounds of its weight: the runs this claim took of the key // weight; 0 for other runs); when
+it became ready and its sequence number (a fairness key's run: when its key was last served,
+and that claim's number); then when it became ready and its sequence number."""
+
+_NEVER = datetime.min.replace(tzinfo=UTC)
+"""When a fairness key that no claim has taken a run of was last served: before any time."""
 
 
 def _after(when: datetime, duration: timedelta | None) -> datetime | None:
@@ -333,6 +343,11 @@ class MemoryBackend(MemoryEvents):
             self._keyed: dict[TaskPair, dict[str, list[tuple[int, datetime, int, UUID, int]]]] = {}
             self._holders: dict[tuple[str, str], set[UUID]] = {}
             self._limits: dict[tuple[str, str], int] = {}
+            # Fairness keys (`NewRun.fairness_weight`): the weight, per (task name, key), and
+            # when a claim last took a run of a key (a fairness key's turn comes by it), with
+            # a number of the runs' sequence (the clock may stand still: a fake clock).
+            self._weights: dict[tuple[str, str], int] = {}
+            self._served: dict[tuple[str, str], tuple[datetime, int]] = {}
             # Every keyed run, per (task name, key), in enqueue order (singletons read the
             # active ones); the newest debounced run, per (task name, version, key).
             self._key_runs: dict[tuple[str, str], list[UUID]] = {}
@@ -444,19 +459,33 @@ class MemoryBackend(MemoryEvents):
         return None if found is None else found[1]
 
     def _head_entry(
-        self, pair: TaskPair, now: datetime
-    ) -> tuple[tuple[int, datetime, int], _Run, list[tuple[int, datetime, int, UUID, int]]] | None:
+        self, pair: TaskPair, now: datetime, taken: dict[tuple[str, str], int] | None = None
+    ) -> tuple[_Order, _Run, list[tuple[int, datetime, int, UUID, int]]] | None:
+        """The first claimable run of the pair in the claim's order (`_Order`). `taken`: the
+        runs of each key this claim took so far (a fairness key's round)."""
         best = None
         run = self._heap_head(self._ready.get(pair), now)
         if run is not None:
             heap = self._ready[pair]
-            best = (heap[0][:3], run, heap)
+            priority, ready_at, seq = heap[0][:3]
+            best = ((priority, 0, ready_at, seq, ready_at, seq), run, heap)
         for key, heap in self._keyed.get(pair, {}).items():
-            if not heap or not self._free_slot((pair.name, key)):
+            name_key = (pair.name, key)
+            if not heap or not self._free_slot(name_key):
                 continue
             run = self._heap_head(heap, now)
-            if run is not None and (best is None or heap[0][:3] < best[0]):
-                best = (heap[0][:3], run, heap)
+            if run is None:
+                continue
+            priority, ready_at, seq = heap[0][:3]
+            weight = self._weights.get(name_key)
+            if weight is None:
+                order: _Order = (priority, 0, ready_at, seq, ready_at, seq)
+            else:
+                turn_at, turn = self._served.get(name_key, (_NEVER, 0))
+                round_ = (taken or {}).get(name_key, 0) // weight
+                order = (priority, round_, turn_at, turn, ready_at, seq)
+            if best is None or order < best[0]:
+                best = (order, run, heap)
         return best
 
     def _heap_head(
@@ -483,8 +512,10 @@ class MemoryBackend(MemoryEvents):
             return run
         return None
 
-    def _pop_ready(self, pair: TaskPair, now: datetime) -> _Run | None:
-        found = self._head_entry(pair, now)
+    def _pop_ready(
+        self, pair: TaskPair, now: datetime, taken: dict[tuple[str, str], int] | None = None
+    ) -> _Run | None:
+        found = self._head_entry(pair, now, taken)
         if found is None:
             return None
         _, run, heap = found
@@ -740,6 +771,7 @@ class MemoryBackend(MemoryEvents):
             forked_at_step=run.forked_at_step,
             tags=dict(run.tags),
             concurrency_key=run.concurrency_key,
+            fairness_weight=None if run.key is None else self._weights.get(run.key),
             deadline_at=run.deadline_at,
             start_by=run.start_by,
             rate_limit=run.rate_limit,
@@ -922,6 +954,10 @@ class MemoryBackend(MemoryEvents):
         if run.key is not None:
             assert new.concurrency_limit is not None  # NewRun checks they go together
             self._limits[run.key] = new.concurrency_limit
+            if new.fairness_weight is None:
+                self._weights.pop(run.key, None)
+            else:
+                self._weights[run.key] = new.fairness_weight
             self._key_runs.setdefault(run.key, []).append(run.run_id)
         if new.parent_run_id is not None:
             self._children.setdefault(new.parent_run_id, []).append(run.run_id)
@@ -997,14 +1033,15 @@ class MemoryBackend(MemoryEvents):
             self._active_pairs.update(pairs)
             self._promote(now)
             claimed: list[ClaimedRun] = []
+            taken: dict[tuple[str, str], int] = {}  # the runs of each key that wanted a slot
             open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
                 # busy pair cannot starve another; within the turn the higher priority goes
                 # first, then the earlier ready, then the earlier enqueued.
-                heads: list[tuple[tuple[int, datetime, int], TaskPair]] = []
+                heads: list[tuple[_Order, TaskPair]] = []
                 for pair in list(open_pairs):
-                    found = self._head_entry(pair, now)
+                    found = self._head_entry(pair, now, taken)
                     if found is None:
                         open_pairs.remove(pair)
                         continue
@@ -1013,12 +1050,18 @@ class MemoryBackend(MemoryEvents):
                 for _, pair in heads:
                     if len(claimed) >= limit:
                         break
-                    run = self._pop_ready(pair, now)
+                    run = self._pop_ready(pair, now, taken)
                     if run is None:
                         continue
                     if run.needs_token(now) and not self._take_run_token(run, now):
                         continue
+                    if run.key is not None and run.wants_slot:
+                        taken[run.key] = taken.get(run.key, 0) + 1
                     claimed.append(self._take(run, worker_id, lease, now))
+            if taken:  # as the Postgres claim stamps the keys' rows it took from
+                turn = next(self._seq)
+                for key in taken:
+                    self._served[key] = (now, turn)
             return claimed
 
     def _take_run_token(self, run: _Run, now: datetime) -> bool:

@@ -411,6 +411,7 @@ class PostgresBackend(PostgresEvents):
             "tags": Jsonb(dict(new.tags)),
             "concurrency_key": new.concurrency_key,
             "concurrency_limit": new.concurrency_limit,
+            "fairness_weight": new.fairness_weight,
             "count_waiting": new.count_waiting,
             "deadline_at": new.deadline_at,
             "timeout": new.timeout,
@@ -529,6 +530,7 @@ class PostgresBackend(PostgresEvents):
             "tags": _json_texts([new.tags for new in runs]),
             "concurrency_keys": [new.concurrency_key for new in runs],
             "concurrency_limits": [new.concurrency_limit for new in runs],
+            "fairness_weights": [new.fairness_weight for new in runs],
             "count_waiting": [new.count_waiting for new in runs],
             "deadlines": [new.deadline_at for new in runs],
             "timeouts": [new.timeout for new in runs],
@@ -746,6 +748,7 @@ class PostgresBackend(PostgresEvents):
             cancel_requested={
                 r["id"]: r["cancel_reason"] or "" for r in rows if r["cancel_requested"]
             },
+            unrenewed=frozenset(r["id"] for r in rows if r["unrenewed"]),
         )
 
     async def record_step(self, lease: Lease, step: StepRecord) -> None:

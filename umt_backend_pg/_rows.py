@@ -120,6 +120,7 @@ def _record(
         forked_at_step=row.get("forked_at_step"),
         tags=row.get("tags") or {},
         concurrency_key=row.get("concurrency_key"),
+        fairness_weight=row.get("fairness_weight"),
         deadline_at=row.get("deadline_at"),
         start_by=row.get("start_by"),
         rate_limit=row.get("rate_limit"),

@@ -39,6 +39,7 @@ from umt_sdk._events import (
     subscribers,
 )
 from umt_sdk._export import RunHistory, history_of
+from umt_sdk._fairness import FAIR_SLOTS, fairness_fields
 from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields, per_input
 from umt_sdk._handlers import known
 from umt_sdk._ids import new_run_id
@@ -310,6 +311,8 @@ class Engine:
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
         sequence: str | None = None,
+        fairness_key: str | None = None,
+        weight: int | None = None,
     ) -> RunHandle[O]: ...
     @overload
     async def enqueue(
@@ -328,6 +331,8 @@ class Engine:
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
         sequence: str | None = None,
+        fairness_key: str | None = None,
+        weight: int | None = None,
     ) -> RunHandle[Any]: ...
     async def enqueue(
         self,
@@ -345,6 +350,8 @@ class Engine:
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
         sequence: str | None = None,
+        fairness_key: str | None = None,
+        weight: int | None = None,
     ) -> RunHandle[Any]:
         """Start a run of `task` (the newest registered version unless `version` pins one).
 
@@ -381,9 +388,15 @@ class Engine:
             sequence: a key: the runs of the task with this key start one at a time, in
                 enqueue order (each once the one before it has ended, or waits out a retry
                 backoff).
+            fairness_key: the run's tenant (or any key): the task's keys take turns in the
+                claim, least recently served first, so one key's backlog delays another
+                key's run by one turn at most. Runs without a key are ordered as usual.
+            weight: how many runs of `fairness_key` one turn takes (1 to 1000, default 1):
+                its share while keys have a backlog. Needs `fairness_key`.
 
         Only one of `singleton`, `debounce` and `sequence` per enqueue, and `singleton` and
-        `sequence` not on a task with `concurrency=` (they make the run's concurrency key).
+        `sequence` not on a task with `concurrency=` (they make the run's concurrency key);
+        `fairness_key` with none of the three (a run has one key).
 
         An argument it refuses (a priority out of range, a negative delay, a `conn` the
         backend cannot join) raises `UsageError` naming it, before anything is stored.
@@ -436,6 +449,13 @@ class Engine:
             conn=conn,
         )
         delay = flow.pop("delay", delay)
+        fair = fairness_fields(
+            task_name=definition.name,
+            fairness_key=fairness_key,
+            weight=weight,
+            concurrency=definition.concurrency,
+            flow=flow,
+        )
         if definition.rate_limit is not None:
             await ensure_defined(self.backend, definition.rate_limit, "enqueue()")
         strategy = definition.concurrency.strategy if definition.concurrency else "queue"
@@ -468,6 +488,7 @@ class Engine:
                 **keyed,
                 **limited,
                 **flow,
+                **fair,
                 deadline_at=deadline_at,
                 timeout=timeout,
                 start_within=start_within,
@@ -1378,7 +1399,15 @@ class Engine:
             if definition is not None
             else {}
         )
-        if not keyed and record.concurrency_key is not None and definition is not None:
+        if not keyed and record.fairness_weight is not None and definition is not None:
+            # A fairness key's run: the new run joins the key's turns with its weight.
+            assert record.concurrency_key is not None
+            keyed = {
+                "concurrency_key": record.concurrency_key,
+                "concurrency_limit": FAIR_SLOTS,
+                "fairness_weight": record.fairness_weight,
+            }
+        elif not keyed and record.concurrency_key is not None and definition is not None:
             # A singleton's or a sequence's key (limit 1, given at the enqueue): the new run
             # joins that key's line and waits its turn; it neither skips nor replaces.
             keyed = {

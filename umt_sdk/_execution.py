@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Executor
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -135,6 +136,8 @@ class Execution:
         # Set while the write that hands the run back (the ending) is in flight: a heartbeat
         # racing with it may find the run released, which is not a lost lease.
         self._letting_go = False
+        # Transactional steps of this execution in flight (`own_transaction`, `heard`).
+        self._own_transactions = 0
         # Replaying until the first step the last execution did not finish: logs stay quiet.
         self.replaying = bool(claimed.steps)
         self.logger = RunLogger(
@@ -227,7 +230,14 @@ class Execution:
         step, sent_at = self._beat_sent
         self._beat_sent = None
         run_id = self.claimed.run_id
-        if run_id not in result.lost:
+        # A row the beat found locked (`unrenewed`) is still this execution's when its own
+        # transactional step holds it (the record statement locks it until the commit);
+        # locked by anything else (a takeover, a cancel in flight), the lease is not counted
+        # as renewed: it ends when it would have.
+        renewed = run_id not in result.lost and (
+            run_id not in result.unrenewed or self._own_transactions > 0
+        )
+        if renewed:
             self._lease_until = max(
                 self._lease_until, sent_at + self.lease.duration.total_seconds()
             )
@@ -445,6 +455,15 @@ class Execution:
         except SimulatedCrash:
             self.abort("crash", "simulated crash")
             raise Stop from None
+
+    @contextlib.contextmanager
+    def own_transaction(self) -> Iterator[None]:
+        """A transactional step of this execution is in flight (see `heard`)."""
+        self._own_transactions += 1
+        try:
+            yield
+        finally:
+            self._own_transactions -= 1
 
     def fenced(self) -> None:
         """A write was refused: another attempt holds the run. Stop writing, and say so once:

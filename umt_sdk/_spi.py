@@ -183,6 +183,11 @@ def _optional_limit(_: object, __: object, value: int | None) -> None:
         raise ValueError(f"concurrency_limit must be an integer >= 1, got {value!r}")
 
 
+def _optional_weight(_: object, __: object, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"fairness_weight must be an integer >= 1, got {value!r}")
+
+
 def _positive_token(_: object, __: object, value: int) -> None:
     if value < 1:
         raise ValueError(f"fencing_token must be >= 1, got {value}")
@@ -340,6 +345,12 @@ class NewRun:
     idempotency key, a start deadline or `conn`."""
     debounce_max_wait: timedelta | None = None
     """With `debounce_key`: how long after the first trigger the run may start at the latest."""
+    fairness_weight: int | None = field(default=None, validator=_optional_weight)
+    """With `concurrency_key` (`enqueue(fairness_key=..., weight=...)`): the key is a fairness
+    key. Its due runs take turns with the other keys of the task name, least recently served
+    key first (see `claim`), and a turn takes up to this many of them (the newest enqueue's
+    weight is the key's). The SDK gives it with a limit no key reaches (`FAIR_SLOTS`). None:
+    not a fairness key."""
 
     def __attrs_post_init__(self) -> None:
         if (self.concurrency_key is None) != (self.concurrency_limit is None):
@@ -347,6 +358,8 @@ class NewRun:
                 "NewRun: concurrency_key and concurrency_limit go together (both or neither), "
                 f"got key {self.concurrency_key!r} and limit {self.concurrency_limit!r}"
             )
+        if self.fairness_weight is not None and self.concurrency_key is None:
+            raise ValueError("NewRun: fairness_weight needs the key as concurrency_key")
         if self.singleton is not None and self.concurrency_key is None:
             raise ValueError("NewRun: singleton needs the key as concurrency_key")
 
@@ -516,6 +529,10 @@ class HeartbeatResult:
 
     lost: frozenset[UUID] = frozenset()
     cancel_requested: Mapping[UUID, str] = field(factory=dict)
+    unrenewed: frozenset[UUID] = frozenset()
+    """Runs still held under their token whose lease this beat could not move on (another
+    transaction held the row: above all the worker's own transactional step committing). Not
+    lost, but not renewed either: the worker keeps the lease it had, and stops at its end."""
 
 
 @frozen(kw_only=True)
@@ -595,6 +612,10 @@ class RunRecord:
     """The labels given at enqueue (`NewRun.tags`)."""
     concurrency_key: str | None = None
     """The run's concurrency key as stored (None without one)."""
+    fairness_weight: int | None = None
+    """When `concurrency_key` is a fairness key (`NewRun.fairness_weight`): the key's weight
+    as stored, read by `get_run` and `get_run_head` (a backend may leave it None in
+    `list_runs`); None for other keys."""
     deadline_at: datetime | None = None
     """When the run must be finished by (`NewRun.deadline_at` / `timeout`), None: never."""
     start_by: datetime | None = None
@@ -763,6 +784,13 @@ class Backend(Protocol):
         a slot (a lapsed lease taken over, a `count_waiting` run woken) is claimed as any
         other. A write that frees a slot (an ending, a cancel) makes the key's next run
         claimable at once, and wakes `wait_for_work`.
+
+        Fairness keys (`NewRun.fairness_weight`): the due runs of a fairness key are placed
+        in the claim's order as if they became ready when a run of their key was last
+        claimed (never: before everything), not when they were enqueued, and a claim takes
+        at most `fairness_weight` runs of a key: so keys take turns, least recently served
+        first, each with up to its weight's runs, and a key's backlog delays another key's
+        run by one turn at most. Within a key: priority, then FIFO.
 
         Rate limits (`NewRun.rate_limit`, a backend that implements `RateLimitStore`): a
         claim that starts a run with a limit (its first claim, or a claim of a `pending` run:

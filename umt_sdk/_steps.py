@@ -15,6 +15,7 @@ import inspect
 import json
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 from uuid import UUID
@@ -256,6 +257,7 @@ class StepHost(Protocol):
     def call_from_thread(self, coro: Coroutine[Any, Any, T]) -> T: ...
     async def in_thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T: ...
     async def guard(self, awaitable: Awaitable[T]) -> T: ...
+    def own_transaction(self) -> AbstractContextManager[None]: ...
     async def park(
         self,
         *,
@@ -791,7 +793,8 @@ class Steps:
         conflicts = 0
         while True:
             try:
-                await host.guard(store.run_step_transaction(host.lease, body))
+                with host.own_transaction():
+                    await host.guard(store.run_step_transaction(host.lease, body))
                 break
             except TransactionConflictError:
                 conflicts += 1

@@ -114,6 +114,8 @@ class SyncEngine:
         singleton: Singleton | None = None,
         debounce: Debounce | None = None,
         sequence: str | None = None,
+        fairness_key: str | None = None,
+        weight: int | None = None,
     ) -> UUID:
         """Enqueue (see `Engine.enqueue`) and return the run id."""
         handle = self._call(
@@ -130,6 +132,8 @@ class SyncEngine:
                 singleton=singleton,
                 debounce=debounce,
                 sequence=sequence,
+                fairness_key=fairness_key,
+                weight=weight,
             )
         )
         return handle.run_id

@@ -17,6 +17,10 @@ Built on facts, steps and streams, not beside them, so every backend stores them
 - the caller waits for that record; the run writes `n` to its stream `umt.updates` after it,
   which wakes the caller (LISTEN on Postgres), and the caller reads the record again at least
   every second in case the wake-up was lost.
+- the caller waits out an outage of the database (a restart, a crash) until its timeout, in
+  the store as in the wait: a stored update is applied whatever happens to its caller, and a
+  caller that gave up could only send it again, as another update. A store whose answer was
+  lost is told apart by the id in the stored fact, so an update is stored once.
 - a query reads the newest value of the run's stream `umt.query-state` (written by
   `ctx.set_query_state`) and calls the query's handler on it in the caller's process: no
   worker involved, nothing written, whatever the run is doing (or after it ended).
@@ -24,6 +28,7 @@ Built on facts, steps and streams, not beside them, so every backend stores them
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -38,6 +43,7 @@ from umt_sdk._handlers import UpdateDefinition, known
 from umt_sdk._spi import TERMINAL_STATUSES, Backend, RunRecord, StepRecord
 from umt_sdk._streams import stream_store
 from umt_sdk.exceptions import (
+    BackendUnavailableError,
     CanceledError,
     DeadlineExceededError,
     FactTimeoutError,
@@ -255,16 +261,30 @@ async def send_update(
         '{"id":' + json.dumps(update_id) + ',"name":' + json.dumps(handler.name)
         + ',"arg":' + arg_json + "}"
     )  # fmt: skip
-    n = _applied_count(record.steps) + 1
-    while not await backend.signal(run_id=run_id, name=request_fact(n), payload_json=payload):
-        n += 1  # taken by an earlier update: first write wins, so no two share a number
     deadline = None if timeout is None else time.monotonic() + timeout
+    n = await _store_request(
+        backend, run_id, _applied_count(record.steps) + 1, payload, update_id, deadline
+    )
     store = stream_store(backend)
     wanted = result_step(n)
+    outage = _Outage()
     while True:
-        heads = await store.last_stream_entries([run_id], UPDATES_STREAM)
-        seen = heads[0].seq if heads else 0
-        current = await backend.get_run(run_id)
+        try:
+            heads = await store.last_stream_entries([run_id], UPDATES_STREAM)
+            seen = heads[0].seq if heads else 0
+            current = await backend.get_run(run_id)
+        except BackendUnavailableError as exc:
+            # The update is stored: it is applied whatever happens to this caller, so an
+            # outage is waited out here (a caller who gave up could only send it again).
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeoutError(
+                    f"update {handler.name!r} of run {run_id} was stored (update {n}) but the "
+                    f"database could not be reached to read its result within {timeout} s; "
+                    "it stays stored and is applied when the run waits for updates"
+                ) from exc
+            await outage.wait(deadline)
+            continue
+        outage.over()
         if current is None:
             raise UpdateFailedError(
                 f"run {run_id} was deleted before it applied update {handler.name!r}",
@@ -290,9 +310,67 @@ async def send_update(
                 f"applied within {timeout} s; it stays stored and is applied when the run "
                 "waits for updates"
             )
-        await store.wait_for_stream(
-            run_id, UPDATES_STREAM, after=seen, timeout=min(remaining, _RECHECK)
-        )
+        try:
+            await store.wait_for_stream(
+                run_id, UPDATES_STREAM, after=seen, timeout=min(remaining, _RECHECK)
+            )
+        except BackendUnavailableError:  # a wake-up is a hint: read again after a pause
+            await outage.wait(deadline)
+
+
+async def _store_request(
+    backend: Backend,
+    run_id: Any,
+    n: int,
+    payload: str,
+    update_id: str,
+    deadline: float | None,
+) -> int:
+    """Store the request as update `n`, or the first free number after it (first write wins,
+    so no two updates share a number); return its number. An outage is waited out until
+    `deadline`: a write whose answer was lost is told apart by reading the number's fact
+    back (its id is this update's or another's), so the update is stored once."""
+    outage = _Outage()
+    while True:
+        try:
+            if await backend.signal(run_id=run_id, name=request_fact(n), payload_json=payload):
+                return n
+            facts = await backend.get_facts(run_id=run_id, name=request_fact(n))
+            if _stored_id(facts, run_id) == update_id:
+                return n  # an earlier try of this call stored it; its answer was lost
+        except BackendUnavailableError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            await outage.wait(deadline)
+            continue
+        n += 1  # taken by an earlier update
+
+
+def _stored_id(facts: Any, run_id: Any) -> str | None:
+    """The id of the update a run's `umt.update:<n>` fact holds."""
+    for fact in facts:
+        loaded = json.loads(fact.payload_json)
+        if fact.run_id == run_id and isinstance(loaded, dict):
+            return str(loaded.get("id"))
+    return None
+
+
+class _Outage:
+    """The caller's pause between tries while the database cannot be reached: 50 ms,
+    doubling up to a second, never past the caller's deadline."""
+
+    def __init__(self) -> None:
+        self.delay = 0.05
+
+    async def wait(self, deadline: float | None) -> None:
+        pause = self.delay
+        if deadline is not None:
+            pause = max(0.0, min(pause, deadline - time.monotonic()))
+        await asyncio.sleep(pause)
+        self.delay = min(self.delay * 2, _RECHECK)
+
+    def over(self) -> None:
+        self.delay = 0.05
 
 
 def _outcome(run_id: Any, handler: UpdateDefinition[Any, Any], done: StepRecord) -> Any:

@@ -121,6 +121,9 @@ class RunInfo:
     debounce_key: str | None = None
     """The key of `enqueue(debounce=Debounce(key, ...))` for a debounced run (from
     `engine.get`; None in lists and for other runs)."""
+    fairness_weight: int | None = None
+    """When `concurrency_key` is a fairness key (`enqueue(fairness_key=..., weight=...)`): the
+    key's weight (from `engine.get`; None in lists and for other keys)."""
     deadline_at: datetime | None = None
     """When the run must be finished by (`@task(timeout=...)`, `enqueue(deadline=...)`);
     None: no deadline."""
@@ -253,7 +256,12 @@ def build_run_info(record: RunRecord) -> RunInfo:
         step = execution.current_step
         started_at = execution.step_started_at
         inferred = False
-        if step is None and status == "interrupted":
+        if status == "interrupted" and (
+            step is None or (step, execution.fencing_token) in recorded
+        ):
+            # No heartbeat named the step it was cut off in: none came, or the last one named a
+            # step this attempt went on to record (the cut came after it). Where it stopped is
+            # where the next execution to do anything began.
             step = _next_live_step(record, execution.fencing_token)
             started_at, inferred = None, True
         if step is None or (step, execution.fencing_token) in recorded:
@@ -315,6 +323,7 @@ def build_run_info(record: RunRecord) -> RunInfo:
         rate_limit=record.rate_limit,
         rate_limit_key=record.rate_limit_key,
         debounce_key=record.debounce_key,
+        fairness_weight=record.fairness_weight,
         deadline_at=record.deadline_at,
         start_by=record.start_by,
         deadline_passed=deadline_passed(record),

@@ -611,7 +611,9 @@ class Worker:
                 except Exception as exc:
                     if self._stopping:
                         return
-                    delay = max(delay, outage.backoff())
+                    # A pass cut off midway left events unstarted: try again soon, not a
+                    # whole interval later.
+                    delay = min(delay, outage.backoff())
                     outage.failed(exc, delay)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):

@@ -291,3 +291,13 @@ async def test_the_runs_list_filters_by_finish_time_and_parent(
     assert "children of" in children
     assert re.findall(r'<td><a href="/runs/([0-9a-f-]{36})"', children) == []
     assert "not a run id" in await board.page("/runs?parent=nope")
+
+
+async def test_the_concurrency_keys_page_shows_a_fairness_key_without_a_limit(
+    dash_engine: Engine, board: Browser
+) -> None:
+    await dash_engine.enqueue(ship, Order(customer="f", quantity=1), fairness_key="tenant-f")
+    html = await board.page("/concurrency")
+    assert "<code>tenant-f</code>" in html
+    assert "none (fairness key)" in html
+    assert "2147483647" not in html

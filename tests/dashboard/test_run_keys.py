@@ -22,6 +22,9 @@ async def test_a_runs_page_shows_each_of_its_keys(dash_engine: Engine, board: Br
         ship, Order(customer="d", quantity=1), debounce=Debounce("doc-1", timedelta(hours=1))
     )
     limited = await dash_engine.enqueue(report, Report(tenant="t1"))
+    fair = await dash_engine.enqueue(
+        ship, Order(customer="f", quantity=1), fairness_key="tenant-7", weight=3
+    )
 
     page = await board.page(f"/runs/{plain.run_id}")
     assert "run-key" not in page
@@ -40,6 +43,10 @@ async def test_a_runs_page_shows_each_of_its_keys(dash_engine: Engine, board: Br
     page = await board.page(f"/runs/{limited.run_id}")
     assert "<dt>Concurrency key</dt>" in page
     assert "at most 1 run(s) of the key at once" in page
+    page = await board.page(f"/runs/{fair.run_id}")
+    assert "<dt>Fairness key</dt>" in page
+    assert "(weight 3)" in page
+    assert "Singleton or sequence key" not in page
 
 
 async def test_the_runs_list_filters_by_key_with_a_task(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import attrs
 import pytest
 
-from umt_sdk._spi import ExecutionRecord, RunRecord, RunStatus
+from umt_sdk._spi import ExecutionRecord, RunRecord, RunStatus, StepRecord
 from umt_sdk._views import build_run_info, execution_outcome, lease_expired
 
 NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
@@ -81,3 +82,46 @@ def test_the_run_info_reads_an_expired_lease_by_the_same_rule(
 ) -> None:
     assert lease_expired(record) is expired
     assert build_run_info(record).lease_expired is expired
+
+
+def test_a_cut_after_the_step_a_heartbeat_named_is_placed_where_the_next_execution_began() -> None:
+    """The last heartbeat of the cut attempt named `a`, which it then recorded: it was cut off
+    later, in the step the next attempt began with (`b`), not in `a`."""
+    first = ExecutionRecord(
+        fencing_token=2,
+        worker_id="w1",
+        claimed_at=NOW,
+        ended_at=NOW + timedelta(seconds=3),
+        outcome="interrupted",
+        current_step="a",
+        step_started_at=NOW,
+    )
+    second = ExecutionRecord(
+        fencing_token=3,
+        worker_id="w2",
+        claimed_at=NOW + timedelta(seconds=3),
+        ended_at=None,
+        outcome="running",
+    )
+    record = attrs.evolve(
+        _record(token=3, expires=NOW + timedelta(seconds=5)),
+        executions=(first, second),
+        steps=(
+            StepRecord(name="a", kind="step", status="completed", fencing_token=2, started_at=NOW),
+            StepRecord(
+                name="b",
+                kind="step",
+                status="completed",
+                fencing_token=3,
+                started_at=NOW + timedelta(seconds=4),
+            ),
+        ),
+    )
+    timeline = [
+        (s.name, s.status, s.fencing_token, s.inferred) for s in build_run_info(record).timeline
+    ]
+    assert timeline == [
+        ("a", "completed", 2, False),
+        ("b", "interrupted", 2, True),
+        ("b", "completed", 3, False),
+    ]

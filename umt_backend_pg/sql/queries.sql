@@ -61,12 +61,13 @@ WITH inserted AS (
     SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
     FROM inserted i WHERE i.queued
 ), keyed AS (
-    INSERT INTO {schema}.concurrency_keys (task_name, concurrency_key, slot_limit, queued)
-    SELECT i.task_name, i.concurrency_key, %(concurrency_limit)s, 1
+    INSERT INTO {schema}.concurrency_keys (task_name, concurrency_key, slot_limit, queued, weight)
+    SELECT i.task_name, i.concurrency_key, %(concurrency_limit)s, 1, %(fairness_weight)s::integer
     FROM inserted i WHERE i.concurrency_key IS NOT NULL
     ON CONFLICT (task_name, concurrency_key) DO UPDATE SET
         slot_limit = EXCLUDED.slot_limit,
-        queued = {schema}.concurrency_keys.queued + 1
+        queued = {schema}.concurrency_keys.queued + 1,
+        weight = EXCLUDED.weight
 )
 SELECT i.id, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, %(pair)s) END
 FROM inserted i;
@@ -154,11 +155,12 @@ WITH given AS (
         %(input_hashes)b::text[], %(trace_contexts)b::text[], %(inputs)b::text[],
         %(tags)b::text[], %(concurrency_keys)b::text[], %(concurrency_limits)b::integer[],
         %(count_waiting)b::boolean[], %(deadlines)b::timestamptz[], %(timeouts)b::interval[],
-        %(start_within)b::interval[], %(rate_limits)b::text[], %(rate_limit_keys)b::text[]
+        %(start_within)b::interval[], %(rate_limits)b::text[], %(rate_limit_keys)b::text[],
+        %(fairness_weights)b::integer[]
     ) WITH ORDINALITY AS g (
         id, task_name, task_version, priority, delay, idempotency_key, input_hash,
         trace_context, input, tags, concurrency_key, concurrency_limit, count_waiting,
-        deadline, timeout, start_within, rate_limit, rate_limit_key, position
+        deadline, timeout, start_within, rate_limit, rate_limit_key, fairness_weight, position
     )
     CROSS JOIN LATERAL (SELECT least(g.deadline, now() + g.timeout) AS deadline_at) AS d
 ), inserted AS (
@@ -195,15 +197,17 @@ WITH given AS (
     SELECT i.id, i.task_name, i.task_version, i.priority, i.available_at, {schema}.ready_slot()
     FROM inserted i WHERE i.queued
 ), keyed AS (
-    INSERT INTO {schema}.concurrency_keys (task_name, concurrency_key, slot_limit, queued)
+    INSERT INTO {schema}.concurrency_keys (task_name, concurrency_key, slot_limit, queued, weight)
     SELECT i.task_name, i.concurrency_key,
-           (array_agg(g.concurrency_limit ORDER BY g.position DESC))[1], count(*)
+           (array_agg(g.concurrency_limit ORDER BY g.position DESC))[1], count(*),
+           (array_agg(g.fairness_weight ORDER BY g.position DESC))[1]
     FROM inserted i JOIN given g ON g.id = i.id
     WHERE i.concurrency_key IS NOT NULL
     GROUP BY i.task_name, i.concurrency_key
     ON CONFLICT (task_name, concurrency_key) DO UPDATE SET
         slot_limit = EXCLUDED.slot_limit,
-        queued = {schema}.concurrency_keys.queued + EXCLUDED.queued
+        queued = {schema}.concurrency_keys.queued + EXCLUDED.queued,
+        weight = EXCLUDED.weight
 )
 SELECT i.id, i.task_name, i.task_version,
        CASE WHEN %(notify)s::boolean
@@ -270,7 +274,9 @@ SET LOCAL synchronous_commit TO off;
 -- Runs with a concurrency key that want a slot come only from `keyed_runs`: the keys of the
 -- pairs' tasks with a free slot and a due run, least recently served first, locked (their
 -- newest counters), and at most each key's free slots of its runs; `key_slots` raises the
--- counters of the keys claimed from (see migrations/0009_concurrency_keys.sql).
+-- counters of the keys claimed from (see migrations/0009_concurrency_keys.sql). A fairness key
+-- (a `weight`) offers its runs in rounds of `weight`, each placed as if ready at the key's
+-- `claimed_at` (migrations/0025_fairness_keys.sql).
 -- Pairs that a stored pause names (paused_tasks, by version or the whole task) are left out
 -- before anything is read: their runs wait as they are. When the timers were read, the row also
 -- names them (`paused`): a pair resumed later has timers this read passed over, so the backend
@@ -288,10 +294,11 @@ WITH served AS (
     -- enough to fill the batch). The test is a scalar subquery in the claim's order, not an
     -- EXISTS: the planner cannot turn it into a join, so it probes runs_claim_keyed (the key's
     -- runs wanting a slot) for the keys it reaches only, never the key's finished runs.
-    SELECT o.task_name, o.concurrency_key, o.free
+    SELECT o.task_name, o.concurrency_key, o.free, o.claimed_at, o.weight
     FROM (SELECT DISTINCT p.name FROM pairs p) AS n
     CROSS JOIN LATERAL (
-        SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free
+        SELECT k.task_name, k.concurrency_key, k.slot_limit - k.running AS free, k.claimed_at,
+               k.weight
         FROM {schema}.concurrency_keys k
         WHERE k.task_name = n.name AND k.queued > 0 AND k.running < k.slot_limit
           AND (
@@ -308,8 +315,19 @@ WITH served AS (
         FOR NO KEY UPDATE OF k SKIP LOCKED
     ) AS o
 ), keyed_runs AS (
-    SELECT w.id, w.task_name, w.task_version, w.priority, w.available_at
-    FROM open_keys k
+    -- A fairness key's runs go in rounds of its weight (the i-th in round (i - 1) / weight),
+    -- each at its key's turn (claimed_at), ties FIFO (`since`, then the time-ordered id); it
+    -- offers as many as it would take if every open key filled its share of %(limit)s (no
+    -- other claim takes runs of a key this one locked: %(limit)s, not %(scan)s).
+    SELECT w.id, w.task_name, w.task_version, w.priority,
+           CASE WHEN k.weight IS NULL THEN 0
+                ELSE (row_number() OVER (
+                          PARTITION BY k.task_name, k.concurrency_key
+                          ORDER BY w.priority DESC, w.available_at, w.id) - 1) / k.weight
+           END AS round,
+           CASE WHEN k.weight IS NULL THEN w.available_at ELSE k.claimed_at END AS available_at,
+           w.available_at AS since
+    FROM (SELECT o.*, count(*) OVER () AS keys FROM open_keys o) AS k
     CROSS JOIN LATERAL (
         SELECT r.id, r.task_name, r.task_version, r.priority, r.available_at
         FROM {schema}.runs r
@@ -319,23 +337,26 @@ WITH served AS (
           AND r.available_at <= now()
           AND r.task_version IN (SELECT p.version FROM pairs p WHERE p.name = k.task_name)
         ORDER BY r.priority DESC, r.available_at
-        LIMIT k.free
+        LIMIT least(k.free, %(limit)s, k.weight * ((%(limit)s + k.keys - 1) / k.keys))
     ) AS w
 ), candidates AS (
     SELECT c.id, c.priority, c.available_at, c.timer, c.keyed, p.name AS pair_name,
            p.version AS pair_version,
            row_number() OVER (
-               PARTITION BY p.name, p.version ORDER BY c.priority DESC, c.available_at
+               PARTITION BY p.name, p.version
+               ORDER BY c.priority DESC, c.round, c.available_at, c.since, c.id
            ) AS turn
     FROM pairs p
     CROSS JOIN LATERAL (
-        (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer, false AS keyed
+        (SELECT q.run_id AS id, q.priority, q.available_at, false AS timer, false AS keyed,
+                q.available_at AS since, 0 AS round
          FROM {schema}.ready q
          WHERE q.task_name = p.name AND q.task_version = p.version
          ORDER BY q.priority DESC, q.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT r.id, r.priority, r.available_at, false AS timer, false AS keyed
+        (SELECT r.id, r.priority, r.available_at, false AS timer, false AS keyed,
+                r.available_at AS since, 0 AS round
          FROM {schema}.runs r
          WHERE r.task_name = p.name AND r.task_version = p.version
            AND r.status = 'pending' AND NOT r.queued AND r.concurrency_key IS NULL
@@ -343,7 +364,8 @@ WITH served AS (
          ORDER BY r.priority DESC, r.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT r.id, r.priority, r.available_at, true AS timer, false AS keyed
+        (SELECT r.id, r.priority, r.available_at, true AS timer, false AS keyed,
+                r.available_at AS since, 0 AS round
          FROM {schema}.runs r
          WHERE %(timers)s::boolean
            AND r.task_name = p.name AND r.task_version = p.version
@@ -357,10 +379,11 @@ WITH served AS (
          ORDER BY r.available_at
          LIMIT %(scan)s)
         UNION ALL
-        (SELECT k.id, k.priority, k.available_at, false AS timer, true AS keyed
+        (SELECT k.id, k.priority, k.available_at, false AS timer, true AS keyed, k.since,
+                k.round
          FROM keyed_runs k
          WHERE k.task_name = p.name AND k.task_version = p.version
-         ORDER BY k.priority DESC, k.available_at
+         ORDER BY k.priority DESC, k.round, k.available_at, k.since
          LIMIT %(scan)s)
     ) AS c
 ), distinct_candidates AS (
@@ -567,6 +590,14 @@ WITH owing AS (
 SELECT count(*) AS groups, COALESCE(sum(released), 0) AS released FROM paid;
 
 -- name: heartbeat
+-- A run row another transaction holds locked is not waited for (SKIP LOCKED): above all the
+-- worker's own transactional step committing (its record statement locks the row and moves
+-- the lease on; a commit slower than the lease, waiting for deferred triggers or a standby,
+-- made this statement wait, the worker's heartbeat time out and every run of the worker lose
+-- its lease). Such a row is reported held if it is still running under the token as last
+-- committed (`busy`), its lease left as it is and said so (`unrenewed`: the worker does not
+-- count on a renewal it did not get); a claim or a cancel in flight is seen at the next beat,
+-- and every write of the execution is fenced meanwhile.
 WITH beats AS (
     SELECT b.id, b.token, b.step, b.step_started_at
     FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[], %(steps)s::text[],
@@ -575,7 +606,11 @@ WITH beats AS (
     SELECT r.id, r.status FROM {schema}.runs r
     JOIN beats b ON r.id = b.id AND r.fencing_token = b.token
     ORDER BY r.id
-    FOR NO KEY UPDATE OF r
+    FOR NO KEY UPDATE OF r SKIP LOCKED
+), busy AS (
+    SELECT r.id, r.cancel_requested_at, r.cancel_reason FROM {schema}.runs r
+    JOIN beats b ON r.id = b.id AND r.fencing_token = b.token
+    WHERE r.status = 'running' AND r.id NOT IN (SELECT l.id FROM locked l)
 ), extended AS (
     UPDATE {schema}.runs r SET
         lease_expires_at = now() + %(lease)s::interval,
@@ -590,10 +625,13 @@ WITH beats AS (
     WHERE e.run_id = b.id AND e.fencing_token = b.token
       AND e.current_step IS DISTINCT FROM b.step
 )
-SELECT b.id, x.id IS NOT NULL AS held, x.cancel_requested_at IS NOT NULL AS cancel_requested,
-       x.cancel_reason
+SELECT b.id, x.id IS NOT NULL OR u.id IS NOT NULL AS held,
+       x.id IS NULL AND u.id IS NOT NULL AS unrenewed,
+       coalesce(x.cancel_requested_at, u.cancel_requested_at) IS NOT NULL AS cancel_requested,
+       coalesce(x.cancel_reason, u.cancel_reason) AS cancel_reason
 FROM beats b
-LEFT JOIN extended x ON x.id = b.id;
+LEFT JOIN extended x ON x.id = b.id
+LEFT JOIN busy u ON u.id = b.id;
 
 -- name: record_steps
 -- One round trip, one commit for a batch of checkpoints (group commit): each step record lands
@@ -1039,7 +1077,12 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
        forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
-       rate_limit, rate_limit_key, debounce_key, now() AS db_now
+       rate_limit, rate_limit_key, debounce_key, now() AS db_now,
+       -- A fairness key's weight (migration 0025): one probe of the key's row, keyed runs only.
+       CASE WHEN concurrency_key IS NOT NULL THEN (
+           SELECT k.weight FROM {schema}.concurrency_keys k
+           WHERE k.task_name = runs.task_name AND k.concurrency_key = runs.concurrency_key)
+       END AS fairness_weight
 FROM {schema}.runs WHERE id = %(run_id)s;
 
 -- name: get_steps

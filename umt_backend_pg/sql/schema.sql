@@ -117,6 +117,8 @@ CREATE TABLE {schema}.concurrency_keys (
     running         integer NOT NULL DEFAULT 0 CHECK (running >= 0),
     queued          integer NOT NULL DEFAULT 0 CHECK (queued >= 0),
     claimed_at      timestamptz NOT NULL DEFAULT '-infinity',
+    -- A fairness key's runs per turn (NULL: not a fairness key; 0025_fairness_keys.sql).
+    weight          integer CHECK (weight >= 1),
     PRIMARY KEY (task_name, concurrency_key)
 ) WITH (
     fillfactor = 50, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 100,

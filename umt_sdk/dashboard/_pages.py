@@ -632,10 +632,10 @@ class RunKey:
 
 
 def run_keys(info: RunInfo, definition: TaskDefinition[Any, Any] | None) -> list[RunKey]:
-    """The keys a run was enqueued with: its idempotency key, its concurrency key (said to be
-    the task's `concurrency=` when the registered task has one, else a singleton's or a
-    sequence's: the store keeps the key, not which of the two made it), its debounce key and
-    its rate limit's bucket."""
+    """The keys a run was enqueued with: its idempotency key, its concurrency key (a fairness
+    key when it has a weight, the task's `concurrency=` when the registered task has one, else
+    a singleton's or a sequence's: the store keeps the key, not which of the two made it), its
+    debounce key and its rate limit's bucket."""
     keys: list[RunKey] = []
     task = info.task_name
     if info.idempotency_key is not None:
@@ -650,7 +650,17 @@ def run_keys(info: RunInfo, definition: TaskDefinition[Any, Any] | None) -> list
     if info.concurrency_key is not None:
         query = urlencode({"task": task, "key": info.concurrency_key})
         concurrency = definition.concurrency if definition is not None else None
-        if concurrency is not None:
+        if info.fairness_weight is not None:
+            keys.append(
+                RunKey(
+                    kind="Fairness key",
+                    key=info.concurrency_key,
+                    meaning="takes turns with the task's other keys in the claim "
+                    f"(weight {info.fairness_weight})",
+                    runs_query=query,
+                )
+            )
+        elif concurrency is not None:
             keys.append(
                 RunKey(
                     kind="Concurrency key",

@@ -36,6 +36,7 @@ One module per topic, each with the tasks its tests run next to the tests, as a 
 - `_lifecycle`: pause and resume (held in the claim), rerun, and fork (kept steps, facts, children)
 - `_concurrency`: concurrency keys (a key's limit in the claim, slots given back, strategies)
 - `_flow_keys`: singletons (skip, replace, serialized per key), debounce, per-key FIFO
+- `_fairness`: fairness keys (weighted turns in the claim, bad input refused)
 - `_insight`: what operators look at (workers' reports, load per pair, runs by worker)
 - `_rate_limits`: rate limits (tokens in the claim and for steps, parking, pause, change, keys)
 - `_events`: event triggers (one run per subscriber and event, repeats, transactions, late
@@ -66,6 +67,7 @@ from umt_sdk.testing._contract import (
     _deadlines,
     _events,
     _facts,
+    _fairness,
     _fanout,
     _flow_keys,
     _insight,
@@ -120,6 +122,7 @@ ALL_TASKS: tuple[TaskDefinition[Any, Any], ...] = (
     *_lifecycle.TASKS,
     *_concurrency.TASKS,
     *_flow_keys.TASKS,
+    *_fairness.TASKS,
     *_rate_limits.TASKS,
     *_deadlines.TASKS,
     *_insight.TASKS,
@@ -162,6 +165,7 @@ class BackendContract(
     _lifecycle.LifecycleContract,
     _concurrency.ConcurrencyContract,
     _flow_keys.FlowKeysContract,
+    _fairness.FairnessContract,
     _rate_limits.RateLimitsContract,
     _deadlines.DeadlinesContract,
     _insight.InsightContract,
