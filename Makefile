@@ -32,8 +32,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The suite runs in TEST_WORKERS worker processes (pytest-xdist); the tests that kill, freeze or
+# crash processes run one after another in one of them (tests/conftest.py). TEST_WORKERS=0: one
+# process.
+TEST_WORKERS ?= 4
 test: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) .venv-bench-peers .pytest_cache .mypy_cache .ruff_cache

@@ -34,7 +34,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# `make test` runs the suite in worker processes (pytest-xdist, `--dist loadgroup`). The tests
+# that kill, freeze or crash processes, or time a window, run one after another in one of them
+# (the group below), beside the rest: two of them at once on a 2-core machine would starve
+# each other's leases. Each worker process has a Postgres of its own (tests/fixtures/pg.py).
+SERIAL_GROUP = "processes"
+SERIAL_PATHS = (
+    "tests/chaos/",
+    "tests/bench/",
+    "tests/browser/",
+    "tests/integration/test_pg_crashes.py",
+    "tests/integration/test_pg_restart.py",
+    "tests/integration/test_concurrency_keys_pg.py",
+    "tests/integration/test_rate_limits_pg.py",
+    "tests/integration/test_fenced_side_effects.py",
+    "tests/integration/test_frozen_transaction.py",
+    "tests/integration/outbox/test_relay_processes.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(SERIAL_PATHS):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
     chosen = config.getoption("--backend")
     if chosen == "all":
         return

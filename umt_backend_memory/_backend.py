@@ -458,11 +458,42 @@ class MemoryBackend(MemoryEvents):
         found = self._head_entry(pair, now)
         return None if found is None else found[1]
 
+    def _open_keys(
+        self, pairs: Sequence[TaskPair], now: datetime, limit: int
+    ) -> dict[tuple[str, str], int]:
+        """The keys a claim of `limit` runs may take from, as the Postgres claim's `open_keys`
+        picks them: per task, those with a free slot and a due run, least recently served
+        first, at most `limit`; each with the most runs it offers (its free slots, at most
+        `limit`; a fairness key, its weight's share of `limit` among the keys picked)."""
+        served: dict[str, dict[str, tuple[datetime, int]]] = {}
+        for pair in pairs:
+            for key, heap in self._keyed.get(pair, {}).items():
+                name_key = (pair.name, key)
+                if self._free_slot(name_key) and self._heap_head(heap, now) is not None:
+                    served.setdefault(pair.name, {})[key] = self._served.get(name_key, (_NEVER, 0))
+        offers: dict[tuple[str, str], int] = {}
+        for name, keys in served.items():
+            picked = sorted(keys, key=lambda k: keys[k])[:limit]
+            for key in picked:
+                name_key = (name, key)
+                free = self._limits[name_key] - len(self._holders.get(name_key, ()))
+                offer = min(free, limit)
+                weight = self._weights.get(name_key)
+                if weight is not None:
+                    offer = min(offer, weight * -(-limit // len(picked)))
+                offers[name_key] = offer
+        return offers
+
     def _head_entry(
-        self, pair: TaskPair, now: datetime, taken: dict[tuple[str, str], int] | None = None
+        self,
+        pair: TaskPair,
+        now: datetime,
+        taken: dict[tuple[str, str], int] | None = None,
+        offers: dict[tuple[str, str], int] | None = None,
     ) -> tuple[_Order, _Run, list[tuple[int, datetime, int, UUID, int]]] | None:
         """The first claimable run of the pair in the claim's order (`_Order`). `taken`: the
-        runs of each key this claim took so far (a fairness key's round)."""
+        runs of each key this claim took so far (a fairness key's round); `offers`: the keys
+        this claim may take from and how many runs each (`_open_keys`; None: any key)."""
         best = None
         run = self._heap_head(self._ready.get(pair), now)
         if run is not None:
@@ -472,6 +503,8 @@ class MemoryBackend(MemoryEvents):
         for key, heap in self._keyed.get(pair, {}).items():
             name_key = (pair.name, key)
             if not heap or not self._free_slot(name_key):
+                continue
+            if offers is not None and (taken or {}).get(name_key, 0) >= offers.get(name_key, 0):
                 continue
             run = self._heap_head(heap, now)
             if run is None:
@@ -513,9 +546,13 @@ class MemoryBackend(MemoryEvents):
         return None
 
     def _pop_ready(
-        self, pair: TaskPair, now: datetime, taken: dict[tuple[str, str], int] | None = None
+        self,
+        pair: TaskPair,
+        now: datetime,
+        taken: dict[tuple[str, str], int] | None = None,
+        offers: dict[tuple[str, str], int] | None = None,
     ) -> _Run | None:
-        found = self._head_entry(pair, now, taken)
+        found = self._head_entry(pair, now, taken, offers)
         if found is None:
             return None
         _, run, heap = found
@@ -1035,13 +1072,14 @@ class MemoryBackend(MemoryEvents):
             claimed: list[ClaimedRun] = []
             taken: dict[tuple[str, str], int] = {}  # the runs of each key that wanted a slot
             open_pairs = self._unpaused(list(dict.fromkeys(pairs)))
+            offers = self._open_keys(open_pairs, now, limit)
             while len(claimed) < limit and open_pairs:
                 # One turn (the Postgres claim's rule): every pair offers its next run, so one
                 # busy pair cannot starve another; within the turn the higher priority goes
                 # first, then the earlier ready, then the earlier enqueued.
                 heads: list[tuple[_Order, TaskPair]] = []
                 for pair in list(open_pairs):
-                    found = self._head_entry(pair, now, taken)
+                    found = self._head_entry(pair, now, taken, offers)
                     if found is None:
                         open_pairs.remove(pair)
                         continue
@@ -1050,7 +1088,7 @@ class MemoryBackend(MemoryEvents):
                 for _, pair in heads:
                     if len(claimed) >= limit:
                         break
-                    run = self._pop_ready(pair, now, taken)
+                    run = self._pop_ready(pair, now, taken, offers)
                     if run is None:
                         continue
                     if run.needs_token(now) and not self._take_run_token(run, now):

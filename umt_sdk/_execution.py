@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -433,6 +434,8 @@ class Execution:
     async def guard(self, awaitable: Awaitable[T], *, final: bool = False) -> T:
         """Await a fenced backend write; on a lost lease, stop this execution."""
         if self.stopped:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()  # the write is not made; never leave it unawaited
             raise Stop
         if final:
             self._letting_go = True

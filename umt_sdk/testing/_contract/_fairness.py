@@ -136,6 +136,33 @@ class FairnessContract:
         got = await _claim(backend, 1) + await _claim(backend, 1)
         assert set(got) == {plain, busy[1]}
 
+    async def test_a_claim_takes_from_the_keys_least_recently_served_then_by_priority(
+        self, engine: Engine
+    ) -> None:
+        """With more keys due than a claim takes runs, the claim takes from the `limit` keys
+        least recently served, and among their runs the higher priority first: a key just
+        served waits its turn even for an urgent run (one turn at most)."""
+        backend = engine.backend
+        first = await _one(backend, "a")
+        assert await _claim(backend, 1) == [first]
+        urgent = await _one(backend, "a", priority=9)
+        waiting = await _one(backend, "b")
+        assert await _claim(backend, 1) == [waiting], "b's turn: a was served last"
+        assert await _claim(backend, 1) == [urgent]
+        low = await _one(backend, "c")
+        high = await _one(backend, "d", priority=9)
+        assert await _claim(backend, 2) == [high, low], "both keys' turn: priority decides"
+
+    async def test_a_key_offers_its_weights_share_of_a_claim(self, engine: Engine) -> None:
+        """Each key picked offers its weight's share of the claim (`limit` over the keys
+        picked, rounded up, times the weight): a key with a short line leaves its share
+        unused this claim rather than a long line taking it."""
+        backend = engine.backend
+        owners = dict.fromkeys(await _backlog(backend, "long", 10), "long")
+        owners.update(dict.fromkeys(await _backlog(backend, "short", 1), "short"))
+        assert _keys(await _claim(backend, 6), owners) == Counter({"long": 3, "short": 1})
+        assert _keys(await _claim(backend, 6), owners) == Counter({"long": 6})
+
     async def test_priority_orders_the_runs_of_a_key(self, engine: Engine) -> None:
         backend = engine.backend
         low = await _one(backend, "k")
