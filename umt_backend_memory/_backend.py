@@ -813,6 +813,7 @@ class MemoryBackend(MemoryEvents):
             start_by=run.start_by,
             rate_limit=run.rate_limit,
             rate_limit_key=None if run.rate_limit is None else run.rate_limit_key,
+            debounce_key=run.debounce_key,
             steps=tuple(run.steps.values()) if full else (),
             executions=tuple(executions),
             observed_at=now,

@@ -13,6 +13,7 @@ from umt_sdk.backend import (
     Clock,
     EnqueueResult,
     EventRefusal,
+    EventRun,
     NewEvent,
     NewRun,
     PublishOutcome,
@@ -39,6 +40,7 @@ class MemoryEvents:
     _event_keys: dict[tuple[str, str], UUID]
     _event_hashes: dict[UUID, str]
     _event_refusals: dict[tuple[UUID, str], EventRefusal]
+    _runs: dict[UUID, Any]
 
     def _reset_events(self) -> None:
         self._events = {}
@@ -136,6 +138,41 @@ class MemoryEvents:
                 for pair in [p for p in refusals if p[0] == event.event_id]:
                     del refusals[pair]
             return len(old)
+
+    async def list_events(
+        self, *, name: str | None, before: UUID | None, limit: int
+    ) -> Sequence[StoredEvent]:
+        with self._lock:
+            newest = sorted(
+                (e for e in self._events.values() if name is None or e.name == name),
+                key=lambda e: (e.published_at, e.event_id),
+                reverse=True,
+            )
+            cursor = self._events.get(before) if before is not None else None
+            if cursor is not None:
+                mark = (cursor.published_at, cursor.event_id)
+                newest = [e for e in newest if (e.published_at, e.event_id) < mark]
+            return newest[:limit]
+
+    async def event_runs(self, *, event_ids: Sequence[UUID]) -> Sequence[EventRun]:
+        wanted = {f"{_EVENT_KEY_PREFIX}{event_id}": event_id for event_id in event_ids}
+        with self._lock:
+            found = []
+            for (_, key), run_id in self._by_key.items():
+                event_id = wanted.get(key)
+                run = self._runs.get(run_id)
+                if event_id is None or run is None:
+                    continue
+                found.append(
+                    EventRun(
+                        event_id=event_id,
+                        run_id=run_id,
+                        task_name=run.task_name,
+                        task_version=run.task_version,
+                        status=run.status,
+                    )
+                )
+            return found
 
     def events(self) -> list[StoredEvent]:
         """Every stored event, oldest first (for tests)."""

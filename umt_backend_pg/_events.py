@@ -18,6 +18,7 @@ from umt_backend_pg._sql import blocks, render
 from umt_sdk.backend import (
     EnqueueResult,
     EventRefusal,
+    EventRun,
     NewEvent,
     NewRun,
     PublishOutcome,
@@ -150,3 +151,44 @@ class PostgresEvents:
                     self._event_queries()["expire_events"], {"before": before, "limit": limit}
                 )
                 return len(await cur.fetchall())
+
+    async def list_events(
+        self, *, name: str | None, before: UUID | None, limit: int
+    ) -> Sequence[StoredEvent]:
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(
+                    self._event_queries()["list_events"],
+                    {"name": name, "before": before, "limit": limit},
+                )
+                rows = await cur.fetchall()
+        return [
+            StoredEvent(
+                event_id=row[0],
+                name=row[1],
+                key=row[2],
+                payload_json=row[3],
+                published_at=row[4],
+                trace_context=json.loads(row[5]),
+            )
+            for row in rows
+        ]
+
+    async def event_runs(self, *, event_ids: Sequence[UUID]) -> Sequence[EventRun]:
+        if not event_ids:
+            return []
+        keys = [f"umt.event:{event_id}" for event_id in event_ids]
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(self._event_queries()["event_runs"], {"keys": keys})
+                rows = await cur.fetchall()
+        return [
+            EventRun(
+                event_id=UUID(row[0].removeprefix("umt.event:")),
+                run_id=row[1],
+                task_name=row[2],
+                task_version=row[3],
+                status=row[4],
+            )
+            for row in rows
+        ]

@@ -125,6 +125,7 @@ def _record(
         start_by=row.get("start_by"),
         rate_limit=row.get("rate_limit"),
         rate_limit_key=row.get("rate_limit_key"),
+        debounce_key=row.get("debounce_key"),
         steps=tuple(_step(s, s["output"]) for s in steps),
         executions=tuple(records),
         observed_at=now,

@@ -22,6 +22,7 @@ from umt_sdk._context import (
     TaskContext,
 )
 from umt_sdk._engine import Engine, PublishedEvent, RunHandle, connect
+from umt_sdk._event_list import EventInfo, EventRunInfo
 from umt_sdk._event_spi import EventRefusal
 from umt_sdk._export import HistoryStep, RunHistory
 from umt_sdk._fencing import AttemptInfo, with_attempt_token
@@ -105,7 +106,9 @@ __all__ = [
     "Debounce",
     "Engine",
     "ErrorInfo",
+    "EventInfo",
     "EventRefusal",
+    "EventRunInfo",
     "ExecutionRecord",
     "FactTimeoutError",
     "FencingError",

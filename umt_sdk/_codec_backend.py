@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import attrs
 
 from umt_sdk._codec import PayloadCodec, open_json, open_text, seal_json, seal_text, sealed_by
-from umt_sdk._event_spi import EventStore
+from umt_sdk._event_spi import EventListStore, EventStore
 from umt_sdk._spi import (
     Backend,
     BatchEnqueueStore,
@@ -233,6 +233,7 @@ _PROTOCOLS: tuple[type, ...] = (
     RateLimitStore,
     BatchEnqueueStore,
     EventStore,
+    EventListStore,
     TransactionStore,
 )
 _PROTOCOL_METHODS = frozenset(

@@ -25,6 +25,7 @@ from umt_sdk._codec import PayloadCodec, check_codec
 from umt_sdk._codec_backend import codec_of, wrap_backend
 from umt_sdk._concurrency import apply_strategy, key_fields
 from umt_sdk._cron import TICK_KEY_PREFIX
+from umt_sdk._event_list import EventInfo, list_events
 from umt_sdk._event_spi import EventRefusal, EventStore
 from umt_sdk._events import (
     DEFAULT_EVENT_WINDOW,
@@ -39,7 +40,7 @@ from umt_sdk._events import (
 )
 from umt_sdk._export import RunHistory, history_of
 from umt_sdk._fairness import FAIR_SLOTS, fairness_fields
-from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields
+from umt_sdk._flow_keys import Debounce, Singleton, flow_key_fields, per_input
 from umt_sdk._handlers import known
 from umt_sdk._ids import new_run_id
 from umt_sdk._insight import (
@@ -561,6 +562,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | Sequence[Singleton | None] | None = None,
+        debounce: Debounce | Sequence[Debounce | None] | None = None,
+        sequence: str | Sequence[str | None] | None = None,
     ) -> list[RunHandle[O]]: ...
     @overload
     async def enqueue_many(
@@ -576,6 +580,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | Sequence[Singleton | None] | None = None,
+        debounce: Debounce | Sequence[Debounce | None] | None = None,
+        sequence: str | Sequence[str | None] | None = None,
     ) -> list[RunHandle[Any]]: ...
     async def enqueue_many(
         self,
@@ -590,6 +597,9 @@ class Engine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | Sequence[Singleton | None] | None = None,
+        debounce: Debounce | Sequence[Debounce | None] | None = None,
+        sequence: str | Sequence[str | None] | None = None,
     ) -> list[RunHandle[Any]]:
         """Start one run of `task` per input, stored in one write (one statement on Postgres).
 
@@ -604,6 +614,16 @@ class Engine:
         runs exist if and only if the caller's transaction commits.
 
         Runs of one batch are claimed in the order given among equal priorities.
+
+        `singleton`, `debounce` and `sequence` take one value for every input, or a list with
+        one per input (None: none for that input), each checked as `enqueue` checks it (with
+        the input's idempotency key, `delay`, `start_within` and `conn`) before anything is
+        stored. `sequence` keys are stored in the batch's one write, so a batch's runs of one
+        key start one at a time in the order given. A batch with a singleton or a debounce is
+        stored one `enqueue` per input, in order, each decided under its key's lock as
+        `enqueue` decides it (a later input of a key sees the runs the earlier ones stored:
+        one debounced run with the last input, one singleton run): the same outcome, but not
+        one write, so an error of the store part-way leaves the earlier runs stored.
         """
         if not isinstance(task, TaskDefinition | str):
             check.refuse(
@@ -648,6 +668,43 @@ class Engine:
                 positive=True,
                 expected="a timedelta > 0 such as timedelta(minutes=5), or None",
             )
+        singletons = per_input(singleton, "singleton", len(items), Singleton)
+        debounces = per_input(debounce, "debounce", len(items), Debounce)
+        sequences = per_input(sequence, "sequence", len(items), str)
+        flows = [
+            flow_key_fields(
+                task_name=definition.name,
+                concurrency=definition.concurrency,
+                singleton=singletons[i],
+                debounce=debounces[i],
+                sequence=sequences[i],
+                idempotency_key=keys[i],
+                delay=delay,
+                start_within=start_within,
+                conn=conn,
+            )
+            for i in range(len(items))
+        ]
+        if any(s is not None for s in singletons) or any(d is not None for d in debounces):
+            for item in items:  # every input checked before the first is stored
+                _serde.encode_input(item, definition.input_type, what="input")
+            return [
+                await self.enqueue(
+                    definition,
+                    item,
+                    idempotency_key=keys[i],
+                    priority=priority,
+                    delay=delay,
+                    conn=conn,
+                    tags=tags,
+                    deadline=deadline,
+                    start_within=start_within,
+                    singleton=singletons[i],
+                    debounce=debounces[i],
+                    sequence=sequences[i],
+                )
+                for i, item in enumerate(items)
+            ]
         if definition.rate_limit is not None:
             await ensure_defined(self.backend, definition.rate_limit, "enqueue_many()")
         strategy = definition.concurrency.strategy if definition.concurrency else "queue"
@@ -669,9 +726,10 @@ class Engine:
         with self.telemetry.producer_span(f"umt.enqueue {definition.name}", attributes) as span:
             trace_context = self.telemetry.inject()
             news: list[NewRun] = []
-            first_of_key: dict[str, int] = {}
+            first_of_key: dict[str, int] = {}  # a key's run, by its index in `news`
+            first_input: dict[str, int] = {}  # a key's first input, by its index in `items`
             same_as: list[int | None] = []  # per input: the earlier input of the same key
-            for item, key in zip(items, keys, strict=True):
+            for item, key, flow in zip(items, keys, flows, strict=True):
                 input_json, input_hash = _serde.encode_input(
                     item, definition.input_type, what="input"
                 )
@@ -698,6 +756,7 @@ class Engine:
                         input_type=definition.input_type,
                         input_json=input_json,
                     ),
+                    **flow,
                     deadline_at=deadline_at,
                     timeout=timeout,
                     start_within=start_within,
@@ -712,7 +771,10 @@ class Engine:
                     )
                 if key is not None and earlier is None:
                     first_of_key[key] = len(news)
-                same_as.append(earlier)
+                    first_input[key] = len(same_as)
+                # The handle list is per input: a repeat names its key's first input there (an
+                # index into `news` would be off by the repeats before it).
+                same_as.append(None if earlier is None or key is None else first_input[key])
                 if earlier is None:
                     news.append(new)
             stored: Sequence[EnqueueResult]
@@ -881,6 +943,23 @@ class Engine:
         check.integer(limit, "limit", at_least=1, at_most=10_000)
         store = event_store(self.backend, "event_refusals()")
         return builtins.list(await store.event_refusals(limit=limit))
+
+    async def events(
+        self, *, name: str | None = None, before: UUID | None = None, limit: int = 50
+    ) -> builtins.list[EventInfo]:
+        """The stored events, newest first, each with the runs it started (one per
+        subscribing task that has one so far: the publish's, and those workers started for
+        subscribers registered later). Events older than the event window are gone.
+
+        Args:
+            name: only the events of this name.
+            before: an event id from a previous page: the events after it (older).
+            limit: at most this many (1 to 500).
+
+        A bad argument raises `UsageError` naming it; a backend that cannot list events
+        (no `umt_sdk.backend.EventListStore`) raises `UsageError`.
+        """
+        return await list_events(self.backend, name=name, before=before, limit=limit)
 
     @staticmethod
     def _check_key_input(result: EnqueueResult, new: NewRun) -> None:

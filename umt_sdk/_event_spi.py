@@ -14,10 +14,12 @@ from uuid import UUID
 
 from attrs import field, frozen
 
-from umt_sdk._spi import EnqueueResult, NewRun
+from umt_sdk._spi import EnqueueResult, NewRun, RunStatus
 
 __all__ = [
+    "EventListStore",
     "EventRefusal",
+    "EventRun",
     "EventStore",
     "NewEvent",
     "PublishOutcome",
@@ -112,4 +114,35 @@ class EventStore(Protocol):
     async def expire_events(self, *, before: datetime, limit: int) -> int:
         """Delete at most `limit` events published before `before` (with their refusals);
         return how many."""
+        ...
+
+
+@frozen(kw_only=True)
+class EventRun:
+    """A run an event started: a run whose idempotency key is `umt.event:<event id>`."""
+
+    event_id: UUID
+    run_id: UUID
+    task_name: str
+    task_version: int
+    status: RunStatus
+
+
+@runtime_checkable
+class EventListStore(Protocol):
+    """What a backend implements to list events for operators (`engine.events()`, `umt
+    events list`, the dashboard's events page). Optional: without it those say the backend
+    cannot list events."""
+
+    async def list_events(
+        self, *, name: str | None, before: UUID | None, limit: int
+    ) -> Sequence[StoredEvent]:
+        """The stored events (of `name` only, when given), newest first (by publish time,
+        then id, both descending), at most `limit`; with `before` (an event id), only those
+        that come after that event in this order (an id no longer stored: from the start)."""
+        ...
+
+    async def event_runs(self, *, event_ids: Sequence[UUID]) -> Sequence[EventRun]:
+        """The runs these events started (idempotency key `umt.event:<event id>`, any task),
+        stored now (a pruned run's tombstone is not a run), in any order."""
         ...

@@ -29,7 +29,7 @@ from umt_sdk import _serde
 from umt_sdk._concurrency import MAX_KEY_LENGTH, Concurrency
 from umt_sdk.exceptions import UsageError
 
-__all__ = ["Debounce", "Singleton", "SingletonMode", "flow_key_fields"]
+__all__ = ["Debounce", "Singleton", "SingletonMode", "flow_key_fields", "per_input"]
 
 SingletonMode = Literal["skip", "replace"]
 """What a new trigger of a singleton key does while a run of the key is active (not
@@ -214,3 +214,30 @@ def flow_key_fields(
     if isinstance(singleton, Singleton):
         fields["singleton"] = singleton.mode
     return fields
+
+
+def per_input(value: object, argument: str, count: int, one: type | tuple[type, ...]) -> list[Any]:
+    """`enqueue_many`'s `singleton=`, `debounce=` or `sequence=`, one per input: None (none
+    for any), one value (`one`'s type: the same for every input), or a sequence with one
+    value (or None) per input; `UsageError` naming `argument` otherwise. The values
+    themselves are checked by `flow_key_fields`."""
+    if value is None:
+        return [None] * count
+    if isinstance(value, one):
+        return [value] * count
+    if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+        shown_type = one.__name__ if isinstance(one, type) else one[0].__name__
+        check.refuse(
+            argument,
+            f"a {shown_type} (the same for every input), a list of them with one per input "
+            "(None for none), or None",
+            value,
+        )
+    values = list(value)
+    if len(values) != count:
+        raise UsageError(
+            f"{argument} has {len(values)} values for {count} inputs: give one per input "
+            "(None for none), or one value for all",
+            argument=argument,
+        )
+    return values

@@ -624,6 +624,9 @@ class RunRecord:
     """The rate limit the run's starts take a token of (`NewRun.rate_limit`), None: none."""
     rate_limit_key: str | None = None
     """With `rate_limit`: the run's bucket ("" : the limit's one bucket)."""
+    debounce_key: str | None = None
+    """The key it was enqueued with as a debounced run (`NewRun.debounce_key`), None for any
+    other run. Read by `get_run` (a list's records may leave it None)."""
     steps: Sequence[StepRecord] = ()
     executions: Sequence[ExecutionRecord] = ()
     observed_at: datetime | None = field(default=None, validator=_tz_aware)

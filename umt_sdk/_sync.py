@@ -150,6 +150,9 @@ class SyncEngine:
         tags: Mapping[str, str] | None = None,
         deadline: datetime | timedelta | None = None,
         start_within: timedelta | None = None,
+        singleton: Singleton | Sequence[Singleton | None] | None = None,
+        debounce: Debounce | Sequence[Debounce | None] | None = None,
+        sequence: str | Sequence[str | None] | None = None,
     ) -> list[UUID]:
         """Enqueue many runs in one write (see `Engine.enqueue_many`) and return their ids,
         one per input, in order."""
@@ -164,6 +167,9 @@ class SyncEngine:
                 tags=tags,
                 deadline=deadline,
                 start_within=start_within,
+                singleton=singleton,
+                debounce=debounce,
+                sequence=sequence,
             )
         )
         return [handle.run_id for handle in handles]

@@ -118,6 +118,12 @@ class RunInfo:
     whose bucket had no token waits until `available_at`, when the next one is due."""
     rate_limit_key: str | None = None
     """With `rate_limit`: the run's bucket ("": the limit's one bucket)."""
+    debounce_key: str | None = None
+    """The key of `enqueue(debounce=Debounce(key, ...))` for a debounced run (from
+    `engine.get`; None in lists and for other runs)."""
+    fairness_weight: int | None = None
+    """When `concurrency_key` is a fairness key (`enqueue(fairness_key=..., weight=...)`): the
+    key's weight (from `engine.get`; None in lists and for other keys)."""
     deadline_at: datetime | None = None
     """When the run must be finished by (`@task(timeout=...)`, `enqueue(deadline=...)`);
     None: no deadline."""
@@ -316,6 +322,8 @@ def build_run_info(record: RunRecord) -> RunInfo:
         concurrency_key=record.concurrency_key,
         rate_limit=record.rate_limit,
         rate_limit_key=record.rate_limit_key,
+        debounce_key=record.debounce_key,
+        fairness_weight=record.fairness_weight,
         deadline_at=record.deadline_at,
         start_by=record.start_by,
         deadline_passed=deadline_passed(record),

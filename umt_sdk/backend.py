@@ -14,7 +14,9 @@ from umt_sdk._codec import check_codec, open_json, seal_json, sealed_by
 from umt_sdk._codec_backend import CodecBackend
 from umt_sdk._engine import new_run_id
 from umt_sdk._event_spi import (
+    EventListStore,
     EventRefusal,
+    EventRun,
     EventStore,
     NewEvent,
     PublishOutcome,
@@ -102,7 +104,9 @@ __all__ = [
     "Ending",
     "EnqueueResult",
     "ErrorInfo",
+    "EventListStore",
     "EventRefusal",
+    "EventRun",
     "EventStore",
     "ExecutionOutcome",
     "ExecutionRecord",

@@ -3,6 +3,7 @@ message, one that waits for a fact (a form's input type has fields of several ki
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Literal
 
 import attrs
@@ -66,7 +67,24 @@ async def report(ctx: TaskContext[Report]) -> str:
     return ctx.input.tenant
 
 
-TASKS: list[TaskDefinition[Any, Any]] = [ship, fail, approve, report]
+MINTED: dict[str, str] = {}
+"""The callback tokens `dash.pay` minted, by its input (the test reads them here)."""
+
+
+@task("dash.pay", version=1)
+async def pay(ctx: TaskContext[str]) -> Any:
+    """Mints a callback token (shown to the test in MINTED) and waits for its completion."""
+    token = await ctx.step.callback_token("payment", timeout=timedelta(hours=1))
+    MINTED[ctx.input] = token
+    return await ctx.step.wait_for_callback(token)
+
+
+@task("dash.on_placed", version=1, on_event="dash.order.placed")
+async def on_placed(ctx: TaskContext[Approval]) -> str:
+    return ctx.input.item
+
+
+TASKS: list[TaskDefinition[Any, Any]] = [ship, fail, approve, report, pay, on_placed]
 
 
 def registry() -> Registry:

@@ -19,8 +19,10 @@ from click.testing import CliRunner
 from umt_sdk.cli import cli
 from umt_sdk.cli._app import InputError
 from umt_sdk.cli._dashboard import check_exposure
+from umt_sdk.dashboard import sign_callback
 
 ROOT = Path(__file__).resolve().parents[2]
+CALLBACK_SECRET = "a-callback-secret-of-enough-characters"
 
 
 @pytest.mark.parametrize(
@@ -98,7 +100,7 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "UMT_CALLBACK_SECRET": CALLBACK_SECRET},
     )
     try:
         yield process, port
@@ -117,6 +119,7 @@ def test_umt_dashboard_serves_until_interrupted(
     assert process.stdout is not None
     first = process.stdout.readline()
     assert f"umt dashboard on http://127.0.0.1:{port}/" in first, first
+    assert "(callbacks: POST /callbacks/complete)" in first, first
     body = ""
     for _ in range(200):  # the line comes just before the socket is bound
         try:
@@ -139,6 +142,16 @@ def test_umt_dashboard_serves_until_interrupted(
         )
         assert enqueued.status_code == 303, enqueued.text
         metrics = client.get("/metrics").text
+        # The signed callback endpoint: unsigned is refused; signed, the token is checked.
+        body = b'{"token": "hello"}'
+        unsigned = client.post(
+            "/callbacks/complete", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert (unsigned.status_code, unsigned.json()["error"]["reason"]) == (401, "unsigned")
+        signed = client.post(
+            "/callbacks/complete", content=body, headers=sign_callback(CALLBACK_SECRET, body)
+        )
+        assert (signed.status_code, signed.json()["error"]["reason"]) == (400, "malformed")
     assert 'umt_runs_unfinished{status="pending",task="dash.ship",version="1"} 1.0' in metrics
     # The engine's own OpenTelemetry counter, through the OpenTelemetry Prometheus exporter.
     assert "umt_runs_enqueued" in metrics

@@ -48,3 +48,24 @@ WHERE id IN (
     SELECT id FROM {schema}.events WHERE published_at < %(before)s
     ORDER BY published_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
 RETURNING id;
+
+-- name: list_events
+-- The newest events (of a name, when given), newest first; after the event `before` (a cursor)
+-- when given. Read backwards through events_published (or events_by_name for a name).
+SELECT e.id, e.name, e.key, e.payload::text, e.published_at, e.trace_context::text
+FROM {schema}.events e
+WHERE (%(name)s::text IS NULL OR e.name = %(name)s)
+  AND (%(before)s::uuid IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {schema}.events c WHERE c.id = %(before)s)
+       OR (e.published_at, e.id) < (
+        SELECT c.published_at, c.id FROM {schema}.events c WHERE c.id = %(before)s))
+ORDER BY e.published_at DESC, e.id DESC
+LIMIT %(limit)s;
+
+-- name: event_runs
+-- The runs of these events (their idempotency keys `umt.event:<event id>`), through the partial
+-- index runs_event_key (migration 0026): the predicate is repeated so the planner can use it.
+SELECT r.idempotency_key, r.id, r.task_name, r.task_version, r.status
+FROM {schema}.runs r
+WHERE r.idempotency_key = ANY(%(keys)s::text[])
+  AND r.idempotency_key LIKE 'umt.event:%%';

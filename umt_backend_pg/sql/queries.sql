@@ -1085,7 +1085,7 @@ SELECT id, task_name, task_version, status, priority, created_at, updated_at, av
        lease_expirations, fencing_token, lease_owner, lease_expires_at, finished_at,
        cancel_requested_at, cancel_reason, wait_for, trace_context, parent_run_id, rerun_of,
        forked_from, forked_at_step, concurrency_key, tags, deadline_at, start_by,
-       rate_limit, rate_limit_key, now() AS db_now,
+       rate_limit, rate_limit_key, debounce_key, now() AS db_now,
        -- A fairness key's weight (migration 0025): one probe of the key's row, keyed runs only.
        CASE WHEN concurrency_key IS NOT NULL THEN (
            SELECT k.weight FROM {schema}.concurrency_keys k

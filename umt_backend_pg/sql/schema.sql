@@ -85,6 +85,9 @@ CREATE INDEX runs_waiting_for ON {schema}.runs (wait_for)
 -- Runs in needs_attention, for their listing (migrations/0022_needs_attention.sql).
 CREATE INDEX runs_needing_attention ON {schema}.runs (id)
     WHERE status = 'waiting' AND wait_for LIKE 'umt.attention:%';
+-- The runs events started, by their key (migrations/0026_event_runs.sql).
+CREATE INDEX runs_event_key ON {schema}.runs (idempotency_key)
+    WHERE idempotency_key LIKE 'umt.event:%';
 CREATE INDEX runs_by_task ON {schema}.runs (task_name, id);
 CREATE INDEX runs_finished ON {schema}.runs (task_name, finished_at)
     WHERE status IN ('completed', 'failed', 'canceled', 'compensated');

@@ -13,6 +13,7 @@ from umt_sdk.cli import (
     _check,  # noqa: F401  (registers `umt check`)
     _commands,  # noqa: F401  (registers the commands on `cli`)
     _dashboard,  # noqa: F401  (registers `umt dashboard`; its extra is imported when it runs)
+    _events,  # noqa: F401  (registers `umt events publish|list`)
     _lifecycle,  # noqa: F401  (registers `umt tasks ...`, `umt runs rerun|fork`)
     _limits,  # noqa: F401  (registers `umt limits ...`)
     _schedules,  # noqa: F401  (registers `umt schedules ...`)

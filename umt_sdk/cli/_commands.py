@@ -41,6 +41,7 @@ from umt_sdk.cli._app import (
     run,
     typed_command,
 )
+from umt_sdk.cli._keys import flow_key_options
 from umt_sdk.cli._render import (
     ChildTree,
     _dump,
@@ -342,6 +343,40 @@ def _tags(ctx: click.Context, param: click.Parameter, value: Any) -> dict[str, s
     metavar="KEY=VALUE",
     help="A tag to find the run by (umt runs list --tag); repeat for more.",
 )
+@click.option(
+    "--singleton",
+    metavar="KEY",
+    help="At most one active run of the task per KEY: while one is active, print its id and "
+    "store nothing (or replace it: --singleton-mode replace).",
+)
+@click.option(
+    "--singleton-mode",
+    type=click.Choice(["skip", "replace"]),
+    help="With --singleton: skip (the default) or replace the active run.",
+)
+@click.option(
+    "--debounce",
+    metavar="KEY",
+    help="Collapse a burst of triggers of KEY into one run with the last input (needs "
+    "--debounce-period).",
+)
+@click.option(
+    "--debounce-period",
+    callback=_duration,
+    metavar="DURATION",
+    help="With --debounce: the quiet time after the last trigger before the run starts.",
+)
+@click.option(
+    "--debounce-max-wait",
+    callback=_duration,
+    metavar="DURATION",
+    help="With --debounce: the longest delay from the first trigger (>= the period).",
+)
+@click.option(
+    "--sequence",
+    metavar="KEY",
+    help="Runs of the task with this KEY start one at a time, in enqueue order.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_config
 def enqueue(
@@ -355,6 +390,12 @@ def enqueue(
     deadline: timedelta | None,
     start_within: timedelta | None,
     tags: dict[str, str],
+    singleton: str | None,
+    singleton_mode: str | None,
+    debounce: str | None,
+    debounce_period: timedelta | None,
+    debounce_max_wait: timedelta | None,
+    sequence: str | None,
     as_json: bool,
 ) -> None:
     """Start a run of TASK (its newest version, or TASK@VERSION) and print its id.
@@ -365,6 +406,10 @@ def enqueue(
 
     With --idempotency-key, enqueueing the same key and input again prints the existing run's
     id; the same key with a different input is refused (exit 1).
+
+    Keys that shape the flow (one per enqueue): --singleton KEY (--singleton-mode skip or
+    replace), --debounce KEY --debounce-period 5s [--debounce-max-wait 1m], --sequence KEY.
+    A trigger that joined or was skipped prints the run it joined, and says so on stderr.
     """
     if not registry_ref:
         raise InputError(
@@ -379,6 +424,18 @@ def enqueue(
     except PayloadError as exc:
         detail = str(exc).removeprefix("invalid input: ")
         raise InputError(f"invalid --input for {definition.pair}: {detail}") from exc
+    keys = flow_key_options(
+        definition,
+        singleton=singleton,
+        singleton_mode=singleton_mode,
+        debounce=debounce,
+        debounce_period=debounce_period,
+        debounce_max_wait=debounce_max_wait,
+        sequence=sequence,
+        idempotency_key=idempotency_key,
+        delay=delay,
+        start_within=start_within,
+    )
 
     async def go() -> None:
         async with open_engine(cfg, registry) as engine:
@@ -392,6 +449,7 @@ def enqueue(
                 deadline=deadline,
                 start_within=start_within,
                 tags=tags,
+                **keys,
             )
         if as_json:
             click.echo(
@@ -407,10 +465,14 @@ def enqueue(
             return
         click.echo(str(handle.run_id))
         if not handle.created:
+            if singleton is not None:
+                why = f"is the active run of singleton key {singleton!r}: nothing stored"
+            elif debounce is not None:
+                why = f"is the debounced run of key {debounce!r}: it takes this input"
+            else:
+                why = f"has idempotency key {idempotency_key!r} and this input"
             click.echo(
-                f"(an existing run of {handle.task_name}@{handle.task_version} has idempotency "
-                f"key {idempotency_key!r} and this input)",
-                err=True,
+                f"(an existing run of {handle.task_name}@{handle.task_version} {why})", err=True
             )
 
     run(go(), cfg)

@@ -22,9 +22,10 @@ from umt_sdk.cli._app import (
     run,
 )
 
-__all__ = ["TOKEN_VARIABLE", "check_exposure"]
+__all__ = ["CALLBACK_SECRET_VARIABLE", "TOKEN_VARIABLE", "callback_secrets", "check_exposure"]
 
 TOKEN_VARIABLE = "UMT_DASHBOARD_TOKEN"
+CALLBACK_SECRET_VARIABLE = "UMT_CALLBACK_SECRET"
 
 
 def _is_loopback(host: str) -> bool:
@@ -53,6 +54,26 @@ def check_exposure(*, host: str, token: str | None, read_only: bool, no_auth: bo
         f"{TOKEN_VARIABLE} (at least 8 characters; every visitor must type it), or pass "
         "--read-only --no-auth to show it to anyone who can reach the port, or bind 127.0.0.1"
     )
+
+
+def callback_secrets(value: str | None, *, read_only: bool) -> list[str] | None:
+    """The callback endpoint's secrets from `UMT_CALLBACK_SECRET` (comma-separated during a
+    rotation), or None: no endpoint. `InputError` for a short secret or with --read-only."""
+    if not value:
+        return None
+    secrets = [part.strip() for part in value.split(",")]
+    if any(len(part) < 32 for part in secrets):
+        raise InputError(
+            f"{CALLBACK_SECRET_VARIABLE} needs secrets of at least 32 characters each "
+            "(comma-separated during a rotation), such as the output of "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
+    if read_only:
+        raise InputError(
+            f"--read-only and {CALLBACK_SECRET_VARIABLE} contradict each other: a read-only "
+            "dashboard changes nothing, and the callback endpoint completes callbacks"
+        )
+    return secrets
 
 
 @cli.command()
@@ -93,13 +114,15 @@ def dashboard(
     """Serve the web dashboard (runs, timelines, tasks, workers; cancel, facts, enqueue).
 
     Binds 127.0.0.1:8765 by default. On another --host it needs UMT_DASHBOARD_TOKEN (typed
-    once on its login page), or --read-only --no-auth. Needs the dashboard extra:
-    pip install 'umt-tasks[dashboard]'.
+    once on its login page), or --read-only --no-auth. With UMT_CALLBACK_SECRET set it also
+    serves POST /callbacks/complete, which completes callback tokens for requests signed with
+    that secret. Needs the dashboard extra: pip install 'umt-tasks[dashboard]'.
     """
     token = os.environ.get(TOKEN_VARIABLE) or None
     check_exposure(host=host, token=token, read_only=read_only, no_auth=no_auth)
     if token is not None and len(token) < 8:
         raise InputError(f"{TOKEN_VARIABLE} needs at least 8 characters")
+    secrets = callback_secrets(os.environ.get(CALLBACK_SECRET_VARIABLE), read_only=read_only)
     try:
         import uvicorn
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -119,13 +142,20 @@ def dashboard(
 
     async def serve() -> None:
         async with open_engine(cfg, registry, meter_provider=meters) as engine:
-            app = create_app(engine, read_only=read_only, token=token, trace_url_template=trace_url)
+            app = create_app(
+                engine,
+                read_only=read_only,
+                token=token,
+                trace_url_template=trace_url,
+                callback_secret=secrets,
+            )
             config = uvicorn.Config(
                 app, host=host, port=port, log_level="warning", lifespan="off", access_log=False
             )
             server = uvicorn.Server(config)
             shown = f"[{host}]" if ":" in host else host
             mode = " (read-only)" if read_only else ""
+            mode += " (callbacks: POST /callbacks/complete)" if secrets else ""
             where = f" ({cfg.where()})" if cfg.where() else ""
             click.echo(f"umt dashboard on http://{shown}:{port}/{mode}{where}", nl=True)
             await server.serve()

@@ -226,6 +226,8 @@ def _show_text(
         fields.append(("tags", ", ".join(f"{k}={v}" for k, v in sorted(info.tags.items()))))
     if info.concurrency_key is not None:
         fields.append(("concurrency key", info.concurrency_key))
+    if info.debounce_key is not None:
+        fields.append(("debounce key", info.debounce_key))
     if info.rate_limit is not None:
         bucket = f" (bucket {info.rate_limit_key!r})" if info.rate_limit_key else ""
         fields.append(
@@ -352,6 +354,7 @@ def _run_json(info: RunInfo, *, detail: bool) -> dict[str, Any]:
         "parent_run_id": None if info.parent_run_id is None else str(info.parent_run_id),
         "tags": dict(info.tags),
         "concurrency_key": info.concurrency_key,
+        "debounce_key": info.debounce_key,
         "rate_limit": info.rate_limit,
         "rate_limit_key": info.rate_limit_key,
         "deadline_at": _iso(info.deadline_at),

@@ -18,5 +18,6 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from umt_sdk.dashboard._app import create_app
+from umt_sdk.dashboard._callbacks import sign_callback
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "sign_callback"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
@@ -39,6 +39,7 @@ from umt_sdk._definition import TaskDefinition
 from umt_sdk._engine import Engine
 from umt_sdk._insight import TaskStats, WorkerInfo
 from umt_sdk._schedules import ScheduleInfo
+from umt_sdk.dashboard import _callbacks as callbacks
 from umt_sdk.dashboard import _forms as forms
 from umt_sdk.dashboard import _pages as pages
 from umt_sdk.dashboard import _security as security
@@ -94,8 +95,10 @@ class _Dashboard:
         token: str | None,
         trace_url_template: str | None,
         title: str,
+        callback_secrets: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
+        self.callback_secrets = callback_secrets
         self.read_only = read_only
         self.token = token
         self.trace_url_template = trace_url_template
@@ -142,9 +145,10 @@ class _Dashboard:
     ) -> Response:
         """Middleware: with a token, nothing but the login page and the static files is served
         to a request that does not carry it."""
-        if self.token is None:
-            return await call_next(request)
         path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+        if self.token is None or (path == "/callbacks/complete" and self.callback_secrets):
+            # The callback endpoint is authenticated by its signature, not the access token.
+            return await call_next(request)
         if path.startswith(("/login", "/static/")) or security.token_matches(request, self.token):
             return await call_next(request)
         if path == "/metrics" or "text/html" not in request.headers.get("accept", ""):
@@ -241,6 +245,7 @@ class _Dashboard:
             request,
             template,
             info=info,
+            keys=pages.run_keys(info, self.registered(info.task_name, info.task_version)),
             timeline=pages.build_timeline(info, datetime.now(UTC)),
             children=children,
             streams=streams,
@@ -585,6 +590,17 @@ class _Dashboard:
             extra=extra,
         )
 
+    # -- events ---------------------------------------------------------------------------------
+
+    async def events(self, request: Request) -> Response:
+        view = await pages.fetch_events(self.engine, request.query_params)
+        return self.render(request, "events.html", **view)
+
+    # -- callbacks ------------------------------------------------------------------------------
+
+    async def complete_callback(self, request: Request) -> Response:
+        return await callbacks.complete(self.engine, request, self.callback_secrets)
+
     # -- metrics --------------------------------------------------------------------------------
 
     async def metrics(self, request: Request) -> Response:
@@ -598,6 +614,7 @@ def create_app(
     token: str | None = None,
     trace_url_template: str | None = None,
     title: str = "umt",
+    callback_secret: str | Sequence[str] | None = None,
 ) -> Starlette:
     """The dashboard as an ASGI app, to serve with uvicorn or mount in your own app.
 
@@ -615,6 +632,10 @@ def create_app(
             `http://localhost:16686/trace/{trace_id}` for Jaeger): a run's trace id becomes
             a link to it.
         title: the name in the page titles and the header.
+        callback_secret: serve `POST /callbacks/complete`, the signed endpoint that
+            completes callback tokens (see docs/dashboard.md), with this secret (at least
+            32 characters), or a list of secrets during a rotation (a request signed by any
+            one is accepted). None: no such endpoint. Refused with `read_only`.
     """
     check.optional(token, str, "token", "a string (the access token) or None", where="create_app()")
     if token is not None and len(token) < 8:
@@ -631,12 +652,20 @@ def create_app(
         )
     if not isinstance(engine, Engine):
         check.refuse("engine", "an Engine (await umt_sdk.connect(url, ...))", engine)
+    callback_secrets = callbacks.check_secrets(callback_secret)
+    if callback_secrets and read_only:
+        raise UsageError(
+            "create_app(read_only=True, callback_secret=...): a read-only dashboard changes "
+            "nothing, and the callback endpoint completes callbacks: give one or the other",
+            argument="callback_secret",
+        )
     board = _Dashboard(
         engine,
         read_only=bool(read_only),
         token=token,
         trace_url_template=trace_url_template,
         title=str(title),
+        callback_secrets=callback_secrets,
     )
 
     async def home(request: Request) -> Response:
@@ -665,7 +694,13 @@ def create_app(
         Route("/rate-limits", board.rate_limits),
         Route("/rate-limits/pause", board.pause_or_resume_limit, methods=["POST"]),
         Route("/rate-limits/resume", board.pause_or_resume_limit, methods=["POST"]),
+        Route("/events", board.events),
         Route("/metrics", board.metrics),
+        *(
+            [Route("/callbacks/complete", board.complete_callback, methods=["POST"])]
+            if callback_secrets
+            else []
+        ),
         Mount(
             "/static", app=StaticFiles(packages=[("umt_sdk.dashboard", "static")]), name="static"
         ),

@@ -19,6 +19,7 @@ from uuid import UUID
 
 from attrs import field, frozen
 
+from umt_sdk._definition import TaskDefinition
 from umt_sdk._engine import Engine
 from umt_sdk._logging import redact, redact_text
 from umt_sdk._spi import TERMINAL_STATUSES, ErrorInfo, ExecutionRecord, RunStatus, TaskPair
@@ -29,12 +30,15 @@ __all__ = [
     "PAGE_SIZE",
     "STATUSES",
     "RunFilters",
+    "RunKey",
     "Timeline",
     "build_timeline",
     "cell",
     "error_text",
+    "fetch_events",
     "fetch_runs",
     "pretty_json",
+    "run_keys",
 ]
 
 STATUSES: tuple[str, ...] = (*get_args(RunStatus), "needs_attention")
@@ -70,6 +74,8 @@ class RunFilters:
     """`name` or `name@version`."""
     run_id: str = ""
     idempotency_key: str = ""
+    key: str = ""
+    """The runs of a concurrency key (a task's `concurrency=`, a singleton, a sequence)."""
     worker: str = ""
     created_after: str = ""
     created_before: str = ""
@@ -94,6 +100,7 @@ class RunFilters:
             task=text("task", 220),
             run_id=text("run_id", 64),
             idempotency_key=text("idempotency_key"),
+            key=text("key", 255),
             worker=text("worker", 255),
             created_after=text("created_after", 40),
             created_before=text("created_before", 40),
@@ -110,6 +117,7 @@ class RunFilters:
             "task": self.task,
             "run_id": self.run_id,
             "idempotency_key": self.idempotency_key,
+            "key": self.key,
             "worker": self.worker,
             "created_after": self.created_after,
             "created_before": self.created_before,
@@ -150,6 +158,11 @@ class RunFilters:
                 errors["idempotency_key"] = "keys are per task: give the task too"
             else:
                 arguments["idempotency_key"] = self.idempotency_key
+        if self.key:
+            if not self.task:
+                errors["key"] = "keys are per task: give the task too"
+            else:
+                arguments["concurrency_key"] = self.key
         if self.worker:
             arguments["worker_id"] = self.worker
         if self.parent:
@@ -605,3 +618,140 @@ def duration(delta: timedelta | None) -> str:
     if seconds < 86400:
         return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
     return f"{seconds // 86400}d {seconds % 86400 // 3600}h"
+
+
+@frozen(kw_only=True)
+class RunKey:
+    """One key of a run, as its page shows it: its label, the key, what it does, and the
+    query string of the runs list that shows the key's runs (empty: none)."""
+
+    kind: str
+    key: str
+    meaning: str
+    runs_query: str = ""
+
+
+def run_keys(info: RunInfo, definition: TaskDefinition[Any, Any] | None) -> list[RunKey]:
+    """The keys a run was enqueued with: its idempotency key, its concurrency key (a fairness
+    key when it has a weight, the task's `concurrency=` when the registered task has one, else
+    a singleton's or a sequence's: the store keeps the key, not which of the two made it), its
+    debounce key and its rate limit's bucket."""
+    keys: list[RunKey] = []
+    task = info.task_name
+    if info.idempotency_key is not None:
+        keys.append(
+            RunKey(
+                kind="Idempotency key",
+                key=info.idempotency_key,
+                meaning="the same key and input give back this run",
+                runs_query=urlencode({"task": task, "idempotency_key": info.idempotency_key}),
+            )
+        )
+    if info.concurrency_key is not None:
+        query = urlencode({"task": task, "key": info.concurrency_key})
+        concurrency = definition.concurrency if definition is not None else None
+        if info.fairness_weight is not None:
+            keys.append(
+                RunKey(
+                    kind="Fairness key",
+                    key=info.concurrency_key,
+                    meaning="takes turns with the task's other keys in the claim "
+                    f"(weight {info.fairness_weight})",
+                    runs_query=query,
+                )
+            )
+        elif concurrency is not None:
+            keys.append(
+                RunKey(
+                    kind="Concurrency key",
+                    key=info.concurrency_key,
+                    meaning=f"at most {concurrency.limit} run(s) of the key at once "
+                    f"(the task's concurrency=, strategy {concurrency.strategy})",
+                    runs_query=query,
+                )
+            )
+        else:
+            keys.append(
+                RunKey(
+                    kind="Singleton or sequence key",
+                    key=info.concurrency_key,
+                    meaning="one run of the key at a time (enqueue's singleton= or sequence=)",
+                    runs_query=query,
+                )
+            )
+    if info.debounce_key is not None:
+        keys.append(
+            RunKey(
+                kind="Debounce key",
+                key=info.debounce_key,
+                meaning="triggers of the key before the run started joined it (the last input won)",
+            )
+        )
+    if info.rate_limit is not None:
+        bucket = info.rate_limit_key or ""
+        keys.append(
+            RunKey(
+                kind="Rate limit",
+                key=f"{info.rate_limit}" + (f" / {bucket}" if bucket else ""),
+                meaning="each start takes a token of this bucket",
+            )
+        )
+    return keys
+
+
+EVENTS_PAGE_SIZE = 50
+
+
+@frozen(kw_only=True)
+class EventRow:
+    """An event as the events page shows it (its payload as JSON text, for `cell`)."""
+
+    event_id: UUID
+    name: str
+    key: str
+    published_at: datetime
+    payload_json: str
+    runs: Sequence[Any]
+
+
+async def fetch_events(engine: Engine, params: Mapping[str, str]) -> dict[str, Any]:
+    """The events page's context: the newest events (of `name`), a page after `before`."""
+    name = str(params.get("name", "")).strip()[:220]
+    before_text = str(params.get("before", "")).strip()[:64]
+    context: dict[str, Any] = {
+        "name": name,
+        "events": [],
+        "error": "",
+        "error_field": "",
+        "next_cursor": None,
+        "next_query": "",
+    }
+    before: UUID | None = None
+    if before_text:
+        try:
+            before = UUID(before_text)
+        except ValueError:
+            context.update(error="before: not an event id (a UUID)", error_field="before")
+            return context
+    try:
+        found = await engine.events(name=name or None, before=before, limit=EVENTS_PAGE_SIZE)
+    except UsageError as exc:
+        context.update(error=str(exc), error_field=exc.argument)
+        return context
+    context["events"] = [
+        EventRow(
+            event_id=e.event_id,
+            name=e.name,
+            key=e.key,
+            published_at=e.published_at,
+            payload_json=json.dumps(e.payload),
+            runs=e.runs,
+        )
+        for e in found
+    ]
+    if len(found) == EVENTS_PAGE_SIZE:
+        context["next_cursor"] = found[-1].event_id
+        context["next_query"] = urlencode(
+            {k: v for k, v in {"name": name, "before": str(found[-1].event_id)}.items() if v}
+        )
+    return context

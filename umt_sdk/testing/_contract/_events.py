@@ -234,3 +234,44 @@ class EventsContract:
             await eventually(started)
             (run,) = await _runs_of(later, "contract.events.late")
             assert await later.result(run.run_id, timeout=15) == f"late-{SECRET}"
+
+    async def test_events_are_listed_newest_first_with_the_runs_they_started(
+        self, engine: Engine, harness: BackendHarness
+    ) -> None:
+        first = await engine.publish(PLACED, Order("l1", amount=1), key="l1")
+        await harness.advance(timedelta(milliseconds=10))
+        lonely = await engine.publish("contract.nobody", {"n": 1}, key="n1")
+        await harness.advance(timedelta(milliseconds=10))
+        second = await engine.publish(PLACED, Order("l2"))
+        listed = await engine.events()
+        assert [e.event_id for e in listed] == [second.event_id, lonely.event_id, first.event_id]
+        newest = listed[0]
+        assert (newest.name, newest.key) == (PLACED, str(second.event_id))
+        assert newest.payload == {"order_id": "l2", "amount": 0}
+        assert {(r.run_id, r.task_name, r.status) for r in newest.runs} == {
+            (h.run_id, h.task_name, "pending") for h in second.runs
+        }
+        assert [r.task_name for r in newest.runs] == sorted(r.task_name for r in newest.runs)
+        assert listed[1].runs == (), "an event no task subscribes to started nothing"
+        assert listed[2].key == "l1"
+        async with engine.worker(concurrency=2):
+            await engine.wait_idle([h.run_id for h in first.runs], timeout=15)
+        (done,) = await engine.events(name=PLACED, before=second.event_id)
+        assert done.event_id == first.event_id
+        assert {r.status for r in done.runs} == {"completed"}
+        assert [e.event_id for e in await engine.events(name=PLACED, limit=1)] == [second.event_id]
+        assert await engine.events(name="contract.none") == []
+
+    async def test_listing_events_refuses_bad_arguments(self, engine: Engine) -> None:
+        bad: list[tuple[str, dict[str, Any]]] = [
+            ("name", {"name": "order placed"}),
+            ("name", {"name": ""}),
+            ("limit", {"limit": 0}),
+            ("limit", {"limit": 501}),
+            ("limit", {"limit": True}),
+            ("before", {"before": "not-a-uuid"}),
+        ]
+        for argument, kwargs in bad:
+            with pytest.raises(UsageError) as info:
+                await engine.events(**kwargs)
+            assert info.value.argument == argument, kwargs

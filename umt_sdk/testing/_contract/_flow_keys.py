@@ -19,6 +19,7 @@ import pytest
 from umt_sdk import (
     Debounce,
     Engine,
+    PayloadError,
     RunCanceledError,
     Singleton,
     TaskContext,
@@ -370,3 +371,87 @@ class FlowKeysContract:
         assert tally.business["most"]["r"] == 1, "one run of the key inside at a time"
         starts = tally.business["starts"]
         assert starts.index("r:1") < len(starts) - 2, "the rerun and the fork started after r:1"
+
+    # -- in a batch (enqueue_many) ----------------------------------------------------------
+
+    async def test_a_batch_with_sequence_keys_starts_each_key_in_the_order_given(
+        self, engine: Engine, tally: Tally
+    ) -> None:
+        jobs = [Job(key=f"{seq}:{i}") for i in range(4) for seq in ("ba", "bb")]
+        handles = await engine.enqueue_many(
+            sequenced_task, jobs, sequence=[job.key.split(":")[0] for job in jobs]
+        )
+        one_key = await engine.enqueue_many(sequenced_task, [Job(key="bc:0")], sequence="bc")
+        assert (await engine.get(handles[1].run_id)).concurrency_key == "bb"
+        async with engine.worker(concurrency=8):
+            for handle in [*handles, *one_key]:
+                await handle.result(timeout=30)
+        starts = tally.business["starts"]
+        for seq in ("ba", "bb"):
+            assert [k for k in starts if k.startswith(seq + ":")] == [
+                f"{seq}:{i}" for i in range(4)
+            ]
+        assert tally.business["most"] == Counter({"ba": 1, "bb": 1, "bc": 1})
+
+    async def test_a_batch_of_debounces_makes_one_run_per_key_with_its_last_input(
+        self, engine: Engine
+    ) -> None:
+        d, e = (Debounce(k, period=timedelta(milliseconds=200)) for k in ("bd", "be"))
+        handles = await engine.enqueue_many(
+            debounced_task,
+            [Job(key="bd:0"), Job(key="be:0"), Job(key="bd:1"), Job(key="bd:2")],
+            debounce=[d, e, d, d],
+        )
+        assert [h.created for h in handles] == [True, True, False, False]
+        assert handles[0].run_id == handles[2].run_id == handles[3].run_id != handles[1].run_id
+        async with engine.worker(concurrency=4):
+            assert await handles[0].result(timeout=15) == "bd:2", "the last input wins"
+            assert await handles[1].result(timeout=15) == "be:0"
+        assert len((await engine.list(task_name=debounced_task.name)).runs) == 2
+
+    async def test_a_batch_of_singletons_stores_one_run_per_key(self, engine: Engine) -> None:
+        handles = await engine.enqueue_many(
+            singleton_task,
+            [Job(key="bs:1"), Job(key="bs:2"), Job(key="bo:1")],
+            singleton=[Singleton("bs"), Singleton("bs"), Singleton("bo")],
+        )
+        assert [h.created for h in handles] == [True, False, True]
+        assert handles[1].run_id == handles[0].run_id
+        same = await engine.enqueue_many(
+            singleton_task, [Job(key="bt:1"), Job(key="bt:2")], singleton=Singleton("bt")
+        )
+        assert [h.created for h in same] == [True, False]
+        async with engine.worker(concurrency=4):
+            assert await handles[1].result(timeout=15) == "bs:1", "the skipped input is not stored"
+            assert await same[1].result(timeout=15) == "bt:1"
+        assert len((await engine.list(task_name=singleton_task.name)).runs) == 3
+
+    async def test_batch_keys_refuse_bad_input_and_store_nothing(self, engine: Engine) -> None:
+        debounce = Debounce("bk", timedelta(seconds=1))
+        two = [Job(key="bad:0"), Job(key="bad:1")]
+        refused: list[tuple[str, TaskDefinition[Any, Any], dict[str, Any]]] = [
+            ("sequence", sequenced_task, {"sequence": ["a"]}),
+            ("sequence", sequenced_task, {"sequence": ["a", 3]}),
+            ("sequence", keyed_task, {"sequence": "a"}),
+            ("singleton", singleton_task, {"singleton": "s"}),
+            ("singleton", singleton_task, {"singleton": [Singleton("s")] * 3}),
+            ("debounce", debounced_task, {"debounce": {"key": "k"}}),
+            ("debounce", debounced_task, {"debounce": debounce, "idempotency_keys": ["i", None]}),
+            ("delay", debounced_task, {"debounce": debounce, "delay": timedelta(seconds=1)}),
+            ("sequence", debounced_task, {"debounce": [debounce, None], "sequence": "s"}),
+        ]
+        for argument, target, kwargs in refused:
+            with pytest.raises(UsageError) as caught:
+                await engine.enqueue_many(target, two, **kwargs)
+            assert caught.value.argument == argument, kwargs
+        with pytest.raises(PayloadError):  # the second input is bad: the first is not stored
+            await engine.enqueue_many(
+                debounced_task.name, [Job(key="ok"), {"n": 1}], debounce=debounce
+            )
+        for name in (
+            singleton_task.name,
+            debounced_task.name,
+            sequenced_task.name,
+            keyed_task.name,
+        ):
+            assert not (await engine.list(task_name=name)).runs
