@@ -565,6 +565,8 @@ class Engine:
         singleton: Singleton | Sequence[Singleton | None] | None = None,
         debounce: Debounce | Sequence[Debounce | None] | None = None,
         sequence: str | Sequence[str | None] | None = None,
+        fairness_key: str | Sequence[str | None] | None = None,
+        weight: int | Sequence[int | None] | None = None,
     ) -> list[RunHandle[O]]: ...
     @overload
     async def enqueue_many(
@@ -583,6 +585,8 @@ class Engine:
         singleton: Singleton | Sequence[Singleton | None] | None = None,
         debounce: Debounce | Sequence[Debounce | None] | None = None,
         sequence: str | Sequence[str | None] | None = None,
+        fairness_key: str | Sequence[str | None] | None = None,
+        weight: int | Sequence[int | None] | None = None,
     ) -> list[RunHandle[Any]]: ...
     async def enqueue_many(
         self,
@@ -600,6 +604,8 @@ class Engine:
         singleton: Singleton | Sequence[Singleton | None] | None = None,
         debounce: Debounce | Sequence[Debounce | None] | None = None,
         sequence: str | Sequence[str | None] | None = None,
+        fairness_key: str | Sequence[str | None] | None = None,
+        weight: int | Sequence[int | None] | None = None,
     ) -> list[RunHandle[Any]]:
         """Start one run of `task` per input, stored in one write (one statement on Postgres).
 
@@ -615,11 +621,12 @@ class Engine:
 
         Runs of one batch are claimed in the order given among equal priorities.
 
-        `singleton`, `debounce` and `sequence` take one value for every input, or a list with
-        one per input (None: none for that input), each checked as `enqueue` checks it (with
-        the input's idempotency key, `delay`, `start_within` and `conn`) before anything is
-        stored. `sequence` keys are stored in the batch's one write, so a batch's runs of one
-        key start one at a time in the order given. A batch with a singleton or a debounce is
+        `singleton`, `debounce`, `sequence`, `fairness_key` and `weight` take one value for
+        every input, or a list with one per input (None: none for that input), each checked as
+        `enqueue` checks it (with the input's idempotency key, `delay`, `start_within` and
+        `conn`) before anything is stored. `sequence` and fairness keys are stored in the
+        batch's one write, so a batch's runs of one sequence key start one at a time in the
+        order given. A batch with a singleton or a debounce is
         stored one `enqueue` per input, in order, each decided under its key's lock as
         `enqueue` decides it (a later input of a key sees the runs the earlier ones stored:
         one debounced run with the last input, one singleton run): the same outcome, but not
@@ -671,6 +678,8 @@ class Engine:
         singletons = per_input(singleton, "singleton", len(items), Singleton)
         debounces = per_input(debounce, "debounce", len(items), Debounce)
         sequences = per_input(sequence, "sequence", len(items), str)
+        fairness_keys = per_input(fairness_key, "fairness_key", len(items), str)
+        weights = per_input(weight, "weight", len(items), int)
         flows = [
             flow_key_fields(
                 task_name=definition.name,
@@ -682,6 +691,16 @@ class Engine:
                 delay=delay,
                 start_within=start_within,
                 conn=conn,
+            )
+            for i in range(len(items))
+        ]
+        fairs = [
+            fairness_fields(
+                task_name=definition.name,
+                fairness_key=fairness_keys[i],
+                weight=weights[i],
+                concurrency=definition.concurrency,
+                flow=flows[i],
             )
             for i in range(len(items))
         ]
@@ -702,6 +721,8 @@ class Engine:
                     singleton=singletons[i],
                     debounce=debounces[i],
                     sequence=sequences[i],
+                    fairness_key=fairness_keys[i],
+                    weight=weights[i],
                 )
                 for i, item in enumerate(items)
             ]
@@ -729,7 +750,7 @@ class Engine:
             first_of_key: dict[str, int] = {}  # a key's run, by its index in `news`
             first_input: dict[str, int] = {}  # a key's first input, by its index in `items`
             same_as: list[int | None] = []  # per input: the earlier input of the same key
-            for item, key, flow in zip(items, keys, flows, strict=True):
+            for item, key, flow, fair in zip(items, keys, flows, fairs, strict=True):
                 input_json, input_hash = _serde.encode_input(
                     item, definition.input_type, what="input"
                 )
@@ -757,6 +778,7 @@ class Engine:
                         input_json=input_json,
                     ),
                     **flow,
+                    **fair,
                     deadline_at=deadline_at,
                     timeout=timeout,
                     start_within=start_within,

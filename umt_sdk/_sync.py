@@ -153,6 +153,8 @@ class SyncEngine:
         singleton: Singleton | Sequence[Singleton | None] | None = None,
         debounce: Debounce | Sequence[Debounce | None] | None = None,
         sequence: str | Sequence[str | None] | None = None,
+        fairness_key: str | Sequence[str | None] | None = None,
+        weight: int | Sequence[int | None] | None = None,
     ) -> list[UUID]:
         """Enqueue many runs in one write (see `Engine.enqueue_many`) and return their ids,
         one per input, in order."""
@@ -170,6 +172,8 @@ class SyncEngine:
                 singleton=singleton,
                 debounce=debounce,
                 sequence=sequence,
+                fairness_key=fairness_key,
+                weight=weight,
             )
         )
         return [handle.run_id for handle in handles]

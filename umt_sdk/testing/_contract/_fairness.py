@@ -210,6 +210,35 @@ class FairnessContract:
         plain = await engine.enqueue(fair_task, Job(key="p:0"))
         assert (await engine.backend.get_run_head(plain.run_id)).fairness_weight is None  # type: ignore[union-attr]
 
+    async def test_a_batch_takes_a_fairness_key_and_weight_per_input(self, engine: Engine) -> None:
+        handles = await engine.enqueue_many(
+            fair_task,
+            [Job(key="m:0"), Job(key="m:1"), Job(key="m:2")],
+            fairness_key=["a", "b", None],
+            weight=[3, None, None],
+        )
+        heads = [await engine.backend.get_run_head(h.run_id) for h in handles]
+        assert [(h.concurrency_key, h.fairness_weight) for h in heads if h is not None] == [
+            ("a", 3),
+            ("b", 1),
+            (None, None),
+        ]
+        same = await engine.enqueue_many(fair_task, [Job(key="m:3")], fairness_key="a", weight=2)
+        head = await engine.backend.get_run_head(same[0].run_id)
+        assert head is not None
+        assert (head.concurrency_key, head.fairness_weight) == ("a", 2)
+        for argument, kwargs in (
+            ("weight", {"fairness_key": "a", "weight": [1, 0]}),
+            ("weight", {"weight": 2}),
+            ("fairness_key", {"fairness_key": ["a"]}),
+            ("fairness_key", {"fairness_key": ["a", ""]}),
+        ):
+            with pytest.raises(UsageError) as caught:
+                await engine.enqueue_many(fair_task, [Job(key="bad:0"), Job(key="bad:1")], **kwargs)
+            assert caught.value.argument == argument, kwargs
+        stored = (await engine.list(task_name=fair_task.name)).runs
+        assert sorted(r.run_id for r in stored) == sorted(h.run_id for h in [*handles, *same])
+
     async def test_bad_fairness_input_is_refused_and_nothing_stored(self, engine: Engine) -> None:
         refused: list[tuple[str, dict[str, Any]]] = [
             ("weight", {"fairness_key": "t", "weight": 0}),
