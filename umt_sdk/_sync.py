@@ -12,6 +12,7 @@ from uuid import UUID
 
 from umt_sdk._attention import Settlement
 from umt_sdk._engine import Engine, connect
+from umt_sdk._event_list import EventInfo
 from umt_sdk._export import RunHistory
 from umt_sdk._flow_keys import Debounce, Singleton
 from umt_sdk._rate_limits import RateLimit, RateLimits
@@ -182,6 +183,13 @@ class SyncEngine:
         """Publish an event (see `Engine.publish`) and return its id (a repeat's: the stored
         event's)."""
         return self._call(self._engine.publish(name, payload, key=key)).event_id
+
+    def events(
+        self, *, name: str | None = None, before: UUID | None = None, limit: int = 50
+    ) -> list[EventInfo]:
+        """The stored events, newest first, each with the runs it started (see
+        `Engine.events`)."""
+        return self._call(self._engine.events(name=name, before=before, limit=limit))
 
     def signal(self, run_id: UUID, name: str, payload: Any = None) -> bool:
         return self._call(self._engine.signal(run_id, name, payload))

@@ -180,3 +180,21 @@ def test_enqueue_many_returns_one_id_per_input_in_order() -> None:
         assert len(set(ids)) == 3
         assert [facade.get(run_id).priority for run_id in (ids[0], ids[2])] == [3, 3]
         assert [facade.get(run_id).input for run_id in ids] == [{"key": k} for k in "abc"]
+
+
+@task("sync.on_order", on_event="sync.order")
+async def on_order(ctx: TaskContext[Any]) -> Any:
+    return ctx.input
+
+
+def test_events_are_published_and_listed_from_plain_code() -> None:
+    with connect_sync("memory://", registry=Registry([on_order])) as facade:
+        event_id = facade.publish("sync.order", {"n": 1}, key="order-1")
+        assert facade.publish("sync.order", {"n": 1}, key="order-1") == event_id
+        [event] = facade.events(name="sync.order")
+        assert event.event_id == event_id
+        assert [run.task_name for run in event.runs] == ["sync.on_order"]
+        assert facade.events(name="sync.other") == []
+        with pytest.raises(UsageError) as caught:
+            facade.events(limit=0)
+        assert caught.value.argument == "limit"
