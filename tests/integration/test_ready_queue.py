@@ -448,10 +448,16 @@ async def test_no_due_timer_is_passed_over_by_the_bounded_timers_read(
     async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
         cur = await conn.execute("SELECT now()")
         (db_now,) = await cur.fetchone() or (None,)
-    due = db_now + timedelta(seconds=1)
+    # Due a few seconds on: parking 24 runs (a claim each) must end before the first is due,
+    # or a park's claim takes a due sleeper instead of its own run (a loaded machine took
+    # more than the second this once allowed).
+    due = db_now + timedelta(seconds=6)
     sleepers = [await park(backend, due + timedelta(milliseconds=i)) for i in range(24)]
     assert await claim(backend) == []  # not yet due
-    await asyncio.sleep(1.5)
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT now()")
+        (db_now,) = await cur.fetchone() or (None,)
+    await asyncio.sleep((due - db_now).total_seconds() + 0.5)
     taken: list[uuid.UUID] = []
     async with await psycopg.AsyncConnection.connect(pg_url) as holder:
         await holder.execute(

@@ -333,7 +333,10 @@ class FanOutContract:
         assert len(children) == 5, "the step's second execution found the same children"
         assert all(tally.body_runs[(key, f"child{i}")] == 1 for i in range(5))
         info = await engine.get(handle.run_id)
-        assert info.lease_expirations == 1
+        # The crash cost the parent one lease; a starved machine may cost it more (a 1 s lease
+        # in the Postgres harness), which changes nothing here: the children and the steps
+        # are counted directly.
+        assert info.lease_expirations >= 1
         # The sleep's end replayed the map from its records: no child started again.
         completed = [s.name for s in info.timeline if s.status == "completed"]
         assert completed == ["fan", "fan.result", "again"]
