@@ -185,7 +185,10 @@ WITH given AS (
         SELECT 1 FROM {schema}.pruned_runs t
         WHERE t.task_name = g.task_name AND t.idempotency_key = g.idempotency_key
     )
-    ORDER BY g.position
+    -- By key, then position: racing batches take their keys' index entries in one order (by
+    -- position, two batches of the same keys in other orders deadlocked); a key given twice
+    -- is still stored by its first input. The claim's order does not come from this one.
+    ORDER BY g.task_name, g.idempotency_key, g.position
     ON CONFLICT (task_name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, task_name, task_version, priority, available_at, queued, concurrency_key,
         tags
