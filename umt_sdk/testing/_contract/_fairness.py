@@ -199,7 +199,9 @@ class FairnessContract:
 
     async def test_a_rerun_keeps_the_runs_fairness_key_and_weight(self, engine: Engine) -> None:
         done = await engine.enqueue(fair_task, Job(key="f:0"), fairness_key="f", weight=2)
-        assert (await engine.backend.get_run_head(done.run_id)).fairness_weight == 2  # type: ignore[union-attr]
+        first = await engine.backend.get_run_head(done.run_id)
+        assert first is not None
+        assert first.fairness_weight == 2
         async with engine.worker(concurrency=2):
             assert await done.result(timeout=15) == "f:0"
             again = await engine.rerun(done.run_id)
@@ -208,7 +210,9 @@ class FairnessContract:
         assert record is not None
         assert (record.concurrency_key, record.fairness_weight) == ("f", 2)
         plain = await engine.enqueue(fair_task, Job(key="p:0"))
-        assert (await engine.backend.get_run_head(plain.run_id)).fairness_weight is None  # type: ignore[union-attr]
+        unkeyed = await engine.backend.get_run_head(plain.run_id)
+        assert unkeyed is not None
+        assert unkeyed.fairness_weight is None
 
     async def test_a_batch_takes_a_fairness_key_and_weight_per_input(self, engine: Engine) -> None:
         handles = await engine.enqueue_many(
