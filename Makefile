@@ -37,7 +37,7 @@ typecheck: $(STAMP)
 # process.
 TEST_WORKERS ?= 4
 test: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20
 
 clean:
 	rm -rf $(VENV) .venv-bench-peers .pytest_cache .mypy_cache .ruff_cache
