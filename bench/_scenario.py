@@ -58,6 +58,7 @@ import psycopg
 
 from bench._hist import Histogram
 from bench._infra import MONITOR_TAG, Child, ChildError, Server, machine_info
+from bench._scenario_peer import check_peer_jobs, install_peer, peer_argv, peer_reexecutions
 
 __all__ = ["SCENARIOS", "ScenarioConfig", "run_scenario", "write_scenario"]
 
@@ -74,6 +75,20 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
 # The scenarios that break something: their step makes a fenced effect, counted at the end.
 CHAOS = frozenset({"pg-backend-kill", "postgres-restart", "repeated-kill"})
 HOT_TABLES = ("runs", "steps", "executions", "ready_0", "ready_1", "ready_2")
+SYSTEMS = ("umt", "pgqueuer", "procrastinate")
+# Each system's schema and job table (the one whose dead tuples the tables show as "runs").
+JOB_TABLE = {
+    "umt": ("umt", "runs"),
+    "pgqueuer": ("public", "pgqueuer"),
+    "procrastinate": ("public", "procrastinate_jobs"),
+}
+# A peer's queue depth: (pending, running) from its own job table.
+PEER_DEPTH = {
+    "pgqueuer": "SELECT count(*) FILTER (WHERE status = 'queued') AS {tag}, "
+    "count(*) FILTER (WHERE status = 'picked') FROM public.pgqueuer",
+    "procrastinate": "SELECT count(*) FILTER (WHERE status = 'todo') AS {tag}, "
+    "count(*) FILTER (WHERE status = 'doing') FROM public.procrastinate_jobs",
+}
 
 
 def _log(message: str) -> None:
@@ -111,6 +126,8 @@ class ScenarioConfig:
     worker_kill_every_s: float = 20.0
     keep_db: bool = False
     explain: bool = True
+    system: str = "umt"  # or a peer: pgqueuer, procrastinate (bench/peers/scenario_peer.py)
+    peers_python: str = ""  # the peers' virtualenv's python, for a peer
     phases: list[tuple[str, float]] = field(default_factory=list)
 
     @classmethod
@@ -350,10 +367,11 @@ class Window:
 class Monitor:
     """Once a second: queue depth, table statistics and sizes, wait events, xmin age."""
 
-    def __init__(self, dsn: str, dbname: str) -> None:
+    def __init__(self, dsn: str, dbname: str, system: str = "umt") -> None:
         self.dsn = dsn
         self.conn: psycopg.Connection[Any] | None = self._connect()
         self.dbname = dbname
+        self.system = system
         # Postgres 18 counts each backend's buffer accesses: the monitor's own are taken out of
         # the work per run (its queries read the bloated indexes too).
         row = self.conn.execute(
@@ -381,10 +399,13 @@ class Monitor:
 
     def sample(self, c: psycopg.Connection[Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
+        schema = JOB_TABLE[self.system][0]
         row = c.execute(
             f"SELECT count(*) FILTER (WHERE status = 'pending') AS {MONITOR_TAG}, "
             "count(*) FILTER (WHERE status = 'running') "
             "FROM umt.runs WHERE status IN ('pending', 'running')"
+            if self.system == "umt"
+            else PEER_DEPTH[self.system].format(tag=MONITOR_TAG)
         ).fetchone()
         pending, running = (int(row[0]), int(row[1])) if row else (None, None)
         tables: dict[str, Any] = {}
@@ -392,7 +413,8 @@ class Monitor:
             f"SELECT relname AS {MONITOR_TAG}, n_live_tup, n_dead_tup, n_tup_ins, n_tup_upd, "
             "n_tup_hot_upd, n_tup_del, autovacuum_count, vacuum_count, "
             "pg_relation_size(relid), pg_indexes_size(relid), pg_total_relation_size(relid) "
-            "FROM pg_stat_user_tables WHERE schemaname = 'umt'"
+            "FROM pg_stat_user_tables WHERE schemaname = %s AND relname <> 'bench_effects'",
+            (schema,),
         ).fetchall():
             tables[r[0]] = {
                 "live": r[1],
@@ -410,7 +432,9 @@ class Monitor:
         indexes: dict[str, Any] = {}
         for r in c.execute(
             f"SELECT indexrelname AS {MONITOR_TAG}, idx_scan, idx_tup_read, idx_tup_fetch, "
-            "pg_relation_size(indexrelid) FROM pg_stat_user_indexes WHERE schemaname = 'umt'"
+            "pg_relation_size(indexrelid) FROM pg_stat_user_indexes WHERE schemaname = %s "
+            "AND relname <> 'bench_effects'",
+            (schema,),
         ).fetchall():
             indexes[r[0]] = {
                 "idx_scan": r[1],
@@ -592,18 +616,29 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
 
     from umt_backend_pg import migrate
 
-    dbname = "bench_scenario_" + cfg.name.replace("-", "_")
+    peer = cfg.system != "umt"
+    dbname = "bench_scenario_" + cfg.name.replace("-", "_") + (f"_{cfg.system}" if peer else "")
     chaos = cfg.name in CHAOS
+    if peer and cfg.rate is None:
+        raise SystemExit(f"--system {cfg.system} needs --rate (the calibration drains umt runs)")
+    explain = cfg.explain and not peer  # the claim EXPLAIN is umt's claim
     if cfg.name == "postgres-restart" and not server.can_crash:
         raise SystemExit(
             "scenario postgres-restart crashes and restarts the server: it needs the bench's "
             "own embedded Postgres, so leave out --database-url"
         )
     dsn = server.fresh_db(dbname)
-    asyncio.run(migrate(dsn))
+    if peer:
+        install_peer(cfg.system, cfg.peers_python, dsn)
+    else:
+        asyncio.run(migrate(dsn))
     if chaos:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE public.bench_effects (run_id uuid NOT NULL, token bigint)")
+            conn.execute(
+                "CREATE TABLE public.bench_effects (run_id bigint NOT NULL)"
+                if peer
+                else "CREATE TABLE public.bench_effects (run_id uuid NOT NULL, token bigint)"
+            )
     started_at = time.time()
     load_before = list(os.getloadavg())
     ids_file = Path(tempfile.mkstemp(prefix="umt-scenario-ids-")[1])
@@ -614,7 +649,7 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
     windows: list[Window] = []
     phases_out: list[dict[str, Any]] = []
     explains: dict[str, str] = {}
-    monitor = Monitor(dsn, dbname)
+    monitor = Monitor(dsn, dbname, cfg.system)
     worker_argv = [
         *base,
         "work",
@@ -627,26 +662,37 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
         *(["--conns", str(cfg.worker_conns)] if cfg.worker_conns else []),
         *(["--effect"] if chaos else []),
     ]
+    producer_argv = [
+        *base,
+        "produce",
+        "--dsn",
+        dsn,
+        "--rate",
+        str(cfg.rate or 1.0),
+        "--conns",
+        str(cfg.producer_conns),
+        "--ids",
+        str(ids_file),
+    ]
+    if peer:
+        worker_argv, producer_argv = peer_argv(
+            cfg.system,
+            cfg.peers_python,
+            dsn,
+            ids_file,
+            concurrency=cfg.concurrency,
+            lease_s=cfg.lease_s,
+            rate=cfg.rate or 1.0,
+            producer_conns=cfg.producer_conns,
+            worker_conns=cfg.worker_conns,
+            effect=chaos,
+        )
     killed: list[Child] = []  # SIGKILLed by worker-kill; their last totals count
     starting: list[_Starting] = []  # their replacements, until READY
     try:
         for wid in range(cfg.workers):
             workers.append(Child(worker_argv, name=f"scenario-w{wid + 1}"))
-        producer = Child(
-            [
-                *base,
-                "produce",
-                "--dsn",
-                dsn,
-                "--rate",
-                str(cfg.rate or 1.0),
-                "--conns",
-                str(cfg.producer_conns),
-                "--ids",
-                str(ids_file),
-            ],
-            name="scenario-producer",
-        )
+        producer = Child(producer_argv, name="scenario-producer")
         for child in [*workers, producer]:
             child.expect("READY", 180)
 
@@ -694,7 +740,11 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
             for child in workers:
                 child.send("GO")
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("VACUUM ANALYZE umt.runs, umt.steps, umt.executions")
+            conn.execute(
+                f"VACUUM ANALYZE {'.'.join(JOB_TABLE[cfg.system])}"
+                if peer
+                else "VACUUM ANALYZE umt.runs, umt.steps, umt.executions"
+            )
         for child in workers:
             fold.pump(child)
         fold.started_total = fold.finished_total = 0
@@ -780,7 +830,7 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                         break
                 end = p_start + seconds
                 if (
-                    cfg.explain
+                    explain
                     and not explained
                     and phase not in ("warmup", "drain")
                     and now >= end - min(2.0, cfg.window_s)
@@ -796,15 +846,15 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                     break
                 if now >= window.t_start + cfg.window_s:
                     window.t_end = now
-                    _log_window(window, t0)
+                    _log_window(window, t0, JOB_TABLE[cfg.system][1])
                     k += 1
                     window = Window(phase, k, now)
                     windows.append(window)
                     fold.window = window
                     next_sample = now
                 time.sleep(0.05)
-            _log_window(window, t0)
-            if cfg.explain and not explained and phase not in ("warmup", "drain"):
+            _log_window(window, t0, JOB_TABLE[cfg.system][1])
+            if explain and not explained and phase not in ("warmup", "drain"):
                 # The server was down for the phase's last seconds (a crash): explain the claim
                 # as soon as it is back.
                 explains[phase] = _explain_when_up(dsn, cfg.concurrency, cfg.lease_s)
@@ -833,7 +883,11 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
         final = monitor.sample_or_none()
         if final is None:
             raise ChildError("the server cannot be reached after the drain")
-        check = _check_runs(dsn, ids_file, effects=chaos)
+        check = (
+            check_peer_jobs(dsn, ids_file, cfg.system, effects=chaos)
+            if peer
+            else _check_runs(dsn, ids_file, effects=chaos)
+        )
     finally:
         monitor.close()
         for child in [*workers, *(w.child for w in starting), *([producer] if producer else [])]:
@@ -877,6 +931,8 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
     cfg_out = asdict(cfg)
     result: dict[str, Any] = {
         "scenario": cfg.name,
+        "system": cfg.system,
+        "job_table": JOB_TABLE[cfg.system][1],
         "quick": cfg.quick,
         "offered_per_s": rate,
         "calibration": calibration,
@@ -908,9 +964,15 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
     }
     # Executions beyond one per completed run (lease takeovers; calibration runs included on
     # both sides), from the database: a SIGKILLed worker's own count of its starts dies with it.
-    result["runs"]["reexecutions"] = sum(check["execution_outcomes"].values()) - int(
-        check["statuses"].get("completed", 0)
-    )
+    if peer:  # no executions table: the handler starts the workers counted
+        result["runs"]["reexecutions"] = peer_reexecutions(result["runs"])
+        result["runs"]["loop_restarts"] = sum(
+            int(r.get("loop_restarts", 0)) for r in worker_results
+        )
+    else:
+        result["runs"]["reexecutions"] = sum(check["execution_outcomes"].values()) - int(
+            check["statuses"].get("completed", 0)
+        )
     if not cfg.keep_db:
         server.drop_db(dbname)
     return result
@@ -1076,10 +1138,10 @@ def _check_runs(dsn: str, ids_file: Path, *, effects: bool = False) -> dict[str,
     }
 
 
-def _log_window(w: Window, t0: float) -> None:
+def _log_window(w: Window, t0: float, job_table: str = "runs") -> None:
     r = w.row(t0)
     p = r["pickup"]
-    dead = (r["tables"] or {}).get("runs", {}).get("dead")
+    dead = (r["tables"] or {}).get(job_table, {}).get("dead")
     _log(
         f"  {r['phase']:<14} t={r['t_s']:7.1f}s enq {r['enqueue_per_s']:7.1f}/s "
         f"done {r['completion_per_s']:7.1f}/s p50 {_fmt(p['p50_ms'])} p99 {_fmt(p['p99_ms'])} "
@@ -1098,7 +1160,10 @@ def _mb(n: Any) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
+    jt = result.get("job_table", "runs")  # a peer's job table stands in for `runs`
+    system = result.get("system", "umt")
     lines = [
+        *([f"system {system} (job table {jt}, shown as runs)"] if system != "umt" else []),
         f"scenario {result['scenario']} (quick={result['quick']}), offered "
         f"{result['offered_per_s']:.0f} runs/s of 1-step runs; "
         f"{result['meta']['config']['workers']} worker process(es) x concurrency "
@@ -1117,9 +1182,9 @@ def table(result: dict[str, Any]) -> str:
             f"{p['enqueue_per_s']:>8.0f}{p['completion_per_s']:>8.0f}{_fmt(pk['p50_ms']):>10}"
             f"{_fmt(pk['p95_ms']):>10}{_fmt(pk['p99_ms']):>10}{_fmt(pk['max_ms']):>10}"
             f"{p['end']['queue_depth'] or 0:>8}"
-            f"{t.get('runs', {}).get('dead', '-'):>10}{t.get('steps', {}).get('dead', '-'):>11}"
+            f"{t.get(jt, {}).get('dead', '-'):>10}{t.get('steps', {}).get('dead', '-'):>11}"
             f"{t.get('executions', {}).get('dead', '-'):>10}"
-            f"{_mb(t.get('runs', {}).get('total_bytes')):>9}"
+            f"{_mb(t.get(jt, {}).get('total_bytes')):>9}"
             f"{_mb(t.get('steps', {}).get('total_bytes')):>9}"
             f"{_mb(t.get('executions', {}).get('total_bytes')):>9}"
         )
@@ -1155,7 +1220,8 @@ def table(result: dict[str, Any]) -> str:
         if any(p.get(k) is not None for k in CHAOS_KEYS)
     ]
     effects = (
-        f"; fenced effects {runs['effects']}, made twice {runs['effects_doubled']}, "
+        f"; {'fenced effects' if system == 'umt' else 'effects (no fencing)'} "
+        f"{runs['effects']}, made twice {runs['effects_doubled']}, "
         f"missing {runs['effects_missing']}"
         if "effects" in runs
         else ""
@@ -1165,7 +1231,9 @@ def table(result: dict[str, Any]) -> str:
         *(["faults: " + "; ".join(chaos)] if chaos else []),
         f"runs: acknowledged {runs['acknowledged']}, completed {runs['completed']}, "
         f"lost {runs['runs_lost']}, re-executions {runs['reexecutions']}, "
-        f"producer errors {runs['producer_errors']}{effects}; execution outcomes "
+        f"producer errors {runs['producer_errors']}{effects}"
+        + (f", worker loop restarts {runs['loop_restarts']}" if "loop_restarts" in runs else "")
+        + "; execution outcomes "
         f"{runs['execution_outcomes']}",
         "",
         "per window:",
@@ -1189,8 +1257,8 @@ def table(result: dict[str, Any]) -> str:
             f"{r['phase']:<15}{r['t_s']:>7.0f}{r['enqueue_per_s']:>8.0f}"
             f"{r['completion_per_s']:>8.0f}{_fmt(pk['p50_ms']):>10}{_fmt(pk['p95_ms']):>10}"
             f"{_fmt(pk['p99_ms']):>10}{r['queue_depth'] or 0:>8}"
-            f"{t.get('runs', {}).get('dead', '-'):>10}{t.get('steps', {}).get('dead', '-'):>11}"
-            f"{_mb(t.get('runs', {}).get('total_bytes')):>9}{_fmt(reads):>15}{_fmt(queue):>15}"
+            f"{t.get(jt, {}).get('dead', '-'):>10}{t.get('steps', {}).get('dead', '-'):>11}"
+            f"{_mb(t.get(jt, {}).get('total_bytes')):>9}{_fmt(reads):>15}{_fmt(queue):>15}"
             f"{r['oldest_xmin_age'] or 0:>9}  {top}"
         )
     return "\n".join(lines) + "\n"
@@ -1221,7 +1289,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("runs")
     ax.legend(loc="upper left")
     ax = axes[3]
-    for name in HOT_TABLES:
+    system = result.get("system", "umt")
+    names = HOT_TABLES if system == "umt" else sorted((rows[-1]["tables"] or {}) if rows else {})
+    for name in names:
         ax.plot(t, [((r["tables"] or {}).get(name) or {}).get("dead", 0) for r in rows], label=name)
     ax.set_ylabel("dead tuples")
     ax.set_xlabel("seconds")
@@ -1230,7 +1300,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for a in axes:
             a.axvline(p["t_s"], color="grey", linewidth=0.6, linestyle="--")
         axes[0].annotate(p["phase"], (p["t_s"], 1), xycoords=("data", "axes fraction"))
-    fig.suptitle(f"umt, scenario {result['scenario']}, offered {result['offered_per_s']:.0f}/s")
+    fig.suptitle(
+        f"{system}, scenario {result['scenario']}, offered {result['offered_per_s']:.0f}/s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -1239,6 +1311,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def write_scenario(result: dict[str, Any], folder: Path, json_path: Path | None) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     stem = "scenario_" + result["scenario"].replace("-", "_")
+    if result.get("system", "umt") != "umt":
+        stem += "_" + result["system"]
     text = json.dumps(result, indent=2, default=str)
     written = [folder / f"{stem}.json", folder / f"{stem}.txt"]
     written[0].write_text(text)
