@@ -34,7 +34,13 @@ The three chaos scenarios run the step with a fenced side effect (a row written 
 `with_attempt_token`, see bench/_scenario_child.py): effects made twice and effects missing
 (a completed run without its row) must both be 0.
 
-Output: bench/results/scenario_<name>.json, .txt (the window table) and .png (matplotlib).
+`--system pgqueuer|procrastinate` runs a peer through the same scenario instead of umt
+(bench/_scenario_peer.py, bench/peers/scenario_peer.py): the same producer schedule, faults,
+windows and effect ledger, without fencing (the peers have none, so doubles are counted, not
+refused).
+
+Output: bench/results/scenario_<name>.json, .txt (the window table) and .png (matplotlib);
+a peer's: scenario_<name>_<system>.*.
 """
 
 from __future__ import annotations
