@@ -166,8 +166,11 @@ def check_peer_jobs(
 
 
 def peer_reexecutions(runs: dict[str, Any]) -> int:
-    """Handler starts beyond one per job: the workers' own counts (a SIGKILLed worker's last
-    second of starts dies with it, so this is a floor) less the jobs that were started, known
-    from the effect ledger when there is one, else the completed jobs."""
-    started = runs.get("jobs_with_effect", runs["statuses"].get("completed", 0))
-    return max(0, int(runs.get("handler_starts") or 0) - int(started))
+    """Executions beyond one per job. With an effect ledger: every effect row beyond one per job
+    is one, and so is every handler start beyond one per job with an effect (the workers' own
+    counts; a SIGKILLed worker's last second of starts dies with it): the larger of the two,
+    a floor either way. Without one: handler starts beyond the completed jobs."""
+    starts = int(runs.get("handler_starts") or 0)
+    if "jobs_with_effect" in runs:
+        return max(0, starts - int(runs["jobs_with_effect"]), int(runs["effects_doubled"]))
+    return max(0, starts - int(runs["statuses"].get("completed", 0)))

@@ -74,6 +74,8 @@ def test_check_peer_jobs_counts_lost_jobs_and_the_effect_ledger(
     assert runs["jobs_with_effect"] == 4
     # The workers counted 7 handler starts: 4 jobs started, so 3 more than one each.
     assert peer_reexecutions({**runs, "handler_starts": 7}) == 3
+    # A SIGKILLed worker's last starts are lost with it: the doubled effect still counts.
+    assert peer_reexecutions({**runs, "handler_starts": 4}) == 1
 
     without = check_peer_jobs(url, ids, system, effects=False)
     assert "effects" not in without
