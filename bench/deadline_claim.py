@@ -23,8 +23,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from bench._claim_cost import claim_params
 from umt_backend_pg import migrate, start_embedded
 from umt_backend_pg._sql import queries, render
+from umt_sdk.backend import TaskPair
 
 
 def load_queries(schema: str) -> dict[str, Any]:
@@ -64,17 +66,13 @@ def _fill(url: str, schema: str, runs: int, deadline: bool) -> None:
 
 def _claim_buffers(url: str, schema: str, limit: int) -> float:
     query = load_queries(schema)["claim_runs"]
-    params: dict[str, Any] = {
-        "names": ["bench.deadline"],
-        "versions": [1],
-        "limit": limit,
-        "scan": limit + max(limit, 16),
-        "worker_id": "bench",
-        "lease": timedelta(seconds=10),
-        "timers": True,
-        "timers_after": None,
-        "timers_margin": timedelta(seconds=5),
-    }
+    params = claim_params(
+        [TaskPair(name="bench.deadline", version=1)],
+        limit=limit,
+        worker_id="bench",
+        lease=timedelta(seconds=10),
+        timers=True,
+    )
     with psycopg.connect(url, cursor_factory=psycopg.ClientCursor) as conn:
         try:
             cur = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) " + query, params)
