@@ -593,7 +593,9 @@ class MemoryBackend(MemoryEvents):
     def _store_step(self, run: _Run, lease: Lease, step: StepRecord) -> None:
         """Store a step record (`record_step`, an ending's step): under the lease's token,
         replacing the same try."""
-        run.steps[(step.name, step.attempt)] = evolve(step, fencing_token=lease.fencing_token)
+        if step.fencing_token != lease.fencing_token:  # the SDK's records carry it already
+            step = evolve(step, fencing_token=lease.fencing_token)
+        run.steps[(step.name, step.attempt)] = step
 
     def _current_execution(self, run: _Run) -> _Execution | None:
         for execution in reversed(run.executions):
