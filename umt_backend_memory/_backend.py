@@ -117,8 +117,12 @@ def _storable_error(error: ErrorInfo | None, what: str) -> None:
 
 
 def _storable_step(step: StepRecord | None) -> None:
-    if step is not None:
+    if step is None:
+        return
+    # Checked first, the message built only for a refusal: this runs for every step.
+    if step.output_json is not None and unstorable_json_reason(step.output_json) is not None:
         _storable_json(step.output_json, f"output of step {step.name!r}")
+    if step.error is not None:
         _storable_error(step.error, f"error of step {step.name!r}")
 
 
