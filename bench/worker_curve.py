@@ -20,8 +20,9 @@ reports work the machine's load moves little, per run:
 - client CPU ms: the sum over the N processes of user + system CPU (`time.process_time`),
   from GO to the end of their work;
 - server CPU ms: the postmaster and all its processes (/proc; exited backends through the
-  postmaster's reaped-children times), over the same window; only when the server's data
-  directory is readable here (the bench's own embedded server is), else null;
+  postmaster's reaped-children times), over the same window, the monitor's session taken off;
+  only when the server's data directory is readable here (the bench's own embedded server
+  is), else null;
 - server transactions (`pg_stat_database`, the monitor's polls taken off), statements and
   shared buffers hit + read (`pg_stat_statements`, the monitor's statements left out; null
   without it), WAL bytes (`pg_current_wal_lsn`), each over the whole point (processes'
@@ -163,13 +164,21 @@ class Window:
         self.machine_busy = 0.0
         self.server_s: float | None = None
 
-    def close(self) -> None:
+    def close(self, *, monitor_pid: int | None = None) -> None:
+        """End the window while the sessions of the work still live (a session that ended
+        may not be in its postmaster's reaped times yet); `monitor_pid`, the backend of the
+        harness's monitor (started inside the window), is taken off."""
         self.seconds = max(time.time() - self.t0, 1e-9)
         busy, _ = _machine_cpu()
         self.machine_busy = busy - self.machine0[0]
         server1 = self.server_cpu.seconds()
         if self.server0 is not None and server1 is not None:
-            self.server_s = server1 - self.server0
+            monitor = 0.0
+            if monitor_pid is not None:
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    fields = _stat_fields(monitor_pid)
+                    monitor = (int(fields[11]) + int(fields[12])) / TICK
+            self.server_s = server1 - self.server0 - monitor
 
 
 def _figures(
@@ -292,7 +301,7 @@ class Curve:
                         if child.proc.poll() is not None:
                             raise ChildError(f"{child.name} died\n{child.stderr_tail()}")
                     time.sleep(0.02)
-            window.close()
+                window.close(monitor_pid=mon.info.backend_pid)
             for child in workers:
                 child.send("STOP")
             results = [child.expect("RESULT", 120) for child in workers]
