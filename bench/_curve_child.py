@@ -5,7 +5,7 @@ python -m bench._curve_child --dsn URL --first I --n N [--outstanding 64] [--con
 Connects (its own engine, no migrations, no LISTEN), says READY, and on GO enqueues runs
 `I .. I+N-1` of a no-op task one at a time with `--outstanding` enqueues in flight (as the
 drain benchmark's setup does), then reports its wall window and CPU seconds (user + system of
-this process, around the enqueues only).
+this process, around the enqueues only), and closes on STOP.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ async def produce(args: argparse.Namespace) -> None:
         stop = min(start + args.outstanding, last)
         await asyncio.gather(*(engine.enqueue(curve_enqueued, i) for i in range(start, stop)))
     t_end, cpu = time.time(), time.process_time() - cpu0
-    # Before the close: the harness reads the server's CPU while our sessions still live.
     send("RESULT", {"t_start": t_start, "t_end": t_end, "cpu_s": cpu, "pid": os.getpid()})
+    # Our sessions stay until STOP: the harness reads the server's CPU while they live (the
+    # times of a session that ended are in its postmaster's only once it has reaped it).
+    await asyncio.to_thread(control.stop.wait)
     await engine.close()
 
 

@@ -244,6 +244,8 @@ class Curve:
             results = [child.expect("RESULT", self.args.timeout) for child in children]
             window.close()
             for child in children:
+                child.send("STOP")
+            for child in children:
                 child.close(60)
             children = []
         finally:
