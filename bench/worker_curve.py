@@ -10,8 +10,9 @@ fresh database of the same server:
 - `drain_1step`, `drain_10step`: `--drain1-runs` 1-step / `--drain10-runs` 10-step runs of
   no-op steps are enqueued beforehand (`enqueue_many`, not measured), then N worker processes
   (`bench/_umt_child.py work`, as `python -m bench` drains: each its own engine with one
-  connection, 16 slots, LISTEN on) drain them; runs/s is the runs over the window from the
-  first handler's start to the moment the monitor sees them all completed.
+  connection, 16 slots, LISTEN on; `--listen 0`: off, a poll every `--poll` s) drain them;
+  runs/s is the runs over the window from the first handler's start to the moment the
+  monitor sees them all completed.
 
 Repetitions are interleaved (every workload at every N, then again), `--repeats` times;
 figures are medians with min-max. Beside runs/s, which a shared machine moves, each point
@@ -37,6 +38,7 @@ when one is not.
 
     python -m bench.worker_curve [--database-url URL] [--processes 1,2,4,8] [--repeats 3]
         [--enqueue-runs 5000] [--drain1-runs 4000] [--drain10-runs 800] [--json PATH]
+        [--workloads enqueue,drain_1step,drain_10step] [--listen 0|1] [--poll S]
     python -m bench.worker_curve --quick   # a smoke check: 2 processes, a few hundred runs
 
 Output: a table on stdout, `bench/results/worker_curve.json` (or `--json`) and, with
@@ -279,6 +281,7 @@ class Curve:
             for wid in range(1, procs + 1):
                 argv = [sys.executable, "-m", "bench._umt_child", "work", "--dsn", url]
                 argv += ["--conns", "1", "--concurrency", str(WORKER_CONCURRENCY)]
+                argv += ["--listen", str(self.args.listen), "--poll", str(self.args.poll)]
                 argv += ["--wid", str(wid)]
                 workers.append(Child(argv, name=f"worker-{wid}"))
             for child in workers:
@@ -489,6 +492,8 @@ def _result(
             "drain10_runs": args.drain10_runs,
             "worker_concurrency": WORKER_CONCURRENCY,
             "worker_connections": 1,
+            "worker_listen": bool(args.listen),
+            "worker_poll_s": args.poll,
             "producer_connections": PRODUCER_CONNS,
             "producer_outstanding": OUTSTANDING,
         },
@@ -509,6 +514,9 @@ def main() -> int:
     parser.add_argument("--enqueue-runs", type=int, default=None)
     parser.add_argument("--drain1-runs", type=int, default=None)
     parser.add_argument("--drain10-runs", type=int, default=None)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    parser.add_argument("--listen", type=int, choices=(0, 1), default=1, help="workers LISTEN")
+    parser.add_argument("--poll", type=float, default=1.0, help="workers' poll interval, s")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a point may take")
     parser.add_argument("--quick", action="store_true", help="a smoke check: 2 processes")
     parser.add_argument("--json", type=Path, default=None)
@@ -524,6 +532,9 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     procs = [int(p) for p in str(args.processes).split(",")]
+    workloads = args.workloads.split(",")
+    if not workloads or not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--workloads: a comma-separated subset of {','.join(WORKLOADS)}")
     if args.repeats < 1 or min(procs) < 1:
         parser.error("--repeats and every process count must be at least 1")
     if min(args.enqueue_runs, args.drain1_runs, args.drain10_runs) < max(procs):
@@ -538,7 +549,8 @@ def main() -> int:
         ("drain_1step", lambda p: curve.drain(p, 1)),
         ("drain_10step", lambda p: curve.drain(p, 10)),
     ]
-    points: dict[str, dict[int, list[dict[str, Any]]]] = {w: {} for w in WORKLOADS}
+    steps = [(w, run) for w, run in steps if w in workloads]
+    points: dict[str, dict[int, list[dict[str, Any]]]] = {w: {} for w in workloads}
     out = args.json or BENCH_DIR / "results" / "worker_curve.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
