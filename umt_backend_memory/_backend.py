@@ -117,8 +117,12 @@ def _storable_error(error: ErrorInfo | None, what: str) -> None:
 
 
 def _storable_step(step: StepRecord | None) -> None:
-    if step is not None:
+    if step is None:
+        return
+    # Checked first, the message built only for a refusal: this runs for every step.
+    if step.output_json is not None and unstorable_json_reason(step.output_json) is not None:
         _storable_json(step.output_json, f"output of step {step.name!r}")
+    if step.error is not None:
         _storable_error(step.error, f"error of step {step.name!r}")
 
 
@@ -593,7 +597,9 @@ class MemoryBackend(MemoryEvents):
     def _store_step(self, run: _Run, lease: Lease, step: StepRecord) -> None:
         """Store a step record (`record_step`, an ending's step): under the lease's token,
         replacing the same try."""
-        run.steps[(step.name, step.attempt)] = evolve(step, fencing_token=lease.fencing_token)
+        if step.fencing_token != lease.fencing_token:  # the SDK's records carry it already
+            step = evolve(step, fencing_token=lease.fencing_token)
+        run.steps[(step.name, step.attempt)] = step
 
     def _current_execution(self, run: _Run) -> _Execution | None:
         for execution in reversed(run.executions):

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from attrs import evolve
 
 from umt_sdk import _probe, _serde
-from umt_sdk._abort import AbortKind, Aborts, Release, Stop, Suspend, Verdict
+from umt_sdk._abort import AbortKind, Aborts, AbortState, Release, Stop, Suspend, Verdict
 from umt_sdk._context import _CURRENT, SyncTaskContext, TaskContext
 from umt_sdk._error_info import error_info
 from umt_sdk._history import History
@@ -296,7 +296,8 @@ class Execution:
         deadline = self.claimed.deadline_at
         if deadline is not None and self.now() >= deadline:
             self.deadline_came()
-        self.aborts.raise_at_boundary(f"run {self.claimed.run_id}")
+        if self.aborts.state is not AbortState.RUNNING:  # the label only when it is needed
+            self.aborts.raise_at_boundary(f"run {self.claimed.run_id}")
 
     # -- the deadline ---------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from attrs import frozen
 
 from umt_sdk import _check as check
 from umt_sdk import _probe, _serde
+from umt_sdk._abort import Stop
 from umt_sdk._context import current_execution
 from umt_sdk._execution import Execution
 from umt_sdk._names import check_type_argument, hints, unwrap_awaitable
@@ -89,6 +90,7 @@ async def with_attempt_token(
     aborts = execution.aborts
     try:
         _probe.reach(aborts, "op.begin", op_key)
+        _refuse_if_stopped(execution)
         entry = await ledger.begin(op_key=op_key, lease=lease)
     except (FencingError, SimulatedCrash):
         execution.abort("lease_lost", "lease lost before a fenced operation")
@@ -119,6 +121,7 @@ async def with_attempt_token(
 
     try:
         _probe.reach(aborts, "op.acted", op_key)
+        _refuse_if_stopped(execution)
         await ledger.finish(op_key=op_key, lease=lease, result_json=result_json, commit=apply)
         _probe.reach(aborts, "op.committed", op_key)
     except (FencingError, SimulatedCrash):
@@ -128,6 +131,15 @@ async def with_attempt_token(
         _outage(execution, op_key, "commit", exc)
         raise
     return result
+
+
+def _refuse_if_stopped(execution: Execution) -> None:
+    """A stopped execution (a crash, a lost lease) writes nothing more, its ledger rows
+    included: the backend's fence refuses a stale token only once a newer attempt began, so a
+    crashed attempt whose `fn` still returned (an async body that went on before its cancel
+    reached it) would otherwise commit its result while its lease has not yet lapsed."""
+    if execution.stopped:
+        raise Stop
 
 
 def _outage(execution: Execution, op_key: str, where: str, exc: BackendUnavailableError) -> None:

@@ -451,6 +451,8 @@ class Registry:
         schedules: Iterable[Schedule[Any]] = (),
     ) -> None:
         self._tasks: dict[TaskPair, TaskDefinition[Any, Any]] = {}
+        # The same definitions by plain (name, version): `get` runs twice per run.
+        self._by_key: dict[tuple[str, int], TaskDefinition[Any, Any]] = {}
         self._schedules: dict[str, Schedule[Any]] = {}
         if isinstance(tasks, TaskDefinition):
             raise TaskDefinitionError(
@@ -528,6 +530,7 @@ class Registry:
                 f"{definition.fn.__qualname__}); bump the version of the new one"
             )
         self._tasks[definition.pair] = definition
+        self._by_key[(definition.name, definition.version)] = definition
 
     def __iter__(self) -> typing.Iterator[TaskDefinition[Any, Any]]:
         return iter(sorted(self._tasks.values(), key=lambda d: (d.name, d.version)))
@@ -539,6 +542,10 @@ class Registry:
         return sorted(self._tasks)
 
     def get(self, name: str, version: int) -> TaskDefinition[Any, Any]:
+        if type(name) is str and type(version) is int:
+            found = self._by_key.get((name, version))
+            if found is not None:  # a registered pair: the checks below pass for it
+                return found
         check.text(name, "name", empty=False, max_length=200, where="Registry.get")
         check.integer(version, "version", at_least=1, where="Registry.get")
         definition = self._tasks.get(TaskPair(name=name, version=version))

@@ -19,7 +19,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -350,21 +350,19 @@ class ExecutionTelemetry:
             },
         )
 
-    @contextmanager
-    def step(self, name: str, attempt: int) -> Iterator[StepTrace]:
+    def step(self, name: str, attempt: int) -> AbstractContextManager[StepTrace]:
         """A step that really executes: a child span, its outcome, and its duration. The step
         says how it ended on the `StepTrace` it is given; an exception that unwinds through
         without one is a failure if it is an `Exception`, else control flow that names its own
         outcome in a `step_outcome` attribute (a release), or `interrupted` (a crash)."""
-        started = time.monotonic()
         if not self.records:
-            try:
-                yield _UNTRACED
-            finally:
-                self._telemetry.step_duration.record(
-                    time.monotonic() - started, self._step_metric_attributes
-                )
-            return
+            # A plain object, not a generator: no span to manage, only the duration to record.
+            return _UntracedStepTiming(self._telemetry.step_duration, self._step_metric_attributes)
+        return self._traced_step(name, attempt)
+
+    @contextmanager
+    def _traced_step(self, name: str, attempt: int) -> Iterator[StepTrace]:
+        started = time.monotonic()
         with self._telemetry.tracer.start_as_current_span(
             f"umt.step {name}",
             attributes={
@@ -436,6 +434,24 @@ class _UntracedStep(StepTrace):
 
 
 _UNTRACED = _UntracedStep()
+
+
+class _UntracedStepTiming:
+    """`ExecutionTelemetry.step` when no tracer records: gives `_UNTRACED` and records the
+    step's duration however it ends, as the traced path does."""
+
+    __slots__ = ("_attributes", "_histogram", "_started")
+
+    def __init__(self, histogram: metrics.Histogram, attributes: Mapping[str, Any]) -> None:
+        self._histogram = histogram
+        self._attributes = attributes
+        self._started = time.monotonic()
+
+    def __enter__(self) -> StepTrace:
+        return _UNTRACED
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._histogram.record(time.monotonic() - self._started, self._attributes)
 
 
 def _records(tracer: trace.Tracer) -> bool:

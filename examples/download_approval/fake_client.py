@@ -76,12 +76,17 @@ async def find(url: str, schema: str, *, tag: str) -> int | None:
     return None if row is None else int(row[0])
 
 
-async def complete_jobs(url: str, schema: str, incoming: Path) -> int:
-    """Finish every queued job: write its file; returns how many finished."""
+async def complete_jobs(url: str, schema: str, incoming: Path, limit: int | None = None) -> int:
+    """Finish every queued job (the first `limit`, oldest first, when given): write its file;
+    returns how many finished."""
     incoming.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - a fake, kept simple
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         cur = await conn.execute(
-            _q("SELECT id, size FROM {s}.client_jobs WHERE status = 'queued'", schema)
+            _q(
+                "SELECT id, size FROM {s}.client_jobs WHERE status = 'queued' ORDER BY id LIMIT %s",
+                schema,
+            ),
+            (limit,),
         )
         jobs = await cur.fetchall()
         for job_id, size in jobs:

@@ -77,14 +77,21 @@ async def test_a_night_killed_mid_fan_out_starts_one_child_per_plan(
     engine = await connect(
         pg_url, registry=tasks.registry(2), schema=pg_schema, run_migrations=False
     )
-    allow_downloads = asyncio.Event()
+    # How many more downloads the client may finish (None: all): a budget, not an on/off
+    # switch, so that no download in flight when the test says stop finishes a third plan.
+    allowed: list[int | None] = [0]
     stop = asyncio.Event()
 
     async def client() -> None:
-        """The client finishes downloads only while the test allows it."""
+        """The client finishes downloads only as far as the test allows it."""
         while not stop.is_set():
-            if allow_downloads.is_set():
-                await fake_client.complete_jobs(pg_url, biz, tmp_path / "incoming")
+            budget = allowed[0]
+            if budget is None or budget > 0:
+                done = await fake_client.complete_jobs(
+                    pg_url, biz, tmp_path / "incoming", limit=budget
+                )
+                if budget is not None:
+                    allowed[0] = budget - done
                 async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
                     cur = await conn.execute(
                         sql.SQL(
@@ -113,13 +120,12 @@ async def test_a_night_killed_mid_fan_out_starts_one_child_per_plan(
         async def jobs() -> int:
             return await _count(pg_url, "SELECT count(*) FROM {s}.client_jobs", biz)
 
-        allow_downloads.set()
+        allowed[0] = 2
 
         async def two_done() -> bool:
             return await done_count() >= 2
 
         await _until(two_done, "the first two plans to be done")
-        allow_downloads.clear()
 
         async def next_two_submitted() -> bool:
             return await jobs() >= 4
@@ -136,7 +142,7 @@ async def test_a_night_killed_mid_fan_out_starts_one_child_per_plan(
         assert len(held) == PLANS - 4, "two done, two downloading, the rest held back"
 
         workers.append(_worker(pg_url, pg_schema, tmp_path, "night-b", tmp_path))
-        allow_downloads.set()
+        allowed[0] = None
         said = await night.result(timeout=120)
         assert sorted(said) == sorted(plans)
         assert all(value == f"asset-{plan}" for plan, value in said.items()), said

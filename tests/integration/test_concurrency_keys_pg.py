@@ -97,14 +97,17 @@ async def test_eight_worker_processes_never_run_more_than_the_limit_of_a_tenant(
                 job = KeyedJob(key=f"{tenant}:{i}", delay=rng.uniform(0.02, 0.12), nap=i % 3 == 0)
                 handles.append(await engine.enqueue(t_keyed, job))
             if i == RUNS_PER_TENANT // 2:
-                victim = workers[rng.randrange(WORKERS)]
 
-                async def holds_a_run(pid: int = victim.pid) -> bool:
-                    rows = await _running_of(pg_url, pg_schema, pid)
-                    return rows > 0
+                async def a_holder() -> list[int]:
+                    """The indexes of the workers that hold a run now (a worker picked before
+                    it held one may win no claim for long on a loaded machine)."""
+                    held = [await _running_of(pg_url, pg_schema, w.pid) for w in workers]
+                    return [n for n, rows in enumerate(held) if rows > 0]
 
-                await eventually(holds_a_run, timeout=30, what="the victim to hold a run")
-                victim.signal(signal.SIGKILL)
+                holders = await eventually(
+                    a_holder, timeout=30, interval=0.1, what="a worker to hold a run"
+                )
+                workers[rng.choice(holders)].signal(signal.SIGKILL)
             await asyncio.sleep(0.01)
         infos = await engine.wait_idle([h.run_id for h in handles], timeout=240)
         stop.set()
