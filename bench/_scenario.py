@@ -847,7 +847,19 @@ def run_scenario(server: Server, cfg: ScenarioConfig) -> dict[str, Any]:
                 warming = (
                     phase == "warmup" and fold.started_total == 0 and now < end + WARMUP_WAIT_S
                 )
-                if now >= end and not warming:
+                # --quick (the smoke test's seconds): a phase also lasts until it did what it
+                # is there for, on a loaded machine too: a pickup in it, and two kills in
+                # worker-kill (a replacement worker can take seconds to start).
+                short = (
+                    cfg.quick
+                    and phase not in ("warmup", "drain")
+                    and now < end + WARMUP_WAIT_S
+                    and (
+                        not any(w.started for w in windows if w.phase == phase)
+                        or (phase == "worker-kill" and len(killed) < 2)
+                    )
+                )
+                if now >= end and not warming and not short:
                     window.t_end = now
                     break
                 if now >= window.t_start + cfg.window_s:
