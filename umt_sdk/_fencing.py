@@ -12,6 +12,7 @@ from attrs import frozen
 
 from umt_sdk import _check as check
 from umt_sdk import _probe, _serde
+from umt_sdk._abort import Stop
 from umt_sdk._context import current_execution
 from umt_sdk._execution import Execution
 from umt_sdk._names import check_type_argument, hints, unwrap_awaitable
@@ -89,6 +90,7 @@ async def with_attempt_token(
     aborts = execution.aborts
     try:
         _probe.reach(aborts, "op.begin", op_key)
+        _stop_if_crashed(execution)
         entry = await ledger.begin(op_key=op_key, lease=lease)
     except (FencingError, SimulatedCrash):
         execution.abort("lease_lost", "lease lost before a fenced operation")
@@ -111,11 +113,13 @@ async def with_attempt_token(
     result_json = _serde.encode(result, result_type, what=f"result of {op_key!r}")
 
     async def apply(tx: Any) -> None:
+        _stop_if_crashed(execution)
         if commit is not None:
             done = commit(tx, result)
             if inspect.isawaitable(done):
                 await done
         _probe.reach(aborts, "op.commit", op_key)
+        _stop_if_crashed(execution)  # last: the ledger applies the commit right after this
 
     try:
         _probe.reach(aborts, "op.acted", op_key)
@@ -128,6 +132,15 @@ async def with_attempt_token(
         _outage(execution, op_key, "commit", exc)
         raise
     return result
+
+
+def _stop_if_crashed(execution: Execution) -> None:
+    """A crashed execution (simulated, or stopped by an outage) writes nothing more, as a
+    killed process could not: its ledger begin and commit are not made (the commit's business
+    writes roll back). Only a crash: after a lost lease the ledger's fence decides, and a
+    commit that lands before the newer attempt begins is that attempt's recorded result."""
+    if execution.aborts.kind == "crash":
+        raise Stop
 
 
 def _outage(execution: Execution, op_key: str, where: str, exc: BackendUnavailableError) -> None:
