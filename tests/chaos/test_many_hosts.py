@@ -387,8 +387,8 @@ async def test_three_hosts_under_partitions_latency_kills_and_freezes(
     client = asyncio.create_task(
         hosts_tasks.dl_app.client_daemon(url, schema, tmp_path / "incoming", engine, client_stop)
     )
-    seen: dict[str, str] = {}
     faults: list[Fault] = []
+    loading: asyncio.Task[None] | None = None
     try:
         async with relay:
             loading = asyncio.create_task(load.run(stop))
@@ -399,23 +399,88 @@ async def test_three_hosts_under_partitions_latency_kills_and_freezes(
             stop.set()
             await loading
             ended_load = await db_now(url)
-            await eventually(
-                lambda: all_ended(url, schema, len(load.plans), seen),
-                timeout=240,
-                what="every run to end",
-                interval=0.5,
-                on_timeout=lambda: f"{seen.get('state', '')}\n{describe(cluster)}",
-            )
+            await drained(cluster, url, schema, len(load.plans), {"the download client": client})
     finally:
         stop.set()
         client_stop.set()
-        await client
+        if loading is not None and not loading.done():  # a fault failed: the load is cut short
+            await stopped(loading, "the load")
+        await stopped(client, "the download client")
         await engine.close()
 
     report = await measure(url, schema, started, baseline_end, faults)
     print(report)
     (tmp_path / "report.txt").write_text(report)
     await check_outcomes(cluster, url, schema, load.plans, faults, started, ended_load)
+
+
+# Once the load and the faults are over, a run waits at most a lease (its holder is gone) and
+# a poll to be claimed again, and a step lasts at most the copy plus a few round trips; the
+# download client answers a submitted job within its loop's 0.1 s. So some step begins or some
+# run ends every LEASE + POLL + COPY_SECONDS (4.5 s) while runs are open; five times that with
+# nothing moving (a machine three times slower still moves within it) is a stuck run.
+STALLED_AFTER = 5 * (LEASE + POLL + hosts_tasks.COPY_SECONDS)
+# And all of it within what pytest-timeout leaves after the load (about 100 s), so a slow drain
+# fails here with the open runs named rather than with pytest-timeout's stack.
+DRAIN_AT_MOST = 360.0
+
+
+async def drained(
+    cluster: Cluster, url: str, schema: str, plans: int, helpers: dict[str, asyncio.Task[None]]
+) -> None:
+    """Until every run has ended. Fails at once when a helper the runs need ended (the download
+    client: a run waiting for its download would wait forever), when nothing moved (no run
+    ended, no step began) for `STALLED_AFTER` seconds, or after `DRAIN_AT_MOST`, saying which
+    runs are open."""
+    steps_log = cluster.spawner.workdir / hosts_tasks.STEPS_LOG
+    seen: dict[str, str] = {}
+    loop = asyncio.get_running_loop()
+    began = moved = loop.time()
+    last: tuple[str, int] | None = None
+
+    def state() -> str:
+        steps = steps_log.read_text().splitlines()[-20:] if steps_log.exists() else []
+        return (
+            f"{seen.get('state', '')}\nthe last steps begun:\n" + "\n".join(steps) + "\n"
+            f"{describe(cluster)}"
+        )
+
+    while True:
+        for what, helper in helpers.items():
+            if helper.done():
+                error = None if helper.cancelled() else helper.exception()
+                raise AssertionError(
+                    f"{what} ended ({error!r}) while runs were open; nothing ends them now\n"
+                    f"{state()}"
+                ) from error
+        if await all_ended(url, schema, plans, seen):
+            return
+        now = loop.time()
+        progress = (seen["progress"], steps_log.stat().st_size if steps_log.exists() else 0)
+        if progress != last:
+            last, moved = progress, now
+        if now - moved > STALLED_AFTER:
+            raise AssertionError(
+                f"nothing moved for {STALLED_AFTER:g} s (no run ended, no step began) with runs "
+                f"open: a run is stuck\n{state()}"
+            )
+        if now - began > DRAIN_AT_MOST:
+            raise AssertionError(
+                f"timed out after {DRAIN_AT_MOST:g} s waiting for every run to end (they "
+                f"kept moving)\n{state()}"
+            )
+        await asyncio.sleep(0.5)
+
+
+async def stopped(helper: asyncio.Task[None], what: str) -> None:
+    """Wait (boundedly) for a helper task told to stop; cancel it if it does not."""
+    done, _ = await asyncio.wait({helper}, timeout=30)
+    if not done:
+        helper.cancel()
+        await asyncio.wait({helper}, timeout=5)
+        raise AssertionError(f"{what} did not stop within 30 s of being told to")
+    if not helper.cancelled() and helper.exception() is not None:
+        raise AssertionError(f"{what} failed") from helper.exception()
 
 
 def describe(cluster: Cluster) -> str:
@@ -436,6 +501,7 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
         ),
     )
     row = rows[0]
+    seen["progress"] = f"{row['downloads']} {row['describes']} {row['open']}"
     open_runs = await fetch(
         url,
         q(
