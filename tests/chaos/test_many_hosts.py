@@ -416,9 +416,12 @@ async def test_three_hosts_under_partitions_latency_kills_and_freezes(
 
 # Once the load and the faults are over, a run waits at most a lease (its holder is gone) and
 # a poll to be claimed again, and a step lasts at most the copy plus a few round trips; the
-# download client answers a submitted job within its loop's 0.1 s. So some step begins or some
-# run ends every LEASE + POLL + COPY_SECONDS (4.5 s) while runs are open; five times that with
-# nothing moving (a machine three times slower still moves within it) is a stuck run.
+# download client answers a submitted job within its loop's 0.1 s. So some step begins, some
+# run ends or an outbox row is dispatched every LEASE + POLL + COPY_SECONDS (4.5 s) while work
+# is left, unless it waits for a time set in the database (a run's retry, an outbox row's
+# retry after a failed dispatch: that wait counts as moving); five times that with nothing
+# moving (a machine three times slower still moves within it) is a stall, which the failure
+# reports (what was open and undispatched then).
 STALLED_AFTER = 5 * (LEASE + POLL + hosts_tasks.COPY_SECONDS)
 # And all of it within what pytest-timeout leaves after the load (about 100 s), so a slow drain
 # fails here with the open runs named rather than with pytest-timeout's stack.
@@ -429,14 +432,15 @@ async def drained(
     cluster: Cluster, url: str, schema: str, plans: int, helpers: dict[str, asyncio.Task[None]]
 ) -> None:
     """Until every run has ended. Fails at once when a helper the runs need ended (the download
-    client: a run waiting for its download would wait forever), when nothing moved (no run
-    ended, no step began) for `STALLED_AFTER` seconds, or after `DRAIN_AT_MOST`, saying which
-    runs are open."""
+    client: a run waiting for its download would wait forever), or after `DRAIN_AT_MOST`,
+    saying which runs are open, and what stood still when nothing had moved for
+    `STALLED_AFTER` seconds."""
     steps_log = cluster.spawner.workdir / hosts_tasks.STEPS_LOG
     seen: dict[str, str] = {}
     loop = asyncio.get_running_loop()
     began = moved = loop.time()
     last: tuple[str, int] | None = None
+    stalls: list[str] = []
 
     def state() -> str:
         steps = steps_log.read_text().splitlines()[-20:] if steps_log.exists() else []
@@ -459,15 +463,21 @@ async def drained(
         progress = (seen["progress"], steps_log.stat().st_size if steps_log.exists() else 0)
         if progress != last:
             last, moved = progress, now
-        if now - moved > STALLED_AFTER:
-            raise AssertionError(
-                f"nothing moved for {STALLED_AFTER:g} s (no run ended, no step began) with runs "
-                f"open: a run is stuck\n{state()}"
+        moved = max(moved, now + float(seen["due_in"]))  # waiting for a due time is no stall
+        if now - moved > STALLED_AFTER and not stalls:
+            # Not failed yet (a relay quiet for longer than this was seen to end well), but
+            # what stood still is kept for the failure below, and printed.
+            stalls.append(
+                f"nothing moved for {STALLED_AFTER:g} s (no run ended, no step began, no outbox "
+                f"row dispatched, nothing due later), {now - began:.0f} s into the drain:\n"
+                f"{seen['state']}"
             )
+            print(stalls[0])
         if now - began > DRAIN_AT_MOST:
             raise AssertionError(
-                f"timed out after {DRAIN_AT_MOST:g} s waiting for every run to end (they "
-                f"kept moving)\n{state()}"
+                f"timed out after {DRAIN_AT_MOST:g} s waiting for every run to end\n"
+                + "".join(f"{stall}\n" for stall in stalls)
+                + f"now:\n{state()}"
             )
         await asyncio.sleep(0.5)
 
@@ -501,7 +511,33 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
         ),
     )
     row = rows[0]
-    seen["progress"] = f"{row['downloads']} {row['describes']} {row['open']}"
+    # What is due later, not stuck: an outbox row waiting for its retry (the relay backs off
+    # after a failed dispatch), a run waiting for its retry's time.
+    app_schema = hosts_tasks.dl_app.app_schema(schema)
+    later = await fetch(
+        url,
+        q(
+            "SELECT GREATEST("
+            " (SELECT max(next_attempt_at) FROM {app}.outbox_event WHERE status = 'pending'),"
+            " (SELECT max(available_at) FROM {schema}.runs WHERE status = 'pending'"
+            "  AND task_name <> 'hosts.tick')) - now() AS due_in,"
+            " (SELECT count(*) FROM {app}.outbox_event WHERE status = 'pending') AS outbox",
+            schema,
+            app=app_schema,
+        ),
+    )
+    due_in = later[0]["due_in"]
+    seen["due_in"] = str(max(due_in.total_seconds(), 0.0) if due_in is not None else 0.0)
+    seen["progress"] = f"{row['downloads']} {row['describes']} {row['open']} {later[0]['outbox']}"
+    outbox = await fetch(
+        url,
+        q(
+            "SELECT id, type, attempts, next_attempt_at, last_error FROM {app}.outbox_event"
+            " WHERE status <> 'dispatched' ORDER BY id LIMIT 10",
+            schema,
+            app=app_schema,
+        ),
+    )
     open_runs = await fetch(
         url,
         q(
@@ -514,7 +550,10 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
     )
     seen["state"] = (
         f"{plans} plans; {row['downloads']} download runs, {row['describes']} describe runs,"
-        f" {row['open']} open:\n" + "\n".join(str(dict(r)) for r in open_runs)
+        f" {row['open']} open:\n"
+        + "\n".join(str(dict(r)) for r in open_runs)
+        + f"\n{later[0]['outbox']} outbox rows not dispatched:\n"
+        + "\n".join(str(dict(r)) for r in outbox)
     )
     return bool(row["downloads"] == plans and row["describes"] == plans and row["open"] == 0)
 
