@@ -548,12 +548,35 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
             schema,
         ),
     )
+    # The plans whose runs are missing: the download run, the asset it records, the event
+    # that starts the describe run, and that run (or its tombstone), each where it is.
+    missing = await fetch(
+        url,
+        q(
+            "SELECT p.id AS plan, p.status, p.run_id, a.id AS asset,"
+            " (SELECT r.status FROM {schema}.runs r WHERE r.id = p.run_id) AS download,"
+            " (SELECT array_agg(o.id || ' ' || o.status || ' ' || o.attempts) FROM"
+            "  {app}.outbox_event o WHERE o.payload->>'asset_id' = a.id) AS events,"
+            " (SELECT array_agg(r.status) FROM {schema}.runs r"
+            "  WHERE r.task_name = 'describe_asset' AND r.input->>'asset_id' = a.id) AS describe,"
+            " (SELECT array_agg(t.status) FROM {schema}.pruned_runs t"
+            "  WHERE t.task_name <> 'hosts.tick' AND t.created_at >= p.created_at) AS pruned"
+            " FROM {app}.plans p LEFT JOIN {app}.assets a ON a.plan_id = p.id"
+            " WHERE p.run_id IS NULL OR a.id IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.runs r"
+            "  WHERE r.task_name = 'describe_asset' AND r.input->>'asset_id' = a.id)"
+            " ORDER BY p.created_at LIMIT 10",
+            schema,
+            app=app_schema,
+        ),
+    )
     seen["state"] = (
         f"{plans} plans; {row['downloads']} download runs, {row['describes']} describe runs,"
         f" {row['open']} open:\n"
         + "\n".join(str(dict(r)) for r in open_runs)
         + f"\n{later[0]['outbox']} outbox rows not dispatched:\n"
         + "\n".join(str(dict(r)) for r in outbox)
+        + "\nplans without their runs (or asset, or event):\n"
+        + "\n".join(str(dict(r)) for r in missing)
     )
     return bool(row["downloads"] == plans and row["describes"] == plans and row["open"] == 0)
 
