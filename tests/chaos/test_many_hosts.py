@@ -477,7 +477,8 @@ async def drained(
             raise AssertionError(
                 f"timed out after {DRAIN_AT_MOST:g} s waiting for every run to end\n"
                 + "".join(f"{stall}\n" for stall in stalls)
-                + f"now:\n{state()}"
+                + f"now (moving: {seen['progress']}, due in {seen['due_in']} s, last moved "
+                f"{now - moved:.0f} s ago):\n{state()}"
             )
         await asyncio.sleep(0.5)
 
