@@ -21,24 +21,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import uuid
-from datetime import timedelta
 from typing import Any
 
-import psycopg
-
-from bench._infra import Server, with_dbname
+from bench._claim_cost import LEASE, measure_claims, print_claim_figures, scratch_backend
+from bench._infra import Server
 from umt_backend_pg import PostgresBackend
-from umt_backend_pg._sql import queries, render
-from umt_sdk.backend import Ending, Lease, NewRun
+from umt_sdk.backend import NewRun, TaskPair
 
 DB = "bench_concurrency_claim"
 TASK = "bench_keys"
 LIMIT = 16
-LEASE = timedelta(seconds=60)
 WORKER = "bench-keys"
-DONE = Ending(status="completed", outcome="completed", output_json="null")
 
 
 def _new_run(key: str | None, limit: int) -> NewRun:
@@ -76,86 +70,26 @@ async def _fill(backend: PostgresBackend, scenario: str) -> None:
         await backend.enqueue(new)
 
 
-def _pairs() -> list[Any]:
-    from umt_sdk.backend import TaskPair
-
+def _pairs() -> list[TaskPair]:
     return [TaskPair(name=TASK, version=1)]
 
 
-def _buffers(plan: dict[str, Any]) -> int:
-    top = plan["Plan"]
-    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
-
-
 async def _scenario(url: str, scenario: str, claims: int) -> dict[str, Any]:
-    schema = f"keys_{scenario}"
-    backend = await PostgresBackend.open(url, schema=schema, listen=False)
-    query = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + render(queries()["claim_runs"], schema)
-    params = {
-        "names": [TASK],
-        "versions": [1],
-        "limit": LIMIT,
-        "scan": LIMIT + max(LIMIT, 16),
-        "worker_id": WORKER,
-        "lease": LEASE,
-        "timers": False,
-        "timers_after": None,
-        "timers_margin": timedelta(seconds=5),
-    }
-    held = render(
-        "SELECT id, fencing_token FROM {schema}.runs"
-        " WHERE status = 'running' AND lease_owner = %(worker_id)s",
-        schema,
-    )
-    buffers: list[int] = []
-    taken: list[int] = []
-    try:
+    async with scratch_backend(url, f"keys_{scenario}") as backend:
         await _fill(backend, scenario)
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute(f"VACUUM ANALYZE {schema}.runs")  # a settled table, as in production
-            for _ in range(claims):
-                cur = await conn.execute(query, params)
-                row = await cur.fetchone()
-                assert row is not None
-                plan = row[0][0] if isinstance(row[0], list) else json.loads(row[0])[0]
-                buffers.append(_buffers(plan))
-                cur = await conn.execute(held, {"worker_id": WORKER})
-                rows = await cur.fetchall()
-                taken.append(len(rows))
-                for run_id, token in rows:
-                    lease = Lease(
-                        run_id=run_id, fencing_token=token, worker_id=WORKER, duration=LEASE
-                    )
-                    await backend.end_execution(lease, DONE)
-    finally:
-        await backend.close()
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-    return {
-        "buffers_per_claim_median": statistics.median(buffers),
-        "buffers_per_claim_min_max": [min(buffers), max(buffers)],
-        "runs_per_claim_median": statistics.median(taken),
-        "claims": claims,
-    }
+        return await measure_claims(
+            backend, url, pairs=_pairs(), claims=claims, limit=LIMIT, worker_id=WORKER
+        )
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     server = Server.start(args.database_url)
-    with server.connect() as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {DB}")
-        admin.execute(f"CREATE DATABASE {DB}")
-    url = with_dbname(server.admin_url, DB)
+    url = server.fresh_db(DB)
     out: dict[str, Any] = {}
     try:
         for scenario in args.scenarios.split(","):
-            out[scenario] = result = await _scenario(url, scenario, args.claims)
-            print(
-                f"{scenario:>18}: {result['buffers_per_claim_median']:>7} buffers per claim "
-                f"[{result['buffers_per_claim_min_max'][0]}-"
-                f"{result['buffers_per_claim_min_max'][1]}], "
-                f"{result['runs_per_claim_median']} runs per claim",
-                flush=True,
-            )
+            out[scenario] = await _scenario(url, scenario, args.claims)
+            print_claim_figures(scenario, out[scenario], width=18)
     finally:
         server.drop_db(DB)
     return out

@@ -23,8 +23,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from umt_backend_pg import migrate, start_embedded
+from bench._claim_cost import claim_params
+from umt_backend_pg import PostgresBackend, migrate, start_embedded
 from umt_backend_pg._sql import queries, render
+from umt_sdk.backend import NewRun, TaskPair
 
 
 def load_queries(schema: str) -> dict[str, Any]:
@@ -32,49 +34,40 @@ def load_queries(schema: str) -> dict[str, Any]:
     return {name: render(text, schema) for name, text in queries().items()}
 
 
-def _fill(url: str, schema: str, runs: int, deadline: bool) -> None:
-    queries = load_queries(schema)
-    with psycopg.connect(url, autocommit=True) as conn:
-        for i in range(runs):
-            conn.execute(
-                queries["insert_run"],
-                {
-                    "id": uuid.uuid4(),
-                    "task_name": "bench.deadline",
-                    "task_version": 1,
-                    "priority": 0,
-                    "delay": timedelta(seconds=-1 if i % 2 else 3600),
-                    "idempotency_key": None,
-                    "input_hash": "h",
-                    "trace_context": "{}",
-                    "input": "{}",
-                    "channel": "none",
-                    "pair": "bench.deadline@1",
-                    "parent_run_id": None,
-                    "parent_fact": None,
-                    "cancel_with_parent": False,
-                    "deadline_at": None,
-                    "timeout": timedelta(hours=2) if deadline else None,
-                    "start_within": timedelta(hours=3) if deadline else None,
-                    "notify": False,
-                },
+async def _fill(url: str, schema: str, runs: int, deadline: bool) -> None:
+    # Through the backend's own enqueue: its insert's parameters follow the schema's columns.
+    backend = await PostgresBackend.open(url, schema=schema, run_migrations=False, listen=False)
+    try:
+        batch = [
+            NewRun(
+                run_id=uuid.uuid4(),
+                task_name="bench.deadline",
+                task_version=1,
+                input_json="{}",
+                input_hash="h",
+                delay=timedelta(seconds=-1 if i % 2 else 3600),
+                timeout=timedelta(hours=2) if deadline else None,
+                start_within=timedelta(hours=3) if deadline else None,
             )
+            for i in range(runs)
+        ]
+        for start in range(0, runs, 1000):
+            await backend.enqueue_many(batch[start : start + 1000])
+    finally:
+        await backend.close()
+    with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("VACUUM ANALYZE {}.runs").format(sql.Identifier(schema)))
 
 
 def _claim_buffers(url: str, schema: str, limit: int) -> float:
     query = load_queries(schema)["claim_runs"]
-    params: dict[str, Any] = {
-        "names": ["bench.deadline"],
-        "versions": [1],
-        "limit": limit,
-        "scan": limit + max(limit, 16),
-        "worker_id": "bench",
-        "lease": timedelta(seconds=10),
-        "timers": True,
-        "timers_after": None,
-        "timers_margin": timedelta(seconds=5),
-    }
+    params = claim_params(
+        [TaskPair(name="bench.deadline", version=1)],
+        limit=limit,
+        worker_id="bench",
+        lease=timedelta(seconds=10),
+        timers=True,
+    )
     with psycopg.connect(url, cursor_factory=psycopg.ClientCursor) as conn:
         try:
             cur = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) " + query, params)
@@ -99,7 +92,7 @@ def main() -> None:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
         asyncio.run(migrate(url, schema=schema))
-        _fill(url, schema, args.runs, deadline)
+        asyncio.run(_fill(url, schema, args.runs, deadline))
         figures = [_claim_buffers(url, schema, args.limit) for _ in range(args.repeat)]
         label = "with deadlines   " if deadline else "without deadlines"
         print(

@@ -32,27 +32,23 @@ import argparse
 import asyncio
 import contextlib
 import json
-import statistics
 import time
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import psycopg
 from attrs import frozen
 
-from bench._infra import Server, machine_info, summary, with_dbname
+from bench._claim_cost import measure_claims, print_claim_figures, scratch_backend
+from bench._infra import Server, machine_info, summary
 from umt_backend_pg import PostgresBackend
-from umt_backend_pg._sql import queries, render
 from umt_sdk import Registry, TaskContext, connect, task
-from umt_sdk.backend import Ending, Lease, NewRun
+from umt_sdk.backend import NewRun, TaskPair
 
 DB = "bench_fairness_claim"
 TASK = "bench_fair"
 LIMIT = 16
-LEASE = timedelta(seconds=60)
 WORKER = "bench-fair"
-DONE = Ending(status="completed", outcome="completed", output_json="null")
 FAIR_SLOTS = 2_147_483_647
 BATCH = 1000
 
@@ -102,34 +98,8 @@ async def _store(backend: PostgresBackend, runs: list[NewRun]) -> None:
         await backend.enqueue_many(runs[start : start + BATCH])
 
 
-def _buffers(plan: dict[str, Any]) -> int:
-    top = plan["Plan"]
-    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
-
-
 async def _claim_cost(url: str, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
-    schema = f"fair_{scenario}"
-    backend = await PostgresBackend.open(url, schema=schema, listen=False)
-    query = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + render(queries()["claim_runs"], schema)
-    params = {
-        "names": [TASK],
-        "versions": [1],
-        "limit": LIMIT,
-        "scan": LIMIT + max(LIMIT, 16),
-        "worker_id": WORKER,
-        "lease": LEASE,
-        "timers": False,
-        "timers_after": None,
-        "timers_margin": timedelta(seconds=5),
-    }
-    held = render(
-        "SELECT id, fencing_token FROM {schema}.runs"
-        " WHERE status = 'running' AND lease_owner = %(worker_id)s",
-        schema,
-    )
-    buffers: list[int] = []
-    taken: list[int] = []
-    try:
+    async with scratch_backend(url, f"fair_{scenario}") as backend:
         if scenario == "unkeyed":
             await _store(backend, [_new(None) for _ in range(2 * args.keys)])
         elif scenario == "unkeyed_backlog":
@@ -140,33 +110,15 @@ async def _claim_cost(url: str, scenario: str, args: argparse.Namespace) -> dict
             await _store(backend, [_new("bulk") for _ in range(args.backlog)])
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute(f"VACUUM ANALYZE {schema}.runs")
-            await conn.execute(f"VACUUM ANALYZE {schema}.concurrency_keys")
-            for _ in range(args.claims):
-                cur = await conn.execute(query, params)
-                row = await cur.fetchone()
-                assert row is not None
-                plan = row[0][0] if isinstance(row[0], list) else json.loads(row[0])[0]
-                buffers.append(_buffers(plan))
-                cur = await conn.execute(held, {"worker_id": WORKER})
-                rows = await cur.fetchall()
-                taken.append(len(rows))
-                for run_id, token in rows:
-                    lease = Lease(
-                        run_id=run_id, fencing_token=token, worker_id=WORKER, duration=LEASE
-                    )
-                    await backend.end_execution(lease, DONE)
-    finally:
-        await backend.close()
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-    return {
-        "buffers_per_claim_median": statistics.median(buffers),
-        "buffers_per_claim_min_max": [min(buffers), max(buffers)],
-        "runs_per_claim_median": statistics.median(taken),
-        "claims": args.claims,
-    }
+        return await measure_claims(
+            backend,
+            url,
+            pairs=[TaskPair(name=TASK, version=1)],
+            claims=args.claims,
+            limit=LIMIT,
+            worker_id=WORKER,
+            analyze=("runs", "concurrency_keys"),
+        )
 
 
 async def _pickup(url: str, *, fair: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -214,21 +166,12 @@ async def _pickup(url: str, *, fair: bool, args: argparse.Namespace) -> dict[str
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     server = Server.start(args.database_url)
-    with server.connect() as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {DB}")
-        admin.execute(f"CREATE DATABASE {DB}")
-    url = with_dbname(server.admin_url, DB)
+    url = server.fresh_db(DB)
     out: dict[str, Any] = {"machine": machine_info(), "keys": args.keys, "backlog": args.backlog}
     try:
         for scenario in ("unkeyed", "fair_keys", "unkeyed_backlog", "fair_backlog"):
-            out[scenario] = result = await _claim_cost(url, scenario, args)
-            print(
-                f"{scenario:>15}: {result['buffers_per_claim_median']:>7} buffers per claim "
-                f"[{result['buffers_per_claim_min_max'][0]}-"
-                f"{result['buffers_per_claim_min_max'][1]}], "
-                f"{result['runs_per_claim_median']} runs per claim",
-                flush=True,
-            )
+            out[scenario] = await _claim_cost(url, scenario, args)
+            print_claim_figures(scenario, out[scenario], width=15)
         for fair in (True, False):
             name = "pickup_fair" if fair else "pickup_in_enqueue_order"
             out[name] = result = await _pickup(url, fair=fair, args=args)

@@ -34,6 +34,18 @@ def _queries(schema: str) -> dict[str, str]:
     return {name: render(text, schema) for name, text in blocks("events.sql").items()}
 
 
+def _stored_event(row: tuple[Any, ...]) -> StoredEvent:
+    """An event as `events_to_start` and `list_events` select it."""
+    return StoredEvent(
+        event_id=row[0],
+        name=row[1],
+        key=row[2],
+        payload_json=row[3],
+        published_at=row[4],
+        trace_context=json.loads(row[5]),
+    )
+
+
 class PostgresEvents:
     """Mixed into `PostgresBackend`: it provides the pool, the schema and the batch enqueue
     on a given connection."""
@@ -45,6 +57,14 @@ class PostgresEvents:
 
     def _event_queries(self) -> dict[str, str]:
         return _queries(self.schema)
+
+    async def _event_rows(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """The rows of the events.sql block `query`, on a connection of the pool."""
+        with wrap_exceptions():
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(self._event_queries()[query], params)
+                rows: list[tuple[Any, ...]] = await cur.fetchall()
+                return rows
 
     async def publish_event(
         self, event: NewEvent, runs: Sequence[NewRun], *, conn: Any = None
@@ -92,24 +112,11 @@ class PostgresEvents:
     async def events_to_start(
         self, *, name: str, task_name: str, since: datetime, limit: int
     ) -> Sequence[StoredEvent]:
-        with wrap_exceptions():
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(
-                    self._event_queries()["events_to_start"],
-                    {"name": name, "task_name": task_name, "since": since, "limit": limit},
-                )
-                rows = await cur.fetchall()
-        return [
-            StoredEvent(
-                event_id=row[0],
-                name=row[1],
-                key=row[2],
-                payload_json=row[3],
-                published_at=row[4],
-                trace_context=json.loads(row[5]),
-            )
-            for row in rows
-        ]
+        rows = await self._event_rows(
+            "events_to_start",
+            {"name": name, "task_name": task_name, "since": since, "limit": limit},
+        )
+        return [_stored_event(row) for row in rows]
 
     async def refuse_event(
         self, *, event_id: UUID, task_name: str, task_version: int, reason: str
@@ -127,10 +134,7 @@ class PostgresEvents:
                 )
 
     async def event_refusals(self, *, limit: int) -> Sequence[EventRefusal]:
-        with wrap_exceptions():
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(self._event_queries()["event_refusals"], {"limit": limit})
-                rows = await cur.fetchall()
+        rows = await self._event_rows("event_refusals", {"limit": limit})
         return [
             EventRefusal(
                 event_id=row[0],
@@ -145,43 +149,21 @@ class PostgresEvents:
         ]
 
     async def expire_events(self, *, before: datetime, limit: int) -> int:
-        with wrap_exceptions():
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(
-                    self._event_queries()["expire_events"], {"before": before, "limit": limit}
-                )
-                return len(await cur.fetchall())
+        return len(await self._event_rows("expire_events", {"before": before, "limit": limit}))
 
     async def list_events(
         self, *, name: str | None, before: UUID | None, limit: int
     ) -> Sequence[StoredEvent]:
-        with wrap_exceptions():
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(
-                    self._event_queries()["list_events"],
-                    {"name": name, "before": before, "limit": limit},
-                )
-                rows = await cur.fetchall()
-        return [
-            StoredEvent(
-                event_id=row[0],
-                name=row[1],
-                key=row[2],
-                payload_json=row[3],
-                published_at=row[4],
-                trace_context=json.loads(row[5]),
-            )
-            for row in rows
-        ]
+        rows = await self._event_rows(
+            "list_events", {"name": name, "before": before, "limit": limit}
+        )
+        return [_stored_event(row) for row in rows]
 
     async def event_runs(self, *, event_ids: Sequence[UUID]) -> Sequence[EventRun]:
         if not event_ids:
             return []
         keys = [f"umt.event:{event_id}" for event_id in event_ids]
-        with wrap_exceptions():
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(self._event_queries()["event_runs"], {"keys": keys})
-                rows = await cur.fetchall()
+        rows = await self._event_rows("event_runs", {"keys": keys})
         return [
             EventRun(
                 event_id=UUID(row[0].removeprefix("umt.event:")),

@@ -175,39 +175,40 @@ def check_handlers(
 ) -> tuple[Mapping[str, UpdateDefinition[Any, Any]], Mapping[str, QueryDefinition[Any, Any]]]:
     """The `@task`'s update and query handlers by name; `TaskDefinitionError` for anything
     that is not one, for a name given twice, and for updates on a plain handler."""
-    by_update: dict[str, UpdateDefinition[Any, Any]] = {}
-    for entry in updates or ():
-        if not isinstance(entry, UpdateDefinition):
-            raise TaskDefinitionError(
-                f"task {task_name!r}: updates= takes functions decorated with @update(name), "
-                f"got {shown(entry)}",
-                argument="updates",
-            )
-        if entry.name in by_update:
-            raise TaskDefinitionError(
-                f"task {task_name!r}: two updates are named {entry.name!r}", argument="updates"
-            )
-        by_update[entry.name] = entry
+    by_update = _by_name(task_name, updates, UpdateDefinition, "update")
     if by_update and not is_async:
         raise TaskDefinitionError(
             f"task {task_name!r}: updates need an async handler (TaskContext), where "
             "ctx.step.wait_for_update applies them",
             argument="updates",
         )
-    by_query: dict[str, QueryDefinition[Any, Any]] = {}
-    for entry in queries or ():
-        if not isinstance(entry, QueryDefinition):
-            raise TaskDefinitionError(
-                f"task {task_name!r}: queries= takes functions decorated with @query(name), "
-                f"got {shown(entry)}",
-                argument="queries",
-            )
-        if entry.name in by_query:
-            raise TaskDefinitionError(
-                f"task {task_name!r}: two queries are named {entry.name!r}", argument="queries"
-            )
-        by_query[entry.name] = entry
+    by_query = _by_name(task_name, queries, QueryDefinition, "query")
     return by_update, by_query
+
+
+_Handler = TypeVar("_Handler", UpdateDefinition[Any, Any], QueryDefinition[Any, Any])
+
+
+def _by_name(
+    task_name: str, entries: Iterable[object] | None, kind: type[_Handler], decorator: str
+) -> dict[str, _Handler]:
+    """The handlers of the `@task`'s `updates=` or `queries=` (`decorator`: `update` or
+    `query`) by name; `TaskDefinitionError` for anything else and for a name given twice."""
+    argument = "updates" if decorator == "update" else "queries"
+    by_name: dict[str, _Handler] = {}
+    for entry in entries or ():
+        if not isinstance(entry, kind):
+            raise TaskDefinitionError(
+                f"task {task_name!r}: {argument}= takes functions decorated with "
+                f"@{decorator}(name), got {shown(entry)}",
+                argument=argument,
+            )
+        if entry.name in by_name:
+            raise TaskDefinitionError(
+                f"task {task_name!r}: two {argument} are named {entry.name!r}", argument=argument
+            )
+        by_name[entry.name] = entry
+    return by_name
 
 
 def known(names: Iterable[str]) -> str:

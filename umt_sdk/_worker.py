@@ -570,7 +570,9 @@ class Worker:
                 except Exception as exc:
                     if self._stopping:
                         return
-                    delay = max(delay, outage.backoff())
+                    # The backoff the log announces, not a whole interval (an hour, say)
+                    # with the runs left undeleted; after a success, the interval again.
+                    delay = min(delay, outage.backoff())
                     outage.failed(exc, delay)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):

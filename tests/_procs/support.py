@@ -284,3 +284,16 @@ async def finished(engine: Engine, run_id: UUID, *, timeout: float = 60.0) -> Ru
     """The run once it has ended (`engine.wait_idle`)."""
     info: RunInfo = (await engine.wait_idle([run_id], timeout=timeout))[0]
     return info
+
+
+async def killed_itself(process: Process, marker: Path, *, timeout: float = 60.0) -> None:
+    """Wait until `process` is gone, and check that it was its own kill point
+    (`tests._procs.kill`): SIGKILLed, after its `DYING` line, with the point's `marker` file
+    written."""
+    deadline = time.monotonic() + timeout
+    while process.alive:
+        assert time.monotonic() < deadline, process.describe()
+        await asyncio.sleep(0.05)
+    assert process.popen.returncode == -signal.SIGKILL, process.describe()
+    assert process.events("DYING"), process.describe()
+    assert marker.exists(), process.describe()  # noqa: ASYNC240  # one stat of a local file

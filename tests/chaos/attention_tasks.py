@@ -13,15 +13,14 @@ too, to enqueue; there the watch is never installed.
 from __future__ import annotations
 
 import os
-import signal
 from datetime import timedelta
 from typing import Any
 
 import attrs
 
-from tests._procs.worker import config, say, write_first
+from tests._procs.kill import kill_once_at
+from tests._procs.worker import config, say
 from umt_sdk import RetryPolicy, TaskContext, TaskDefinition, task
-from umt_sdk._probe import _OBSERVER, Point
 
 KILLED = "killed-after-the-uncertain-failure"
 CALLS = "calls.log"
@@ -57,20 +56,5 @@ async def charge(ctx: TaskContext[str]) -> str:
 TASKS: list[TaskDefinition[Any, Any]] = [charge]
 
 
-def _kill_once_after_the_uncertain_failure(point: Point) -> bool:
-    if point.kind == "park" and point.name == "charge":
-        marker = config().workdir / KILLED
-        if not marker.exists():
-            write_first(marker, str(os.getpid()))
-            say("DYING", point.name, os.getpid())
-            os.kill(os.getpid(), signal.SIGKILL)
-    return False
-
-
-def install() -> None:
-    """Watch this process's executions (the worker process calls it at import)."""
-    _OBSERVER.set(_kill_once_after_the_uncertain_failure)
-
-
 if os.environ.get("UMT_TEST_KILL_AFTER_UNCERTAIN") == "1":
-    install()
+    kill_once_at("park", "charge", marker=KILLED)

@@ -11,14 +11,13 @@ imports it too, to enqueue; there the watch is never installed.
 from __future__ import annotations
 
 import os
-import signal
 from typing import Any
 
 import attrs
 
-from tests._procs.worker import config, say, write_first
+from tests._procs.kill import kill_once_at
+from tests._procs.worker import say
 from umt_sdk import TaskContext, TaskDefinition, task
-from umt_sdk._probe import _OBSERVER, Point
 
 KILLED = "killed-after-start"
 
@@ -44,20 +43,5 @@ async def parent(ctx: TaskContext[Family]) -> str:
 TASKS: list[TaskDefinition[Any, Any]] = [leaf, parent]
 
 
-def _kill_once_after_start(point: Point) -> bool:
-    if point.kind == "step.returned" and point.name == "start":
-        marker = config().workdir / KILLED
-        if not marker.exists():
-            write_first(marker, str(os.getpid()))
-            say("DYING", "start", os.getpid())
-            os.kill(os.getpid(), signal.SIGKILL)
-    return False
-
-
-def install() -> None:
-    """Watch this process's executions (the worker process calls it at import)."""
-    _OBSERVER.set(_kill_once_after_start)
-
-
 if os.environ.get("UMT_TEST_KILL_AFTER_START") == "1":
-    install()
+    kill_once_at("step.returned", "start", marker=KILLED)

@@ -11,13 +11,12 @@ test process imports it too, to publish; there the wrap is never installed.
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from tests._procs.worker import config, say, write_first
+from tests._procs.kill import die, first_time
 from umt_sdk import TaskContext, TaskDefinition, task
 from umt_sdk._events import EventStarter
 from umt_sdk.backend import EnqueueResult, NewRun
@@ -58,11 +57,8 @@ def install(after: int) -> None:
         results = await store(self, news)
         if news:
             writes[0] += 1
-        marker = config().workdir / KILLED
-        if writes[0] >= after and not marker.exists():
-            write_first(marker, str(os.getpid()))
-            say("DYING", writes[0], sum(1 for r in results if r.created))
-            os.kill(os.getpid(), signal.SIGKILL)
+        if writes[0] >= after and first_time(KILLED):
+            die(writes[0], sum(1 for r in results if r.created))
         return results
 
     EventStarter._store = store_then_die  # type: ignore[method-assign]  # the test's kill point

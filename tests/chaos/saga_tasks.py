@@ -12,14 +12,13 @@ The test process imports it too, to enqueue; there the watch is never installed.
 from __future__ import annotations
 
 import os
-import signal
 from typing import Any
 
 import attrs
 
-from tests._procs.worker import config, say, write_first
+from tests._procs.kill import kill_once_at
+from tests._procs.worker import config, say
 from umt_sdk import Compensate, RetryPolicy, TaskContext, TaskDefinition, task
-from umt_sdk._probe import _OBSERVER, Point
 
 KILLED = "killed-while-compensating"
 UNDONE = "undone.log"
@@ -52,20 +51,5 @@ async def trip(ctx: TaskContext[Trip]) -> str:
 TASKS: list[TaskDefinition[Any, Any]] = [trip]
 
 
-def _kill_once_while_compensating(point: Point) -> bool:
-    if point.kind == "step.before" and point.name == "umt.compensate:book-1":
-        marker = config().workdir / KILLED
-        if not marker.exists():
-            write_first(marker, str(os.getpid()))
-            say("DYING", point.name, os.getpid())
-            os.kill(os.getpid(), signal.SIGKILL)
-    return False
-
-
-def install() -> None:
-    """Watch this process's executions (the worker process calls it at import)."""
-    _OBSERVER.set(_kill_once_while_compensating)
-
-
 if os.environ.get("UMT_TEST_KILL_WHILE_COMPENSATING") == "1":
-    install()
+    kill_once_at("step.before", "umt.compensate:book-1", marker=KILLED)

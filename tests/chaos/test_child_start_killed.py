@@ -4,13 +4,11 @@ the child by its idempotency key (the parent run and the step's name)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import pytest
 
-from tests._procs.support import Spawner
+from tests._procs.support import Spawner, killed_itself
 from tests.chaos.child_tasks import KILLED, TASKS, Family, parent
 from umt_sdk import Registry, connect
 
@@ -25,13 +23,7 @@ async def test_a_parent_killed_after_starting_its_child_starts_it_once(
         try:
             handle = await engine.enqueue(parent, Family("k1"))
             first = spawner.start(group="w0", lease=1.0)
-            deadline = time.monotonic() + 60
-            while first.alive:
-                assert time.monotonic() < deadline, first.describe()
-                await asyncio.sleep(0.05)
-            assert first.popen.returncode == -9, first.describe()
-            assert first.events("DYING"), first.describe()
-            assert (spawner.workdir / KILLED).exists()
+            await killed_itself(first, spawner.workdir / KILLED)
             # It died after the child was stored and before the parent's step was recorded.
             children = (await engine.list(parent=handle.run_id)).runs
             assert len(children) == 1

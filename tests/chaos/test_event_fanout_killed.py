@@ -5,14 +5,12 @@ since each run's idempotency key is the event's."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests._procs.support import Spawner, eventually
+from tests._procs.support import Spawner, eventually, killed_itself
 from tests.chaos.event_tasks import EVENT, KILLED, TASKS, Placed
 from umt_sdk import Engine, Registry, RunInfo, connect
 
@@ -34,13 +32,7 @@ async def test_a_worker_killed_while_fanning_out_starts_each_subscriber_once(
             ]
             assert all(p.created and p.runs == () for p in published)
             first = spawner.start(group="w0", lease=1.0)
-            deadline = time.monotonic() + 120
-            while first.alive:
-                assert time.monotonic() < deadline, first.describe()
-                await asyncio.sleep(0.05)
-            assert first.popen.returncode == -9, first.describe()
-            assert first.events("DYING"), first.describe()
-            assert (spawner.workdir / KILLED).exists()
+            await killed_itself(first, spawner.workdir / KILLED, timeout=120)
             started = {t.name: len(await _keys(reader, t.name)) for t in TASKS}
             # Subscribers in name order, 200 events a write: it died after its third write.
             assert started == {

@@ -4,13 +4,11 @@ the run ends `compensated`. Each compensation's outside effect happens exactly o
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import pytest
 
-from tests._procs.support import Spawner
+from tests._procs.support import Spawner, killed_itself
 from tests.chaos.saga_tasks import KILLED, STEPS, TASKS, UNDONE, Trip, trip
 from umt_sdk import Registry, RunCompensatedError, connect
 
@@ -25,13 +23,7 @@ async def test_a_saga_killed_while_compensating_undoes_each_step_once(
         try:
             handle = await engine.enqueue(trip, Trip("t1"))
             first = spawner.start(group="w0", lease=1.0)
-            deadline = time.monotonic() + 60
-            while first.alive:
-                assert time.monotonic() < deadline, first.describe()
-                await asyncio.sleep(0.05)
-            assert first.popen.returncode == -9, first.describe()
-            assert first.events("DYING"), first.describe()
-            assert (spawner.workdir / KILLED).exists()
+            await killed_itself(first, spawner.workdir / KILLED)
             undone = spawner.workdir / UNDONE
             # It died after undoing book-3 and book-2 (both recorded), before book-1.
             assert [line.split()[0] for line in undone.read_text().splitlines()] == [

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 from datetime import timedelta
 from typing import Any
 
 from psycopg import sql
 
-from tests._procs.worker import config, say, write_first
+from tests._procs.kill import die, first_time
+from tests._procs.worker import config
 from umt_sdk import RetryPolicy, TaskContext, TaskDefinition, task
 from umt_sdk._probe import _OBSERVER, Point
 
@@ -41,14 +41,9 @@ def ddl(schema: str) -> sql.Composed:
     ).format(sql.Identifier(schema), sql.Identifier(ENTRIES))
 
 
-def _die(point: str) -> None:
-    say("DYING", point, os.getpid())
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _maybe_die(point: str) -> None:
     if _KILL_P and random.random() < _KILL_P:
-        _die(point)
+        die(point, os.getpid())
 
 
 async def post(tx: Any, key: str, step: int, token: int) -> int:
@@ -58,10 +53,8 @@ async def post(tx: Any, key: str, step: int, token: int) -> int:
         ),
         (key, step, token, os.getpid()),
     )
-    if _KILL_P:
-        marker = config().workdir / FIRST_KILL
-        if not marker.exists() and write_first(marker, str(os.getpid())) == str(os.getpid()):
-            _die("first")
+    if _KILL_P and first_time(FIRST_KILL):
+        die("first", os.getpid())
     _maybe_die("inserted")
     return 1
 

@@ -11,14 +11,13 @@ imports it too, to enqueue and update; there the watch is never installed.
 from __future__ import annotations
 
 import os
-import signal
 from typing import Any
 
 import attrs
 
-from tests._procs.worker import append_line, config, say, write_first
+from tests._procs.kill import kill_once_at
+from tests._procs.worker import append_line, config, say
 from umt_sdk import TaskContext, TaskDefinition, query, task, update
-from umt_sdk._probe import _OBSERVER, Point
 
 KILLED = "killed-before-update-record"
 RESERVED = "reserved.log"
@@ -63,20 +62,5 @@ async def order(ctx: TaskContext[Order]) -> str:
 TASKS: list[TaskDefinition[Any, Any]] = [order]
 
 
-def _kill_once_before_the_record(point: Point) -> bool:
-    if point.kind == "step.returned" and point.name == "umt.update-result:1":
-        marker = config().workdir / KILLED
-        if not marker.exists():
-            write_first(marker, str(os.getpid()))
-            say("DYING", point.name, os.getpid())
-            os.kill(os.getpid(), signal.SIGKILL)
-    return False
-
-
-def install() -> None:
-    """Watch this process's executions (the worker process calls it at import)."""
-    _OBSERVER.set(_kill_once_before_the_record)
-
-
 if os.environ.get("UMT_TEST_KILL_UPDATE") == "1":
-    install()
+    kill_once_at("step.returned", "umt.update-result:1", marker=KILLED)

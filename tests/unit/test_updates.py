@@ -71,8 +71,12 @@ def test_declarations_are_checked_when_decorated() -> None:
     with pytest.raises(TaskDefinitionError, match="updates= takes") as caught:
         task("unit.wrong", updates=[total_of])(counter.fn)  # type: ignore[list-item]  # under test
     assert caught.value.argument == "updates"
-    with pytest.raises(TaskDefinitionError, match="queries= takes"):
+    with pytest.raises(TaskDefinitionError, match=r"queries= takes .* @query\(name\)") as caught:
         task("unit.wrong", queries=[bump])(counter.fn)  # type: ignore[list-item]  # under test
+    assert caught.value.argument == "queries"
+    with pytest.raises(TaskDefinitionError, match="two queries are named 'total'") as caught:
+        task("unit.twice", queries=[total_of, total_of])(counter.fn)
+    assert caught.value.argument == "queries"
 
     def sync_handler(ctx: SyncTaskContext[int]) -> int:
         return 1
