@@ -431,8 +431,9 @@ DRAIN_AT_MOST = 360.0
 async def drained(
     cluster: Cluster, url: str, schema: str, plans: int, helpers: dict[str, asyncio.Task[None]]
 ) -> None:
-    """Until every run has ended. Fails at once when a helper the runs need ended (the download
-    client: a run waiting for its download would wait forever), or after `DRAIN_AT_MOST`,
+    """Until every run has ended. Fails at once when a run ended failed or canceled (the
+    counts can then never come right; each must complete), or a helper the runs need ended (the
+    download client: a run waiting for its download would wait forever), or after `DRAIN_AT_MOST`,
     saying which runs are open, and what stood still when nothing had moved for
     `STALLED_AFTER` seconds."""
     steps_log = cluster.spawner.workdir / hosts_tasks.STEPS_LOG
@@ -459,6 +460,11 @@ async def drained(
                 ) from error
         if await all_ended(url, schema, plans, seen):
             return
+        if seen["ended_badly"]:
+            raise AssertionError(
+                f"runs ended without completing (each must complete):\n{seen['ended_badly']}\n"
+                f"{state()}"
+            )
         now = loop.time()
         progress = (seen["progress"], steps_log.stat().st_size if steps_log.exists() else 0)
         if progress != last:
@@ -570,6 +576,17 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
             app=app_schema,
         ),
     )
+    # A run that ended failed or canceled never lets the count come right: said at once.
+    ended_badly = await fetch(
+        url,
+        q(
+            "SELECT r.id, r.task_name, r.status, r.attempts, r.error FROM {schema}.runs r"
+            " WHERE r.status IN ('failed', 'canceled') AND r.task_name <> 'hosts.tick'"
+            " ORDER BY r.id LIMIT 10",
+            schema,
+        ),
+    )
+    seen["ended_badly"] = "\n".join(str(dict(r)) for r in ended_badly)
     seen["state"] = (
         f"{plans} plans; {row['downloads']} download runs, {row['describes']} describe runs,"
         f" {row['open']} open:\n"
