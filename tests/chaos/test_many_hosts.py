@@ -580,7 +580,7 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
     ended_badly = await fetch(
         url,
         q(
-            "SELECT r.id, r.task_name, r.status, r.attempts, r.error FROM {schema}.runs r"
+            "SELECT r.id, r.task_name, r.status, r.error FROM {schema}.runs r"
             " WHERE r.status IN ('failed', 'canceled') AND r.task_name <> 'hosts.tick'"
             " ORDER BY r.id LIMIT 10",
             schema,
