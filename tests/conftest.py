@@ -14,6 +14,7 @@ pytest_plugins = [
     "tests.fixtures.pgbouncer",
     "tests.fixtures.dashboard",
     "tests.browser.fixtures",
+    "tests.fixtures.watchdog",
 ]
 
 settings.register_profile("dev", max_examples=30, deadline=None)

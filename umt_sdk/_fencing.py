@@ -90,7 +90,7 @@ async def with_attempt_token(
     aborts = execution.aborts
     try:
         _probe.reach(aborts, "op.begin", op_key)
-        _refuse_if_stopped(execution)
+        _stop_if_crashed(execution)
         entry = await ledger.begin(op_key=op_key, lease=lease)
     except (FencingError, SimulatedCrash):
         execution.abort("lease_lost", "lease lost before a fenced operation")
@@ -113,15 +113,16 @@ async def with_attempt_token(
     result_json = _serde.encode(result, result_type, what=f"result of {op_key!r}")
 
     async def apply(tx: Any) -> None:
+        _stop_if_crashed(execution)
         if commit is not None:
             done = commit(tx, result)
             if inspect.isawaitable(done):
                 await done
         _probe.reach(aborts, "op.commit", op_key)
+        _stop_if_crashed(execution)  # last: the ledger applies the commit right after this
 
     try:
         _probe.reach(aborts, "op.acted", op_key)
-        _refuse_if_stopped(execution)
         await ledger.finish(op_key=op_key, lease=lease, result_json=result_json, commit=apply)
         _probe.reach(aborts, "op.committed", op_key)
     except (FencingError, SimulatedCrash):
@@ -133,12 +134,12 @@ async def with_attempt_token(
     return result
 
 
-def _refuse_if_stopped(execution: Execution) -> None:
-    """A stopped execution (a crash, a lost lease) writes nothing more, its ledger rows
-    included: the backend's fence refuses a stale token only once a newer attempt began, so a
-    crashed attempt whose `fn` still returned (an async body that went on before its cancel
-    reached it) would otherwise commit its result while its lease has not yet lapsed."""
-    if execution.stopped:
+def _stop_if_crashed(execution: Execution) -> None:
+    """A crashed execution (simulated, or stopped by an outage) writes nothing more, as a
+    killed process could not: its ledger begin and commit are not made (the commit's business
+    writes roll back). Only a crash: after a lost lease the ledger's fence decides, and a
+    commit that lands before the newer attempt begins is that attempt's recorded result."""
+    if execution.aborts.kind == "crash":
         raise Stop
 
 

@@ -120,7 +120,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`python -m build` of the tracked files: the sdist, and the wheel built from it."""
     src = tmp_path_factory.mktemp("src")
     tracked = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60
     ).stdout.split(b"\0")
     for name in filter(None, tracked):
         path = REPO / name.decode()
@@ -256,7 +256,12 @@ def _enqueue_and_serve(bin_: Path, home: Path, url: str) -> None:
         assert "completed" in shown, f"{enqueued}\n{shown}"
     finally:
         worker.send_signal(signal.SIGTERM)
-        _, err = worker.communicate(timeout=30)
+        try:
+            _, err = worker.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()  # never left running past the test
+            _, err = worker.communicate(timeout=10)
+            raise AssertionError(f"umt worker ignored SIGTERM for 30 s:\n{err}") from None
     assert worker.returncode == 0, err
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -40,6 +41,9 @@ FLAGS = (
     "--disable-dev-shm-usage",
     "--window-size=1400,1000",
 )
+DRIVER_TIMEOUT = 120
+"""Seconds Selenium waits for one answer of chromedriver (a new session: the browser's first
+start on a fresh machine) before it fails the test."""
 
 
 @attrs.frozen(kw_only=True)
@@ -119,9 +123,19 @@ def start(found: Found) -> Iterator[Any]:
         options.add_argument(flag)
     # Every console line and uncaught error, read back by console_entries().
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(found.driver)), options=options)
+    # Selenium waits for chromedriver's answers without a limit by default (its client takes
+    # the socket default, None): a browser that hangs on a fresh machine would hang the test.
+    # Every command, the new session included, now fails after DRIVER_TIMEOUT instead.
+    before = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DRIVER_TIMEOUT)
+    try:
+        driver = webdriver.Chrome(service=Service(str(found.driver)), options=options)
+    finally:
+        socket.setdefaulttimeout(before)
+    driver.command_executor.client_config.timeout = DRIVER_TIMEOUT
     try:
         driver.set_page_load_timeout(60)
+        driver.set_script_timeout(30)
         yield driver
     finally:
         driver.quit()

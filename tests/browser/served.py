@@ -28,8 +28,12 @@ class ServedDashboard:
         self._started = threading.Event()
         self._failed: BaseException | None = None
         self._server: Any = None
+        # A daemon: should it ever outlive `stop()`, it must not hold the test process open.
         self._thread = threading.Thread(
-            target=self._run, args=(db_url, schema, registry, options), name="dashboard"
+            target=self._run,
+            args=(db_url, schema, registry, options),
+            name="dashboard",
+            daemon=True,
         )
 
     def start(self) -> None:
@@ -59,6 +63,8 @@ class ServedDashboard:
                 port=self.port,
                 log_level="warning",
                 lifespan="off",
+                # The browser may still hold a request open when the test stops the server.
+                timeout_graceful_shutdown=5,
             )
             self._server = uvicorn.Server(config)
             serving = asyncio.create_task(self._server.serve())
@@ -74,6 +80,8 @@ class ServedDashboard:
             self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(30)
+            if self._thread.is_alive():
+                raise AssertionError("the dashboard's server did not stop within 30 s")
 
 
 @contextlib.contextmanager

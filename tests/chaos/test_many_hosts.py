@@ -387,8 +387,8 @@ async def test_three_hosts_under_partitions_latency_kills_and_freezes(
     client = asyncio.create_task(
         hosts_tasks.dl_app.client_daemon(url, schema, tmp_path / "incoming", engine, client_stop)
     )
-    seen: dict[str, str] = {}
     faults: list[Fault] = []
+    loading: asyncio.Task[None] | None = None
     try:
         async with relay:
             loading = asyncio.create_task(load.run(stop))
@@ -399,23 +399,105 @@ async def test_three_hosts_under_partitions_latency_kills_and_freezes(
             stop.set()
             await loading
             ended_load = await db_now(url)
-            await eventually(
-                lambda: all_ended(url, schema, len(load.plans), seen),
-                timeout=240,
-                what="every run to end",
-                interval=0.5,
-                on_timeout=lambda: f"{seen.get('state', '')}\n{describe(cluster)}",
-            )
+            await drained(cluster, url, schema, len(load.plans), {"the download client": client})
     finally:
         stop.set()
         client_stop.set()
-        await client
+        if loading is not None and not loading.done():  # a fault failed: the load is cut short
+            await stopped(loading, "the load")
+        await stopped(client, "the download client")
         await engine.close()
 
     report = await measure(url, schema, started, baseline_end, faults)
     print(report)
     (tmp_path / "report.txt").write_text(report)
     await check_outcomes(cluster, url, schema, load.plans, faults, started, ended_load)
+
+
+# Once the load and the faults are over, a run waits at most a lease (its holder is gone) and
+# a poll to be claimed again, and a step lasts at most the copy plus a few round trips; the
+# download client answers a submitted job within its loop's 0.1 s. So some step begins, some
+# run ends or an outbox row is dispatched every LEASE + POLL + COPY_SECONDS (4.5 s) while work
+# is left, unless it waits for a time set in the database (a run's retry, an outbox row's
+# retry after a failed dispatch: that wait counts as moving); five times that with nothing
+# moving (a machine three times slower still moves within it) is a stall, which the failure
+# reports (what was open and undispatched then).
+STALLED_AFTER = 5 * (LEASE + POLL + hosts_tasks.COPY_SECONDS)
+# And all of it within what pytest-timeout leaves after the load (about 100 s), so a slow drain
+# fails here with the open runs named rather than with pytest-timeout's stack.
+DRAIN_AT_MOST = 360.0
+
+
+async def drained(
+    cluster: Cluster, url: str, schema: str, plans: int, helpers: dict[str, asyncio.Task[None]]
+) -> None:
+    """Until every run has ended. Fails at once when a run ended failed or canceled (the
+    counts can then never come right; each must complete), or a helper the runs need ended (the
+    download client: a run waiting for its download would wait forever), or after `DRAIN_AT_MOST`,
+    saying which runs are open, and what stood still when nothing had moved for
+    `STALLED_AFTER` seconds."""
+    steps_log = cluster.spawner.workdir / hosts_tasks.STEPS_LOG
+    seen: dict[str, str] = {}
+    loop = asyncio.get_running_loop()
+    began = moved = loop.time()
+    last: tuple[str, int] | None = None
+    stalls: list[str] = []
+
+    def state() -> str:
+        steps = steps_log.read_text().splitlines()[-20:] if steps_log.exists() else []
+        return (
+            f"{seen.get('state', '')}\nthe last steps begun:\n" + "\n".join(steps) + "\n"
+            f"{describe(cluster)}"
+        )
+
+    while True:
+        for what, helper in helpers.items():
+            if helper.done():
+                error = None if helper.cancelled() else helper.exception()
+                raise AssertionError(
+                    f"{what} ended ({error!r}) while runs were open; nothing ends them now\n"
+                    f"{state()}"
+                ) from error
+        if await all_ended(url, schema, plans, seen):
+            return
+        if seen["ended_badly"]:
+            raise AssertionError(
+                f"runs ended without completing (each must complete):\n{seen['ended_badly']}\n"
+                f"{state()}"
+            )
+        now = loop.time()
+        progress = (seen["progress"], steps_log.stat().st_size if steps_log.exists() else 0)
+        if progress != last:
+            last, moved = progress, now
+        moved = max(moved, now + float(seen["due_in"]))  # waiting for a due time is no stall
+        if now - moved > STALLED_AFTER and not stalls:
+            # Not failed yet (a relay quiet for longer than this was seen to end well), but
+            # what stood still is kept for the failure below, and printed.
+            stalls.append(
+                f"nothing moved for {STALLED_AFTER:g} s (no run ended, no step began, no outbox "
+                f"row dispatched, nothing due later), {now - began:.0f} s into the drain:\n"
+                f"{seen['state']}"
+            )
+            print(stalls[0])
+        if now - began > DRAIN_AT_MOST:
+            raise AssertionError(
+                f"timed out after {DRAIN_AT_MOST:g} s waiting for every run to end\n"
+                + "".join(f"{stall}\n" for stall in stalls)
+                + f"now (moving: {seen['progress']}, due in {seen['due_in']} s, last moved "
+                f"{now - moved:.0f} s ago):\n{state()}"
+            )
+        await asyncio.sleep(0.5)
+
+
+async def stopped(helper: asyncio.Task[None], what: str) -> None:
+    """Wait (boundedly) for a helper task told to stop; cancel it if it does not."""
+    done, _ = await asyncio.wait({helper}, timeout=30)
+    if not done:
+        helper.cancel()
+        await asyncio.wait({helper}, timeout=5)
+        raise AssertionError(f"{what} did not stop within 30 s of being told to")
+    if not helper.cancelled() and helper.exception() is not None:
+        raise AssertionError(f"{what} failed") from helper.exception()
 
 
 def describe(cluster: Cluster) -> str:
@@ -436,6 +518,33 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
         ),
     )
     row = rows[0]
+    # What is due later, not stuck: an outbox row waiting for its retry (the relay backs off
+    # after a failed dispatch), a run waiting for its retry's time.
+    app_schema = hosts_tasks.dl_app.app_schema(schema)
+    later = await fetch(
+        url,
+        q(
+            "SELECT GREATEST("
+            " (SELECT max(next_attempt_at) FROM {app}.outbox_event WHERE status = 'pending'),"
+            " (SELECT max(available_at) FROM {schema}.runs WHERE status = 'pending'"
+            "  AND task_name <> 'hosts.tick')) - now() AS due_in,"
+            " (SELECT count(*) FROM {app}.outbox_event WHERE status = 'pending') AS outbox",
+            schema,
+            app=app_schema,
+        ),
+    )
+    due_in = later[0]["due_in"]
+    seen["due_in"] = str(max(due_in.total_seconds(), 0.0) if due_in is not None else 0.0)
+    seen["progress"] = f"{row['downloads']} {row['describes']} {row['open']} {later[0]['outbox']}"
+    outbox = await fetch(
+        url,
+        q(
+            "SELECT id, type, attempts, next_attempt_at, last_error FROM {app}.outbox_event"
+            " WHERE status <> 'dispatched' ORDER BY id LIMIT 10",
+            schema,
+            app=app_schema,
+        ),
+    )
     open_runs = await fetch(
         url,
         q(
@@ -446,9 +555,46 @@ async def all_ended(url: str, schema: str, plans: int, seen: dict[str, str]) -> 
             schema,
         ),
     )
+    # The plans whose runs are missing: the download run, the asset it records, the event
+    # that starts the describe run, and that run (or its tombstone), each where it is.
+    missing = await fetch(
+        url,
+        q(
+            "SELECT p.id AS plan, p.status, p.run_id, a.id AS asset,"
+            " (SELECT r.status FROM {schema}.runs r WHERE r.id = p.run_id) AS download,"
+            " (SELECT array_agg(o.id || ' ' || o.status || ' ' || o.attempts) FROM"
+            "  {app}.outbox_event o WHERE o.payload->>'asset_id' = a.id) AS events,"
+            " (SELECT array_agg(r.status) FROM {schema}.runs r"
+            "  WHERE r.task_name = 'describe_asset' AND r.input->>'asset_id' = a.id) AS describe,"
+            " (SELECT array_agg(t.status) FROM {schema}.pruned_runs t"
+            "  WHERE t.task_name <> 'hosts.tick' AND t.created_at >= p.created_at) AS pruned"
+            " FROM {app}.plans p LEFT JOIN {app}.assets a ON a.plan_id = p.id"
+            " WHERE p.run_id IS NULL OR a.id IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.runs r"
+            "  WHERE r.task_name = 'describe_asset' AND r.input->>'asset_id' = a.id)"
+            " ORDER BY p.created_at LIMIT 10",
+            schema,
+            app=app_schema,
+        ),
+    )
+    # A run that ended failed or canceled never lets the count come right: said at once.
+    ended_badly = await fetch(
+        url,
+        q(
+            "SELECT r.id, r.task_name, r.status, r.error FROM {schema}.runs r"
+            " WHERE r.status IN ('failed', 'canceled') AND r.task_name <> 'hosts.tick'"
+            " ORDER BY r.id LIMIT 10",
+            schema,
+        ),
+    )
+    seen["ended_badly"] = "\n".join(str(dict(r)) for r in ended_badly)
     seen["state"] = (
         f"{plans} plans; {row['downloads']} download runs, {row['describes']} describe runs,"
-        f" {row['open']} open:\n" + "\n".join(str(dict(r)) for r in open_runs)
+        f" {row['open']} open:\n"
+        + "\n".join(str(dict(r)) for r in open_runs)
+        + f"\n{later[0]['outbox']} outbox rows not dispatched:\n"
+        + "\n".join(str(dict(r)) for r in outbox)
+        + "\nplans without their runs (or asset, or event):\n"
+        + "\n".join(str(dict(r)) for r in missing)
     )
     return bool(row["downloads"] == plans and row["describes"] == plans and row["open"] == 0)
 

@@ -8,6 +8,7 @@ for all of them."""
 from __future__ import annotations
 
 import asyncio
+import select
 import signal
 import subprocess
 import sys
@@ -52,8 +53,16 @@ def _worker(url: str, schema: str, data: Path, name: str, logs: Path) -> subproc
             text=True,
         )  # fmt: skip
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("ready"), f"{name} did not start: {(logs / f'{name}.err').read_text()}"
+    # Bounded: a worker that never prints its line must fail the test, not block it.
+    readable, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if readable else ""
+    if not line.startswith("ready"):
+        proc.kill()
+        proc.wait(timeout=10)
+    assert line.startswith("ready"), (
+        f"{name} did not start within 60 s (it printed {line!r}, exit {proc.poll()}): "
+        f"{(logs / f'{name}.err').read_text()}"
+    )
     return proc
 
 
@@ -161,15 +170,15 @@ async def test_a_night_killed_mid_fan_out_starts_one_child_per_plan(
         assert info.attempts == 2, "the night's run was woken once, across the kill"
     finally:
         stop.set()
-        await daemon
+        await asyncio.wait_for(daemon, 30)  # it ends at its next turn (0.05 s)
         for proc in workers:
             if proc.poll() is None:
                 proc.terminate()
                 try:
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                    proc.kill()  # SIGKILL ends it even when stopped
+                    proc.wait(timeout=10)
             if proc.stdout is not None:
                 proc.stdout.close()
         await engine.close()

@@ -90,7 +90,7 @@ class SilentProxy:
         both = asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
         task = asyncio.ensure_future(both)
         self._tasks.add(task)
-        with contextlib.suppress(BaseException):
+        with contextlib.suppress(Exception, asyncio.CancelledError):  # not pytest's failures
             await task
 
 

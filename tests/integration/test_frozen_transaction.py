@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -97,8 +98,9 @@ def freeze_holding(
     )
     freezers.append(proc)
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "LOCKED", f"the freezer printed {line!r}"
+    readable, _, _ = select.select([proc.stdout], [], [], 60)  # bounded: it may never print
+    line = proc.stdout.readline() if readable else ""
+    assert line.strip() == "LOCKED", f"the freezer printed {line!r} (exit {proc.poll()})"
 
 
 async def row_locked(pg_url: str, schema: str, run_id: object) -> bool:

@@ -239,13 +239,18 @@ async def _crash_at(
     point: str,
     which: str = "plain",
     before_resume: Callable[[], None] = lambda: None,
+    *,
+    open_at_once: bool = False,
 ) -> str:
+    """`open_at_once`: the killed call goes on before the crash's cancellation reaches it."""
     PAUSE_AT.add(point)
     handle = await engine.enqueue(travel, which)
     crashed = _worker(engine)
     await crashed.start()
     await asyncio.wait_for(GATE.reached.wait(), 5)
     simulate_crash(crashed)
+    if open_at_once:
+        GATE.opened.set()
     await crashed.stop()
     GATE.opened.set()  # the killed call goes on in the void; nothing it writes lands
     before_resume()
@@ -304,6 +309,19 @@ async def test_a_fenced_tool_killed_after_its_effect_does_it_once(
     backend = engine.backend
     assert isinstance(backend, MemoryBackend)
     assert list(backend.ledger_entries()) == ["book:hotel-paris"]
+
+
+async def test_a_fenced_tool_call_that_goes_on_after_its_crash_commits_nothing(
+    engine: Engine, clock: FakeClock
+) -> None:
+    # The call is let go before the crash's cancellation reaches it: it returns and reaches
+    # the ledger's commit, which a crashed attempt may not make (a killed process could not),
+    # so the resumed attempt is told an earlier one began, and does not book twice.
+    output = await _crash_at(engine, clock, "tool:book", which="fenced", open_at_once=True)
+    assert output.startswith("booked: ")
+    assert CALLS["tool:book"] == 2, "the resumed attempt calls the tool: nothing was committed"
+    assert CALLS["tool:book:resumed"] == 1
+    assert Counter({"hotel-paris": 1}) == BOOKINGS
 
 
 async def test_a_zombie_attempt_of_a_fenced_tool_neither_books_nor_commits_again(
